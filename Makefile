@@ -1,0 +1,40 @@
+# transformers_lab: common tasks. `make help` lists them.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BENCH_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: help install test test-fast lint format bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+install: $(VENV)/.installed  ## create .venv and install the package with its dev tools (idempotent)
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e '.[dev]'
+	touch $@
+
+test: install  ## run the whole test suite (what CI runs)
+	WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install  ## run the tests not marked slow
+	WANDB_MODE=offline $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install  ## ruff lint and format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install  ## apply ruff's fixes and formatting
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: install  ## benchmark the attention kernels (BENCH_ARGS="--n 1024 2048 ...")
+	$(PY) -m transformers_lab.bench.kernels $(BENCH_ARGS)
+
+clean:  ## remove caches and benchmark outputs (keeps .venv)
+	rm -rf .pytest_cache .ruff_cache bench_out build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,50 @@
+"""The Hydra configs of the kernels instantiate into kernel factories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from transformers_lab.attention import KERNELS, AttentionKernel
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def test_there_is_one_config_per_kernel():
+    assert sorted(p.stem for p in (CONF / "attention").glob("*.yaml")) == sorted(KERNELS)
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_kernel_config_instantiates_a_factory(name):
+    cfg = OmegaConf.load(CONF / "attention" / f"{name}.yaml")
+    assert cfg._partial_ is True
+    factory = instantiate(cfg)
+    kernel = factory(head_dim=8, num_heads=2)
+    assert isinstance(kernel, AttentionKernel) and isinstance(kernel, KERNELS[name])
+    q = torch.randn(1, 2, 5, 8)
+    assert kernel(q, q, q, causal=True).shape == (1, 2, 5, 8)
+
+
+def test_config_keys_match_the_kernel_signature():
+    """A stale option in a YAML file fails here, not in a user's run."""
+    import inspect
+
+    for name, cls in KERNELS.items():
+        cfg = OmegaConf.load(CONF / "attention" / f"{name}.yaml")
+        params = inspect.signature(cls).parameters
+        options = {k for k in cfg if not k.startswith("_")}
+        assert options <= set(params), f"{name}.yaml has options {options - set(params)}"
+
+
+def test_fastmax_options_override_from_the_command_line(tmp_path):
+    (tmp_path / "attention").symlink_to(CONF / "attention")
+    (tmp_path / "probe.yaml").write_text("defaults:\n  - attention: softmax\n  - _self_\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        cfg = compose("probe", overrides=["attention=fastmax", "attention.p=1"])
+    kernel = instantiate(cfg.attention)(head_dim=4, num_heads=2)
+    assert type(kernel).__name__ == "FastmaxAttention" and kernel.p == 1

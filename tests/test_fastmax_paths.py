@@ -1,0 +1,158 @@
+"""The four fastmax paths (quadratic, factorized, chunked causal, recurrent) agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformers_lab.attention import FastmaxAttention
+from transformers_lab.attention import fastmax as fm
+
+B, H, D, DV = 2, 3, 6, 5
+TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-10}, torch.float32: {"rtol": 1e-4, "atol": 1e-5}}
+
+
+def inputs(nq, nk, dtype, p, padded):
+    kernel = FastmaxAttention(head_dim=D, num_heads=H, p=p, scale=0.9 if p == 1 else 1.7)
+    q = torch.randn(B, H, nq, D, dtype=torch.float64)
+    k = torch.randn(B, H, nk, D, dtype=torch.float64)
+    v = torch.randn(B, H, nk, DV, dtype=torch.float64)
+    mask = None
+    if padded:
+        mask = torch.zeros(B, nk, dtype=torch.bool)
+        mask[0, :2] = True  # left padding in one row
+        mask[1, -3:] = True  # right padding in the other
+    qs, ks, v_aug = kernel.prepare(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+    return kernel, qs, ks, v_aug, mask
+
+
+def recurrent(qs, ks, v_aug, p, state=None):
+    """Run the recurrent step over every key, reading the output of the last Nq steps."""
+    nq, nk = qs.shape[2], ks.shape[2]
+    outs = []
+    for t in range(nk):
+        i = t - (nk - nq)  # the query aligned to key t, if any
+        q_t = qs[:, :, i : i + 1] if i >= 0 else torch.zeros_like(qs[:, :, :1])
+        out, state = fm.recurrent_step(q_t, ks[:, :, t : t + 1], v_aug[:, :, t : t + 1], p, state)
+        if i >= 0:
+            outs.append(out)
+    return torch.cat(outs, dim=2), state
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize(("nq", "nk"), [(23, 23), (5, 23), (23, 14)])
+@pytest.mark.parametrize("chunk", [4, 7, 64])
+@pytest.mark.parametrize("padded", [False, True])
+def test_causal_paths_agree(dtype, p, nq, nk, chunk, padded):
+    _, qs, ks, v_aug, _ = inputs(nq, nk, dtype, p, padded)
+    reference = fm.quadratic(qs, ks, v_aug, p, causal=True)
+    chunked, state = fm.chunked_causal(qs, ks, v_aug, p, chunk)
+    torch.testing.assert_close(chunked, reference, **TOL[dtype])
+    if nk >= nq:
+        stepped, rec_state = recurrent(qs, ks, v_aug, p)
+        torch.testing.assert_close(stepped, reference, **TOL[dtype])
+        torch.testing.assert_close(rec_state, state, **TOL[dtype])
+    # normalised outputs agree too
+    torch.testing.assert_close(
+        fm.normalise_output(chunked), fm.normalise_output(reference), **TOL[dtype]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize(("nq", "nk"), [(17, 17), (4, 17), (17, 6)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_noncausal_paths_agree(dtype, p, nq, nk, padded):
+    _, qs, ks, v_aug, _ = inputs(nq, nk, dtype, p, padded)
+    reference = fm.quadratic(qs, ks, v_aug, p, causal=False)
+    torch.testing.assert_close(fm.factorized(qs, ks, v_aug, p), reference, **TOL[dtype])
+    # the recurrent state after every key, queried once, is the non-causal answer
+    _, state = recurrent(ks, ks, v_aug, p)
+    torch.testing.assert_close(fm.feature_map(qs, p) @ state, reference, **TOL[dtype])
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_feature_map_factorises_the_polynomial(p):
+    a, b = torch.randn(10, D, dtype=torch.float64), torch.randn(12, D, dtype=torch.float64)
+    assert fm.feature_map(a, p).shape[-1] == fm.feature_dim(D, p)
+    assert fm.feature_dim(32, 2) == 1 + 32 + 32 * 33 // 2
+    torch.testing.assert_close(fm.feature_map(a, p) @ fm.feature_map(b, p).T, fm.poly(a @ b.T, p))
+
+
+def test_module_decode_prefill_then_steps_matches_forward():
+    kernel = FastmaxAttention(head_dim=D, num_heads=H, chunk_size=4)
+    q, k, v = (torch.randn(B, H, 19, n, dtype=torch.float64) for n in (D, D, DV))
+    full = kernel(q, k, v, causal=True)
+    out, state = kernel.decode(q[:, :, :10], k[:, :, :10], v[:, :, :10])
+    outs = [out]
+    for t in range(10, 19):
+        out, state = kernel.decode(
+            q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state
+        )
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-12)
+    # the state does not grow with the context
+    assert state.shape == (B, H, fm.feature_dim(D, 2), DV + 1)
+
+
+def test_decode_with_padding_matches_forward_with_padding():
+    kernel = FastmaxAttention(head_dim=D, num_heads=H)
+    q, k, v = (torch.randn(B, H, 8, n, dtype=torch.float64) for n in (D, D, DV))
+    mask = torch.zeros(B, 8, dtype=torch.bool)
+    mask[0, :3] = True
+    full = kernel(q, k, v, causal=True, key_padding_mask=mask)
+    state, outs = None, []
+    for t in range(8):
+        out, state = kernel.decode(
+            q[:, :, t : t + 1],
+            k[:, :, t : t + 1],
+            v[:, :, t : t + 1],
+            state,
+            key_padding_mask=mask[:, t : t + 1],
+        )
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_never_builds_the_prefix_sum_of_outer_products():
+    """The paper's causal path holds an N x F x Dv tensor. Ours holds at most the N x C
+    scores of the chunks, the N x F features, or one state per chunk."""
+    n, c = 256, 32
+    q, k = torch.randn(1, 1, n, D), torch.randn(1, 1, n, D)
+    v_aug = torch.randn(1, 1, n, DV + 1)
+    largest = 0
+
+    def pack(t):
+        nonlocal largest
+        largest = max(largest, t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fm.chunked_causal(q.requires_grad_(), k.requires_grad_(), v_aug.requires_grad_(), 2, c)
+    f = fm.feature_dim(D, 2)
+    assert largest < n * f * (DV + 1) / 4
+    assert largest <= max(n * c, n * f, n // c * f * (DV + 1))
+
+
+def test_float32_states_under_autocast():
+    kernel = FastmaxAttention(head_dim=D, num_heads=H)
+    q, k, v = (torch.randn(B, H, 12, n) for n in (D, D, DV))
+    expected = kernel(q, k, v, causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = kernel(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
+        _, state = kernel.decode(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert state.dtype == torch.float32
+    torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
+
+
+def test_normalisation_uses_each_token_alone():
+    """Scaling one key changes no other token's normalised key (no max over the sequence)."""
+    kernel = FastmaxAttention(head_dim=D, num_heads=H)
+    q, k, v = (torch.randn(B, H, 6, n, dtype=torch.float64) for n in (D, D, DV))
+    _, ks, _ = kernel.prepare(q, k, v, None)
+    k2 = k.clone()
+    k2[:, :, -1] *= 1000.0
+    _, ks2, _ = kernel.prepare(q, k2, v, None)
+    torch.testing.assert_close(ks2[:, :, :-1], ks[:, :, :-1], rtol=0, atol=0)

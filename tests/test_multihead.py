@@ -1,0 +1,117 @@
+"""Multi-head attention around the kernels."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from transformers_lab.attention import KERNELS, FastmaxAttention, SoftmaxAttention
+from transformers_lab.nn import MultiHeadAttention
+
+D_MODEL, HEADS = 16, 4
+
+
+def copy_from_torch(ours: MultiHeadAttention, ref: torch.nn.MultiheadAttention) -> None:
+    with torch.no_grad():
+        if ours.cross:
+            ours.q_proj.weight.copy_(ref.in_proj_weight[:D_MODEL])
+            ours.q_proj.bias.copy_(ref.in_proj_bias[:D_MODEL])
+            ours.kv_proj.weight.copy_(ref.in_proj_weight[D_MODEL:])
+            ours.kv_proj.bias.copy_(ref.in_proj_bias[D_MODEL:])
+        else:
+            ours.qkv_proj.weight.copy_(ref.in_proj_weight)
+            ours.qkv_proj.bias.copy_(ref.in_proj_bias)
+        ours.out_proj.weight.copy_(ref.out_proj.weight)
+        ours.out_proj.bias.copy_(ref.out_proj.bias)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_self_attention_matches_torch_multihead_attention(causal):
+    ref = torch.nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True).double().eval()
+    ours = MultiHeadAttention(D_MODEL, HEADS, "softmax").double().eval()
+    copy_from_torch(ours, ref)
+    x = torch.randn(2, 9, D_MODEL, dtype=torch.float64)
+    pad = torch.zeros(2, 9, dtype=torch.bool)
+    pad[1, 6:] = True
+    attn_mask = torch.ones(9, 9, dtype=torch.bool).triu(1) if causal else None
+    expected, expected_w = ref(
+        x, x, x, key_padding_mask=pad, attn_mask=attn_mask, average_attn_weights=False
+    )
+    torch.testing.assert_close(ours(x, causal=causal, key_padding_mask=pad), expected)
+    torch.testing.assert_close(
+        ours.attention_weights(x, causal=causal, key_padding_mask=pad), expected_w
+    )
+
+
+def test_cross_attention_matches_torch_multihead_attention():
+    ref = torch.nn.MultiheadAttention(D_MODEL, HEADS, batch_first=True).double().eval()
+    ours = MultiHeadAttention(D_MODEL, HEADS, "softmax", cross=True).double().eval()
+    copy_from_torch(ours, ref)
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
+    mem = torch.randn(2, 11, D_MODEL, dtype=torch.float64)
+    pad = torch.zeros(2, 11, dtype=torch.bool)
+    pad[0, 8:] = True
+    expected, _ = ref(x, mem, mem, key_padding_mask=pad)
+    torch.testing.assert_close(ours(x, mem, key_padding_mask=pad), expected)
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_every_kernel_runs_in_self_and_cross_attention(name):
+    layer = MultiHeadAttention(D_MODEL, HEADS, name)
+    cross = MultiHeadAttention(D_MODEL, HEADS, name, cross=True, context_dim=12)
+    x, mem = torch.randn(2, 7, D_MODEL), torch.randn(2, 3, 12)
+    out = layer(x, causal=True)
+    out.sum().backward()
+    assert out.shape == x.shape
+    assert cross(x, mem).shape == x.shape
+    assert layer.kernel.head_dim == D_MODEL // HEADS and layer.kernel.num_heads == HEADS
+
+
+def test_kernel_factory_from_a_partial():
+    layer = MultiHeadAttention(D_MODEL, HEADS, functools.partial(FastmaxAttention, p=1))
+    assert isinstance(layer.kernel, FastmaxAttention) and layer.kernel.p == 1
+
+
+def test_heads_run_as_one_batched_op():
+    """The kernel is called once per forward with all heads, not once per head."""
+    layer = MultiHeadAttention(D_MODEL, HEADS, "softmax")
+    calls = []
+    layer.kernel.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape))
+    layer(torch.randn(3, 5, D_MODEL))
+    assert calls == [torch.Size([3, HEADS, 5, D_MODEL // HEADS])]
+
+
+def test_decode_equals_full_causal_forward():
+    layer = MultiHeadAttention(D_MODEL, HEADS, "fastmax").double().eval()
+    x = torch.randn(2, 8, D_MODEL, dtype=torch.float64)
+    full = layer(x, causal=True)
+    out, state = layer.decode(x[:, :5])
+    outs = [out]
+    for t in range(5, 8):
+        out, state = layer.decode(x[:, t : t + 1], state)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=1), full)
+
+
+def test_bad_configuration_is_refused_with_both_numbers():
+    with pytest.raises(ValueError, match="d_model=30 must be divisible by num_heads=4"):
+        MultiHeadAttention(30, 4)
+    with pytest.raises(ValueError, match="unknown attention kernel 'nope'"):
+        MultiHeadAttention(D_MODEL, HEADS, "nope")
+    with pytest.raises(TypeError, match="expected an AttentionKernel"):
+        MultiHeadAttention(D_MODEL, HEADS, lambda **kw: torch.nn.Identity())
+    with pytest.raises(ValueError, match="cross=True"):
+        MultiHeadAttention(D_MODEL, HEADS, context_dim=8)
+
+
+def test_bad_inputs_are_refused():
+    layer = MultiHeadAttention(D_MODEL, HEADS, SoftmaxAttention)
+    with pytest.raises(ValueError, match=r"expected x of shape \(batch, tokens, d_model=16\)"):
+        layer(torch.randn(2, 5, 12))
+    with pytest.raises(ValueError, match="takes no context"):
+        layer(torch.randn(2, 5, D_MODEL), torch.randn(2, 5, D_MODEL))
+    cross = MultiHeadAttention(D_MODEL, HEADS, cross=True)
+    with pytest.raises(ValueError, match="needs a context"):
+        cross(torch.randn(2, 5, D_MODEL))

@@ -1,0 +1,1 @@
+"""transformers_lab: ablations over transformer attention kernels."""

@@ -1,0 +1,181 @@
+"""The attention-kernel contract shared by every kernel.
+
+A kernel maps per-head queries, keys and values to per-head outputs::
+
+    q (B, H, Nq, D), k (B, H, Nk, D), v (B, H, Nk, Dv)  ->  out (B, H, Nq, Dv)
+
+- ``causal=True`` lets query ``i`` see key ``j`` only when ``j <= i + (Nk - Nq)``: the
+  queries are aligned to the *last* Nq keys, as in incremental decoding.
+- ``key_padding_mask`` is ``(B, Nk)`` bool, True where a key is padding. Padded keys never
+  change any output.
+- A query whose every key is masked outputs zeros, never NaN.
+
+``weights(q, k, ...)`` returns the explicit ``(B, H, Nq, Nk)`` attention matrix (rows sum
+to 1, or are all zero for a fully masked query), so that ``forward == weights @ v`` when
+dropout is off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def attention_mask(
+    nq: int,
+    nk: int,
+    *,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    device: torch.device,
+) -> Tensor | None:
+    """Boolean mask of the (query, key) pairs that may attend, True = allowed.
+
+    Returns ``None`` when nothing is masked, ``(Nq, Nk)`` for a causal mask alone, and
+    ``(B, 1, Nq, Nk)`` when a key padding mask is given.
+    """
+    allowed = None
+    if causal:
+        i = torch.arange(nq, device=device)[:, None]
+        j = torch.arange(nk, device=device)[None, :]
+        allowed = j <= i + (nk - nq)  # (Nq, Nk), queries aligned to the last Nq keys
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, Nk)
+        allowed = keep if allowed is None else allowed & keep
+    return allowed
+
+
+def masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:
+    """Softmax over the last dim that gives masked entries (and fully masked rows) zero."""
+    if allowed is None:
+        return scores.softmax(dim=-1)
+    # A finite fill keeps fully masked rows finite (uniform) before they are zeroed below.
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return scores.softmax(dim=-1).masked_fill(~allowed, 0.0)
+
+
+class AttentionKernel(nn.Module):
+    """Base class of the kernels. Subclasses implement ``forward`` and ``weights``.
+
+    Args:
+        head_dim: D, the query/key size of one head (kernels with parameters size them by it).
+        num_heads: H, the number of heads the kernel serves.
+        dropout: probability of dropping attention weights during training.
+    """
+
+    name: str = "kernel"
+
+    def __init__(self, head_dim: int, num_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if not (isinstance(head_dim, int) and head_dim > 0):
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        if not (isinstance(num_heads, int) and num_heads > 0):
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, num_heads={self.num_heads}, dropout={self.dropout}"
+
+    def forward(  # type: ignore[override]
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        raise NotImplementedError
+
+    def weights(
+        self,
+        q: Tensor,
+        k: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The explicit attention matrix (B, H, Nq, Nk), without dropout."""
+        raise NotImplementedError
+
+    def decode(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        state: Any = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Any]:
+        """Causal attention of T new tokens over everything seen so far.
+
+        ``q, k, v`` hold only the new tokens, ``(B, H, T, ·)``; ``key_padding_mask`` is
+        ``(B, T)`` for them. ``state`` is what the previous call returned (``None`` at the
+        start). This default keeps a KV cache; fastmax overrides it with its recurrent state.
+        """
+        if state is not None:
+            k_past, v_past, pad_past = state
+            if pad_past is not None or key_padding_mask is not None:
+                pad_past = _or_zeros(pad_past, k_past)
+                key_padding_mask = torch.cat([pad_past, _or_zeros(key_padding_mask, k)], dim=1)
+            k = torch.cat([k_past, k], dim=2)
+            v = torch.cat([v_past, v], dim=2)
+        out = self(q, k, v, causal=True, key_padding_mask=key_padding_mask)
+        return out, (k, v, key_padding_mask)
+
+    def check_inputs(
+        self, q: Tensor, k: Tensor, v: Tensor | None, key_padding_mask: Tensor | None
+    ) -> None:
+        """Raise a ValueError that names the offending shapes when inputs break the contract."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t is not None and t.dim() != 4:
+                raise ValueError(
+                    f"{self.name}: {name} must be 4-D (batch, heads, tokens, head_dim), "
+                    f"got shape {tuple(t.shape)}"
+                )
+        if q.shape[-1] != k.shape[-1]:
+            raise ValueError(
+                f"{self.name}: query head dim {q.shape[-1]} != key head dim {k.shape[-1]}; "
+                "q and k must share the last dimension"
+            )
+        if q.shape[-1] != self.head_dim or q.shape[1] != self.num_heads:
+            raise ValueError(
+                f"{self.name}: kernel was built for head_dim={self.head_dim}, "
+                f"num_heads={self.num_heads} but got q of shape {tuple(q.shape)} "
+                "(batch, heads, tokens, head_dim)"
+            )
+        if q.shape[:2] != k.shape[:2]:
+            raise ValueError(
+                f"{self.name}: q and k disagree on (batch, heads): "
+                f"{tuple(q.shape[:2])} vs {tuple(k.shape[:2])}"
+            )
+        if v is not None and (v.shape[:2] != k.shape[:2] or v.shape[2] != k.shape[2]):
+            raise ValueError(
+                f"{self.name}: v of shape {tuple(v.shape)} does not match k of shape "
+                f"{tuple(k.shape)} in (batch, heads, keys)"
+            )
+        if key_padding_mask is not None:
+            expected = (k.shape[0], k.shape[2])
+            if key_padding_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"{self.name}: key_padding_mask must be a bool tensor (True = padding), "
+                    f"got dtype {key_padding_mask.dtype}; convert it with `mask.bool()`"
+                )
+            if tuple(key_padding_mask.shape) != expected:
+                raise ValueError(
+                    f"{self.name}: key_padding_mask must have shape (batch, keys) = {expected}, "
+                    f"got {tuple(key_padding_mask.shape)}"
+                )
+
+
+def _or_zeros(mask: Tensor | None, k: Tensor) -> Tensor:
+    """The padding mask for the keys ``k``, all False when ``mask`` is None."""
+    if mask is not None:
+        return mask
+    return torch.zeros(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)

@@ -1,0 +1,139 @@
+"""Dot-product kernels: scaled softmax, unscaled dot (Luong) and cosine (Graves).
+
+All three are ``softmax(s · q'·k')`` for some transform of q and k, so they share one fast
+path, ``F.scaled_dot_product_attention`` (flash / memory-efficient backends where the
+device has them), and one readable path, ``weights``, that builds the matrix explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from transformers_lab.attention.base import AttentionKernel, attention_mask, masked_softmax
+
+
+class SoftmaxAttention(AttentionKernel):
+    """Scaled dot-product attention, ``softmax(q·k / sqrt(D)) v`` (Vaswani et al., 2017).
+
+    Args:
+        scale: multiplies q·k before the softmax; ``None`` means ``1/sqrt(head_dim)``.
+    """
+
+    name = "softmax"
+
+    def __init__(
+        self, head_dim: int, num_heads: int, dropout: float = 0.0, scale: float | None = None
+    ) -> None:
+        super().__init__(head_dim, num_heads, dropout)
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale:.4g}"
+
+    def prepare(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, float]:
+        """The (q', k', s) with scores ``s · q'·k'``; the identity transform here."""
+        return q, k, self.scale
+
+    def weights(
+        self,
+        q: Tensor,
+        k: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        self.check_inputs(q, k, None, key_padding_mask)
+        q, k, scale = self.prepare(q, k)
+        scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Nq, Nk)
+        allowed = attention_mask(
+            q.shape[2],
+            k.shape[2],
+            causal=causal,
+            key_padding_mask=key_padding_mask,
+            device=q.device,
+        )
+        return masked_softmax(scores, allowed)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        self.check_inputs(q, k, v, key_padding_mask)
+        q, k, scale = self.prepare(q, k)
+        dropout_p = self.dropout if self.training else 0.0
+        nq, nk = q.shape[2], k.shape[2]
+        if key_padding_mask is None and (not causal or nq == nk):
+            # SDPA's own causal mask is aligned top-left, which is right only when Nq == Nk.
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale
+            )
+        allowed = attention_mask(
+            nq, nk, causal=causal, key_padding_mask=key_padding_mask, device=q.device
+        )
+        # Rows with no visible key would give NaN; let them see everything, then zero them.
+        has_key = allowed.any(dim=-1, keepdim=True)  # (·, ·, Nq, 1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed | ~has_key, dropout_p=dropout_p, scale=scale
+        )
+        return out.masked_fill(~has_key, 0.0)
+
+
+class DotAttention(SoftmaxAttention):
+    """Unscaled multiplicative attention, ``softmax(q·k) v`` (Luong et al., 2015)."""
+
+    name = "dot"
+
+    def __init__(self, head_dim: int, num_heads: int, dropout: float = 0.0) -> None:
+        super().__init__(head_dim, num_heads, dropout, scale=1.0)
+
+
+class CosineAttention(SoftmaxAttention):
+    """Cosine-similarity attention, ``softmax(tau_h · cos(q, k)) v``.
+
+    The per-head temperature ``tau_h`` is learned as ``log tau`` and clamped to at most
+    ``log(max_tau)`` (scaled cosine attention, Liu et al., Swin Transformer V2, 2022).
+    Defaults: ``tau`` starts at 10 and never exceeds 100.
+
+    Args:
+        init_tau: the initial temperature of every head.
+        max_tau: the largest temperature the clamp allows.
+        eps: guards the norm of an all-zero query or key.
+    """
+
+    name = "cosine"
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        init_tau: float = 10.0,
+        max_tau: float = 100.0,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__(head_dim, num_heads, dropout, scale=1.0)
+        if not 0.0 < init_tau <= max_tau:
+            raise ValueError(
+                f"cosine: need 0 < init_tau <= max_tau, got init_tau={init_tau}, max_tau={max_tau}"
+            )
+        self.max_log_tau = math.log(max_tau)
+        self.eps = eps
+        self.log_tau = nn.Parameter(torch.full((num_heads, 1, 1), math.log(init_tau)))
+
+    def tau(self) -> Tensor:
+        """The clamped per-head temperature, shape (H, 1, 1)."""
+        return self.log_tau.clamp(max=self.max_log_tau).exp()
+
+    def prepare(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, float]:
+        q = F.normalize(q, dim=-1, eps=self.eps) * self.tau().to(q.dtype)
+        k = F.normalize(k, dim=-1, eps=self.eps)
+        return q, k, 1.0

@@ -1,0 +1,140 @@
+"""Multi-head attention: the projections around an interchangeable attention kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from torch import Tensor, nn
+
+from transformers_lab.attention import AttentionKernel, kernel_class
+
+KernelFactory = Callable[..., AttentionKernel]
+
+
+def as_kernel_factory(kernel: KernelFactory | str) -> KernelFactory:
+    """A kernel factory from a factory or from a registered kernel name."""
+    return partial(kernel_class(kernel)) if isinstance(kernel, str) else kernel
+
+
+class MultiHeadAttention(nn.Module):
+    """Projects tokens to per-head q, k, v, runs the kernel on all heads at once, and
+    projects the heads back.
+
+    Self-attention uses one fused ``d_model -> 3 d_model`` projection. Cross-attention
+    (``cross=True``) projects queries from ``x`` and keys/values from ``context``.
+
+    Args:
+        d_model: token width; must divide by ``num_heads``.
+        num_heads: H.
+        kernel: ``factory(head_dim=..., num_heads=...)`` returning an ``AttentionKernel``
+            (Hydra's ``_partial_: true`` gives one), or a kernel name such as ``"fastmax"``.
+        cross: attend from ``x`` to a separate ``context``.
+        context_dim: width of ``context`` (cross-attention only); ``None`` means d_model.
+        bias: bias in the projections.
+        dropout: dropout on the output projection (the residual branch). Dropout on the
+            attention weights belongs to the kernel.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        kernel: KernelFactory | str = "softmax",
+        *,
+        cross: bool = False,
+        context_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if num_heads <= 0 or d_model % num_heads != 0:
+            raise ValueError(
+                f"d_model={d_model} must be divisible by num_heads={num_heads}; "
+                "choose num_heads among the divisors of d_model"
+            )
+        if context_dim is not None and not cross:
+            raise ValueError("context_dim is only used with cross=True (cross-attention)")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        self.cross = cross
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.kv_proj = nn.Linear(context_dim or d_model, 2 * d_model, bias=bias)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.kernel = as_kernel_factory(kernel)(head_dim=self.head_dim, num_heads=num_heads)
+        if not isinstance(self.kernel, AttentionKernel):
+            raise TypeError(
+                f"the kernel factory returned {type(self.kernel).__name__}, expected an "
+                "AttentionKernel; pass a kernel name or a partial of a kernel class"
+            )
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        """(B, N, d_model) -> (B, H, N, head_dim)."""
+        b, n, _ = x.shape
+        return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-head queries, keys and values, each (B, H, N, head_dim)."""
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"expected x of shape (batch, tokens, d_model={self.d_model}), got {tuple(x.shape)}"
+            )
+        if self.cross:
+            if context is None:
+                raise ValueError("cross-attention needs a context tensor (batch, tokens, dim)")
+            q = self.q_proj(x)
+            k, v = self.kv_proj(context).split(self.d_model, dim=-1)
+        else:
+            if context is not None:
+                raise ValueError(
+                    "a self-attention layer takes no context; build it with cross=True"
+                )
+            q, k, v = self.qkv_proj(x).split(self.d_model, dim=-1)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+
+    def merge_heads(self, out: Tensor) -> Tensor:
+        """(B, H, N, head_dim) -> output projection of (B, N, d_model)."""
+        b, _, n, _ = out.shape
+        out = out.transpose(1, 2).reshape(b, n, self.d_model)
+        return self.resid_dropout(self.out_proj(out))
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """x (B, Nq, d_model), context (B, Nk, context_dim) -> (B, Nq, d_model)."""
+        q, k, v = self.project(x, context)
+        out = self.kernel(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        return self.merge_heads(out)
+
+    def attention_weights(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The attention matrix of every head, (B, H, Nq, Nk), for inspection."""
+        q, k, _ = self.project(x, context)
+        return self.kernel.weights(q, k, causal=causal, key_padding_mask=key_padding_mask)
+
+    def decode(
+        self, x: Tensor, state: Any = None, *, key_padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, Any]:
+        """Causal self-attention of new tokens x (B, T, d_model) over the cached past."""
+        if self.cross:
+            raise ValueError("decode() is for self-attention; cross-attention keys are fixed")
+        q, k, v = self.project(x, None)
+        out, state = self.kernel.decode(q, k, v, state, key_padding_mask=key_padding_mask)
+        return self.merge_heads(out), state
