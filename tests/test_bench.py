@@ -1,0 +1,116 @@
+"""The kernel benchmark: a tiny end-to-end run, argument checks and the reports."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+from transformers_lab.bench import kernels as bench
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_end_to_end_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # One causal mode keeps this to five worker processes (each one imports torch).
+    argv = [
+        "--n", "64", "128", "--kernels", "softmax", "fastmax_p2", "additive",
+        "--repeats", "1", "--quadratic-max-n", "64", "--causal", "causal",
+        "--out", str(tmp_path),
+    ]
+    assert bench.main(argv) == 0
+
+    rows = read_csv(tmp_path / "kernels.csv")
+    assert list(rows[0]) == list(bench.COLUMNS)
+    by_key = {(r["variant"], r["n"]): r for r in rows}
+    expected = {(v, n) for v in ("softmax", "fastmax_p2", "additive") for n in ("64", "128")}
+    assert set(by_key) == expected and len(rows) == len(expected)
+    assert all(r["causal"] == "True" and r["device"] == "cpu" for r in rows)
+
+    skipped = by_key[("additive", "128")]
+    assert skipped["status"].startswith("skipped")
+    assert skipped["time_ms"] == "" and skipped["peak_mib"] == ""
+    for key, row in by_key.items():
+        if key == ("additive", "128"):
+            continue
+        assert row["status"] == "ok", row
+        assert float(row["time_ms"]) > 0
+        peak = float(row["peak_mib"])
+        assert math.isfinite(peak) and peak >= 0
+        assert row["mem_method"]
+
+    md = tmp_path / "kernels.md"
+    png = tmp_path / "kernels.png"
+    assert md.stat().st_size > 0 and png.stat().st_size > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "| fastmax_p2 | causal | 128 |" in out
+    assert "time ÷ softmax" in out
+    assert str(md) in out
+
+
+def test_unknown_variant_lists_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        bench.main(["--kernels", "softmax", "flashy"])
+    assert excinfo.value.code != 0
+    err = capsys.readouterr().err
+    assert "'flashy'" in err
+    for name in bench.VARIANTS:
+        assert name in err
+
+    with pytest.raises(ValueError, match="valid variants are: softmax, dot"):
+        bench.validate_variants(["nope"])
+
+
+def test_plan_and_skips() -> None:
+    args = bench.parse_args(["--n", "128", "64", "--kernels", "additive", "softmax"])
+    specs = bench.plan(args)
+    assert [(s.causal, s.variant, s.n) for s in specs[:4]] == [
+        (True, "additive", 64), (True, "additive", 128),
+        (True, "softmax", 64), (True, "softmax", 128),
+    ]
+    assert len(specs) == 8
+    big = bench.Spec("fastmax_p2_quadratic", causal=False, n=8192)
+    assert bench.skip_reason(big, 4096, {}) is not None
+    assert bench.skip_reason(bench.Spec("fastmax_p2", causal=False, n=8192), 4096, {}) is None
+    timed_out = {("fastmax_p2", False): 4096}
+    reason = bench.skip_reason(bench.Spec("fastmax_p2", causal=False, n=8192), 4096, timed_out)
+    assert reason is not None and "timed out" in reason
+
+
+def test_timeout_becomes_a_row() -> None:
+    spec = bench.Spec("softmax", causal=True, n=64, repeats=1)
+    row = bench.run_worker(spec, timeout=0.05)  # far less than importing torch takes
+    assert row["status"] == "timeout"
+    assert row["time_ms"] is None and row["peak_mib"] is None
+
+
+def test_measure_once_in_process() -> None:
+    row = bench.measure_once(bench.Spec("fastmax_p1", causal=False, n=32, repeats=1))
+    assert row["status"] == "ok" and row["time_ms"] > 0 and row["peak_mib"] >= 0
+
+
+def test_reports_cover_failures_and_both_modes(tmp_path: Path) -> None:
+    rows = []
+    for causal in (True, False):
+        for n, scale in ((256, 1.0), (512, 2.0)):
+            rows.append(bench.Spec("softmax", causal, n).row(
+                time_ms=1.0 * scale, peak_mib=2.0 * scale, mem_method="vmhwm"))
+            rows.append(bench.Spec("fastmax_p2", causal, n).row(
+                time_ms=3.0 * scale, peak_mib=1.0 * scale, mem_method="vmhwm"))
+        rows.append(bench.Spec("additive", causal, 256).row(status="timeout"))
+        rows.append(bench.Spec("additive", causal, 512).row(status="error: boom"))
+
+    paths = bench.write_reports(rows, tmp_path / "nested")
+    assert all(p.stat().st_size > 0 for p in paths.values())
+    md = paths["md"].read_text()
+    assert "## Ratios, causal" in md and "## Ratios, non-causal" in md
+    # fastmax_p2 at 512: 6 ms vs 2 ms for softmax, 2 MiB vs 4 MiB, and 2x its memory at 256.
+    assert "| 512 | fastmax_p2 | 3.00 | 0.50 | 2.00 |" in md
+    assert "| additive | noncausal | 512 | – | – | error: boom |" in md
+    assert len(read_csv(paths["csv"])) == len(rows)

@@ -1,0 +1,606 @@
+"""Forward+backward wall time and extra peak memory of every attention kernel against N.
+
+Usage::
+
+    python -m transformers_lab.bench.kernels --n 1024 2048 4096 --causal causal \\
+        --kernels softmax fastmax_p2 --out bench_out/kernels
+
+Every (variant, causal, N) is measured in a fresh worker process
+(``python -m transformers_lab.bench.kernels --worker '<json spec>'``), so a crash, an
+out-of-memory kill or a timeout costs one row, never the whole run. The worker:
+
+1. builds the kernel, and q, k, v ~ randn (B, H, N, D) with ``requires_grad``;
+2. runs one tiny fwd+bwd at N = 64 to load the libraries and start the thread pool;
+3. measures the extra peak memory of ONE fwd+bwd at the real N:
+
+   - cuda: ``max_memory_allocated`` minus ``memory_allocated`` before the pass;
+   - cpu: the process starts with ``MALLOC_MMAP_THRESHOLD_=65536``, so freed large buffers
+     go back to the OS and the resident set tracks the live tensors. The high-water mark
+     ``VmHWM`` is reset by writing ``5`` to ``/proc/self/clear_refs``; the extra peak is
+     ``VmHWM`` after the pass minus ``VmRSS`` before it. Where ``clear_refs`` does not work,
+     ``ru_maxrss`` (the peak over the whole process life) stands in, as ``mem_method`` says;
+
+4. on cpu, gives glibc back its usual habit of keeping freed memory for reuse (``mallopt``):
+   mapping and unmapping every large buffer, as the setting of step 3 makes it do, page-faults
+   fresh memory on every pass and slows allocation-heavy kernels by up to 2x;
+5. runs one warm-up fwd+bwd, then times ``--repeats`` more and reports the median.
+
+The loss is ``out.float().sum()``; the extra memory therefore includes the gradients of
+q, k and v (3 x B*H*N*D elements), the same for every variant.
+
+Outputs in ``--out``: ``kernels.csv``, ``kernels.md`` (the table and ratios to softmax) and
+``kernels.png`` (time and memory against N, log-log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import gc
+import json
+import math
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from transformers_lab.attention import AttentionKernel, build_kernel
+
+# variant name -> (registered kernel name, kernel options)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "softmax": ("softmax", {}),
+    "dot": ("dot", {}),
+    "cosine": ("cosine", {}),
+    "additive": ("additive", {}),
+    "fastmax_p1": ("fastmax", {"p": 1}),
+    "fastmax_p2": ("fastmax", {"p": 2}),
+    "fastmax_p2_quadratic": ("fastmax", {"p": 2, "impl": "quadratic"}),
+}
+# Variants that build an N x N matrix with extra width; skipped above --quadratic-max-n.
+QUADRATIC_VARIANTS = frozenset({"additive", "fastmax_p2_quadratic"})
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+COLUMNS = (
+    "variant", "causal", "n", "batch", "heads", "head_dim", "dtype", "device",
+    "time_ms", "peak_mib", "status", "mem_method",
+)
+CAUSAL_MODES: dict[str, tuple[bool, ...]] = {
+    "both": (True, False),
+    "causal": (True,),
+    "noncausal": (False,),
+}
+MODULE = "transformers_lab.bench.kernels"  # what a worker runs with ``python -m``
+WARMUP_N = 64
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+MIB = 2**20
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One measurement: a variant at one sequence length and causality."""
+
+    variant: str
+    causal: bool
+    n: int
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 32
+    dtype: str = "float32"
+    device: str = "cpu"
+    repeats: int = 3
+
+    def row(
+        self,
+        status: str = "ok",
+        time_ms: float | None = None,
+        peak_mib: float | None = None,
+        mem_method: str = "",
+    ) -> Row:
+        """The result row of this measurement, in ``COLUMNS`` order."""
+        fields = asdict(self)
+        row = {name: fields.get(name) for name in COLUMNS}
+        row.update(time_ms=time_ms, peak_mib=peak_mib, status=status, mem_method=mem_method)
+        return row
+
+
+# --------------------------------------------------------------------------------------
+# The measurement itself (runs inside a worker process)
+# --------------------------------------------------------------------------------------
+
+
+def validate_variants(names: Iterable[str]) -> list[str]:
+    """``names`` as a list; a ValueError listing the valid variants if one is unknown."""
+    names = list(names)
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        raise ValueError(
+            f"unknown variant(s) {', '.join(map(repr, unknown))}; "
+            f"valid variants are: {', '.join(VARIANTS)}"
+        )
+    return names
+
+
+def build_variant(spec: Spec) -> AttentionKernel:
+    """The kernel of ``spec.variant``, on the spec's device and dtype."""
+    kernel_name, options = VARIANTS[spec.variant]
+    kernel = build_kernel(kernel_name, head_dim=spec.head_dim, num_heads=spec.heads, **options)
+    return kernel.to(device=spec.device, dtype=DTYPES[spec.dtype])
+
+
+def make_inputs(spec: Spec, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v ~ randn (B, H, n, D) that require grad."""
+    shape = (spec.batch, spec.heads, n, spec.head_dim)
+    dtype = DTYPES[spec.dtype]
+    return tuple(  # type: ignore[return-value]
+        torch.randn(shape, device=spec.device, dtype=dtype, requires_grad=True)
+        for _ in range(3)
+    )
+
+
+def fwd_bwd(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+    """One forward and backward pass; gradients start from None so every pass allocates."""
+    for t in (q, k, v):
+        t.grad = None
+    kernel.zero_grad(set_to_none=True)
+    out = kernel(q, k, v, causal=causal)
+    out.float().sum().backward()
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued device work, so that wall time covers it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def timed(run: Callable[[], None], device: str) -> float:
+    """Wall seconds of ``run()``."""
+    synchronize(device)
+    start = time.perf_counter()
+    run()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def proc_status_kib(field: str) -> int | None:
+    """A ``kB`` field of /proc/self/status (e.g. VmRSS, VmHWM), or None where unreadable."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{field}:\s+(\d+)\s+kB", text, flags=re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current resident set; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    hwm, rss = proc_status_kib("VmHWM"), proc_status_kib("VmRSS")
+    # After a reset the high-water mark equals the resident set (give it 1 MiB of slack).
+    return hwm is not None and rss is not None and hwm <= rss + 1024
+
+
+def peak_cpu(run: Callable[[], None]) -> tuple[float, str]:
+    """Extra peak resident memory (bytes) of ``run()``, and the method used."""
+    gc.collect()
+    if reset_peak_rss():
+        before = proc_status_kib("VmRSS") or 0
+        run()
+        after = proc_status_kib("VmHWM") or 0
+        method = "vmhwm"
+    else:  # ru_maxrss is the peak over the process life: an upper bound here
+        before = proc_status_kib("VmRSS") or 0
+        run()
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        method = "ru_maxrss (clear_refs unavailable)"
+    return max(0, after - before) * 1024.0, method
+
+
+def peak_cuda(run: Callable[[], None], device: str) -> tuple[float, str]:
+    """Extra peak allocated CUDA memory (bytes) of ``run()``, and the method used."""
+    gc.collect()
+    synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    synchronize(device)
+    return float(torch.cuda.max_memory_allocated(device) - before), "cuda_max_allocated"
+
+
+def reuse_freed_memory() -> bool:
+    """Undo ``MALLOC_MMAP_THRESHOLD_`` for the timing: glibc keeps freed memory for reuse.
+
+    Sets the thresholds that glibc's own adaptive ones reach after freeing large buffers
+    (mmap above 32 MiB, trim above 64 MiB). False where there is no glibc ``mallopt``.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mmap_ok = mallopt(M_MMAP_THRESHOLD, 32 * MIB)
+    trim_ok = mallopt(M_TRIM_THRESHOLD, 64 * MIB)
+    return bool(mmap_ok and trim_ok)
+
+
+def measure_once(spec: Spec) -> Row:
+    """Measure ``spec`` in this process: extra peak memory of one pass, then median time.
+
+    On CPU the memory figure is only meaningful in a fresh process (see the module doc).
+    """
+    torch.manual_seed(0)
+    kernel = build_variant(spec)
+
+    def run_at(n: int) -> Callable[[], None]:
+        q, k, v = make_inputs(spec, n)
+        return lambda: fwd_bwd(kernel, q, k, v, spec.causal)
+
+    run_at(min(WARMUP_N, spec.n))()  # load libraries, start threads; inputs freed after
+    run = run_at(spec.n)
+    if spec.device.startswith("cuda"):
+        peak, method = peak_cuda(run, spec.device)
+    else:
+        peak, method = peak_cpu(run)
+        reuse_freed_memory()
+    run()  # warm-up of the timing, with the allocator as it will be
+    seconds = [timed(run, spec.device) for _ in range(spec.repeats)]
+    return spec.row(
+        time_ms=1e3 * statistics.median(seconds), peak_mib=peak / MIB, mem_method=method
+    )
+
+
+def worker_main(spec_json: str) -> int:
+    """Entry point of a worker process: measure one spec and print its row as JSON."""
+    spec = Spec(**json.loads(spec_json))
+    try:
+        row = measure_once(spec)
+    except Exception as exc:  # any failure becomes an error row, never a crash
+        row = spec.row(status=error_status(f"{type(exc).__name__}: {exc}"))
+    print(json.dumps(row), flush=True)
+    return 0
+
+
+def error_status(message: str) -> str:
+    """``error: <message>`` on one line, short enough for a table cell."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if lines else "unknown error"
+    return f"error: {text[:200]}"
+
+
+# --------------------------------------------------------------------------------------
+# The parent: one worker process per measurement
+# --------------------------------------------------------------------------------------
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a worker: ours (OMP_NUM_THREADS included) plus the malloc knob."""
+    env = dict(os.environ, **WORKER_ENV)
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(PROJECT_ROOT) + (os.pathsep + path if path else "")
+    return env
+
+
+def run_worker(spec: Spec, timeout: float) -> Row:
+    """Measure ``spec`` in a fresh process; timeouts and crashes become status rows."""
+    command = [sys.executable, "-m", MODULE, "--worker", json.dumps(asdict(spec))]
+    try:
+        proc = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=worker_env()
+        )
+    except subprocess.TimeoutExpired:
+        return spec.row(status="timeout")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                break
+    if proc.returncode < 0:
+        reason = f"worker killed by signal {-proc.returncode}"
+        if proc.returncode == -9:
+            reason += " (out of memory?)"
+    else:
+        reason = f"worker exited with code {proc.returncode}"
+    tail = proc.stderr.strip().splitlines()[-1:] if proc.stderr.strip() else []
+    return spec.row(status=error_status(": ".join([reason, *tail])))
+
+
+def plan(args: argparse.Namespace) -> list[Spec]:
+    """Every measurement the arguments ask for: causal mode, then variant, then N."""
+    return [
+        Spec(
+            variant=variant, causal=causal, n=n, batch=args.batch, heads=args.heads,
+            head_dim=args.head_dim, dtype=args.dtype, device=args.device, repeats=args.repeats,
+        )
+        for causal in CAUSAL_MODES[args.causal]
+        for variant in args.kernels
+        for n in sorted(set(args.n))
+    ]
+
+
+def skip_reason(
+    spec: Spec, quadratic_max_n: int, timed_out_at: dict[tuple[str, bool], int]
+) -> str | None:
+    """Why ``spec`` is not measured, or None when it is."""
+    if spec.variant in QUADRATIC_VARIANTS and spec.n > quadratic_max_n:
+        return f"skipped (n > quadratic-max-n={quadratic_max_n})"
+    smaller = timed_out_at.get((spec.variant, spec.causal))
+    if smaller is not None:
+        return f"skipped (timed out at n={smaller})"
+    return None
+
+
+def run_bench(args: argparse.Namespace) -> list[Row]:
+    """Run every measurement of ``args`` (progress on stderr) and return the rows."""
+    specs = plan(args)
+    timed_out_at: dict[tuple[str, bool], int] = {}
+    rows = []
+    for i, spec in enumerate(specs, 1):
+        reason = skip_reason(spec, args.quadratic_max_n, timed_out_at)
+        row = spec.row(status=reason) if reason else run_worker(spec, args.timeout)
+        if row["status"] == "timeout":
+            timed_out_at[(spec.variant, spec.causal)] = spec.n
+        rows.append(row)
+        print(f"[{i}/{len(specs)}] {describe(row)}", file=sys.stderr, flush=True)
+    return rows
+
+
+def describe(row: Row) -> str:
+    """One progress line for a row."""
+    mode = "causal" if row["causal"] else "noncausal"
+    head = f"{row['variant']:<21} {mode:<9} n={row['n']:<6}"
+    if row["status"] != "ok":
+        return f"{head} {row['status']}"
+    return f"{head} {row['time_ms']:10.2f} ms {row['peak_mib']:10.2f} MiB"
+
+
+# --------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------
+
+
+def is_ok(row: Row) -> bool:
+    return row["status"] == "ok"
+
+
+def fmt(x: float | None) -> str:
+    """A number for a table cell: a few significant digits, '–' when missing."""
+    if x is None or not math.isfinite(x):
+        return "–"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}" if abs(x) >= 0.1 or x == 0 else f"{x:.3f}"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either is missing or b is zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def write_csv(rows: Sequence[Row], path: Path) -> None:
+    """All rows, ``COLUMNS`` in order; missing numbers are empty cells."""
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row[k] is None else row[k] for k in COLUMNS})
+
+
+def markdown_table(header: Sequence[str], body: Iterable[Sequence[Any]]) -> list[str]:
+    """Lines of a markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in cells) + " |" for cells in body]
+    return lines
+
+
+def results_table(rows: Sequence[Row]) -> list[str]:
+    """The main table: one line per measurement."""
+    body = (
+        (
+            r["variant"], "causal" if r["causal"] else "noncausal", r["n"],
+            fmt(r["time_ms"]), fmt(r["peak_mib"]), r["status"],
+        )
+        for r in rows
+    )
+    return markdown_table(("variant", "mode", "N", "time (ms)", "extra peak (MiB)", "status"), body)
+
+
+def ratio_table(rows: Sequence[Row], causal: bool) -> list[str]:
+    """Time and memory relative to softmax at each N, and memory growth from the previous N."""
+    ok = {(r["variant"], r["n"]): r for r in rows if r["causal"] == causal and is_ok(r)}
+    variants = list(dict.fromkeys(r["variant"] for r in rows if r["causal"] == causal))
+    ns = sorted({r["n"] for r in rows if r["causal"] == causal})
+    body = []
+    for n in ns:
+        base = ok.get(("softmax", n))
+        for variant in variants:
+            row = ok.get((variant, n))
+            if row is None:
+                continue
+            previous = [m for m in ns if m < n and (variant, m) in ok]
+            prev = ok[(variant, previous[-1])] if previous else None
+            body.append((
+                n, variant,
+                fmt(ratio(row["time_ms"], base and base["time_ms"])),
+                fmt(ratio(row["peak_mib"], base and base["peak_mib"])),
+                fmt(ratio(row["peak_mib"], prev and prev["peak_mib"])),
+            ))
+    header = ("N", "variant", "time ÷ softmax", "peak ÷ softmax", "peak ÷ peak at previous N")
+    return markdown_table(header, body)
+
+
+def markdown_report(rows: Sequence[Row]) -> str:
+    """The whole ``kernels.md``: set-up, results, and a ratio table per causal mode."""
+    if not rows:
+        return "# Attention kernels: forward + backward\n\nNo measurements.\n"
+    first = rows[0]
+    methods = sorted({r["mem_method"] for r in rows if r["mem_method"]}) or ["–"]
+    lines = [
+        "# Attention kernels: forward + backward",
+        "",
+        f"batch={first['batch']}, heads={first['heads']}, head_dim={first['head_dim']}, "
+        f"dtype={first['dtype']}, device={first['device']}; time is the median over the "
+        f"timed repeats; extra peak memory by {', '.join(methods)}.",
+        "",
+        *results_table(rows),
+    ]
+    for causal in (True, False):
+        if any(r["causal"] == causal for r in rows):
+            mode = "causal" if causal else "non-causal"
+            lines += ["", f"## Ratios, {mode}", "", *ratio_table(rows, causal)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[Row], path: Path) -> None:
+    """Time and extra peak memory against N, log-log; solid causal, dashed non-causal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.8))
+    colours = plt.get_cmap("tab10")
+    for index, variant in enumerate(VARIANTS):
+        for causal, style in ((True, "-"), (False, "--")):
+            series = sorted(
+                (r["n"], r["time_ms"], r["peak_mib"])
+                for r in rows
+                if r["variant"] == variant and r["causal"] == causal and is_ok(r)
+            )
+            if not series:
+                continue
+            label = f"{variant} ({'causal' if causal else 'non-causal'})"
+            n, t, m = zip(*series, strict=True)
+            kw = {"color": colours(index), "linestyle": style, "marker": "o", "label": label}
+            ax_time.plot(n, t, **kw)
+            positive = [(x, y) for x, y in zip(n, m, strict=True) if y > 0]  # log axis
+            if positive:
+                ax_mem.plot(*zip(*positive, strict=True), **kw)
+    panels = (
+        (ax_time, "forward + backward time", "time (ms)"),
+        (ax_mem, "extra peak memory", "memory (MiB)"),
+    )
+    for ax, title, ylabel in panels:
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = ax_time.get_legend_handles_labels()
+    if handles:
+        ax_mem.legend(handles, labels, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_reports(rows: Sequence[Row], out_dir: Path | str) -> dict[str, Path]:
+    """Write ``kernels.csv``, ``kernels.md`` and ``kernels.png`` into ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {ext: out_dir / f"kernels.{ext}" for ext in ("csv", "md", "png")}
+    write_csv(rows, paths["csv"])
+    paths["md"].write_text(markdown_report(rows))
+    plot(rows, paths["png"])
+    return paths
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m transformers_lab.bench.kernels",
+        description="Forward+backward time and extra peak memory of attention kernels vs N.",
+    )
+    parser.add_argument("--n", type=positive_int, nargs="+",
+                        default=[512, 1024, 2048, 4096, 8192, 16384], help="sequence lengths")
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--head-dim", type=positive_int, default=32)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--causal", choices=list(CAUSAL_MODES), default="both")
+    parser.add_argument("--kernels", nargs="+", default=list(VARIANTS), metavar="VARIANT",
+                        help=f"variants to run (default all: {', '.join(VARIANTS)})")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed passes after the warm-up; the median is reported")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/kernels"),
+                        help="output directory")
+    parser.add_argument("--quadratic-max-n", type=positive_int, default=4096,
+                        help=f"skip {', '.join(sorted(QUADRATIC_VARIANTS))} above this N")
+    parser.add_argument("--timeout", type=positive_float, default=600.0,
+                        help="seconds allowed per measurement")
+    parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the arguments; unknown variants exit with the list of valid ones."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.kernels = list(dict.fromkeys(validate_variants(args.kernels)))
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.device == "cuda" and args.worker is None and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker_main(args.worker)
+    rows = run_bench(args)
+    paths = write_reports(rows, args.out)
+    print(paths["md"].read_text())
+    for path in paths.values():
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
