@@ -25,12 +25,12 @@ test-fast: install  ## run the tests not marked slow
 	WANDB_MODE=offline $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: install  ## ruff lint and format check
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check transformers_lab tests
+	$(VENV)/bin/ruff format --check transformers_lab tests
 
 format: install  ## apply ruff's fixes and formatting
-	$(VENV)/bin/ruff check --fix .
-	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix transformers_lab tests
+	$(VENV)/bin/ruff format transformers_lab tests
 
 bench: install  ## benchmark the attention kernels (BENCH_ARGS="--n 1024 2048 ...")
 	$(PY) -m transformers_lab.bench.kernels $(BENCH_ARGS)

@@ -19,9 +19,21 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def test_end_to_end_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # One causal mode keeps this to five worker processes (each one imports torch).
     argv = [
-        "--n", "64", "128", "--kernels", "softmax", "fastmax_p2", "additive",
-        "--repeats", "1", "--quadratic-max-n", "64", "--causal", "causal",
-        "--out", str(tmp_path),
+        "--n",
+        "64",
+        "128",
+        "--kernels",
+        "softmax",
+        "fastmax_p2",
+        "additive",
+        "--repeats",
+        "1",
+        "--quadratic-max-n",
+        "64",
+        "--causal",
+        "causal",
+        "--out",
+        str(tmp_path),
     ]
     assert bench.main(argv) == 0
 
@@ -71,8 +83,10 @@ def test_plan_and_skips() -> None:
     args = bench.parse_args(["--n", "128", "64", "--kernels", "additive", "softmax"])
     specs = bench.plan(args)
     assert [(s.causal, s.variant, s.n) for s in specs[:4]] == [
-        (True, "additive", 64), (True, "additive", 128),
-        (True, "softmax", 64), (True, "softmax", 128),
+        (True, "additive", 64),
+        (True, "additive", 128),
+        (True, "softmax", 64),
+        (True, "softmax", 128),
     ]
     assert len(specs) == 8
     big = bench.Spec("fastmax_p2_quadratic", causal=False, n=8192)
@@ -99,10 +113,16 @@ def test_reports_cover_failures_and_both_modes(tmp_path: Path) -> None:
     rows = []
     for causal in (True, False):
         for n, scale in ((256, 1.0), (512, 2.0)):
-            rows.append(bench.Spec("softmax", causal, n).row(
-                time_ms=1.0 * scale, peak_mib=2.0 * scale, mem_method="vmhwm"))
-            rows.append(bench.Spec("fastmax_p2", causal, n).row(
-                time_ms=3.0 * scale, peak_mib=1.0 * scale, mem_method="vmhwm"))
+            rows.append(
+                bench.Spec("softmax", causal, n).row(
+                    time_ms=1.0 * scale, peak_mib=2.0 * scale, mem_method="vmhwm"
+                )
+            )
+            rows.append(
+                bench.Spec("fastmax_p2", causal, n).row(
+                    time_ms=3.0 * scale, peak_mib=1.0 * scale, mem_method="vmhwm"
+                )
+            )
         rows.append(bench.Spec("additive", causal, 256).row(status="timeout"))
         rows.append(bench.Spec("additive", causal, 512).row(status="error: boom"))
 

@@ -76,8 +76,18 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 COLUMNS = (
-    "variant", "causal", "n", "batch", "heads", "head_dim", "dtype", "device",
-    "time_ms", "peak_mib", "status", "mem_method",
+    "variant",
+    "causal",
+    "n",
+    "batch",
+    "heads",
+    "head_dim",
+    "dtype",
+    "device",
+    "time_ms",
+    "peak_mib",
+    "status",
+    "mem_method",
 )
 CAUSAL_MODES: dict[str, tuple[bool, ...]] = {
     "both": (True, False),
@@ -151,8 +161,7 @@ def make_inputs(spec: Spec, n: int) -> tuple[Tensor, Tensor, Tensor]:
     shape = (spec.batch, spec.heads, n, spec.head_dim)
     dtype = DTYPES[spec.dtype]
     return tuple(  # type: ignore[return-value]
-        torch.randn(shape, device=spec.device, dtype=dtype, requires_grad=True)
-        for _ in range(3)
+        torch.randn(shape, device=spec.device, dtype=dtype, requires_grad=True) for _ in range(3)
     )
 
 
@@ -330,8 +339,15 @@ def plan(args: argparse.Namespace) -> list[Spec]:
     """Every measurement the arguments ask for: causal mode, then variant, then N."""
     return [
         Spec(
-            variant=variant, causal=causal, n=n, batch=args.batch, heads=args.heads,
-            head_dim=args.head_dim, dtype=args.dtype, device=args.device, repeats=args.repeats,
+            variant=variant,
+            causal=causal,
+            n=n,
+            batch=args.batch,
+            heads=args.heads,
+            head_dim=args.head_dim,
+            dtype=args.dtype,
+            device=args.device,
+            repeats=args.repeats,
         )
         for causal in CAUSAL_MODES[args.causal]
         for variant in args.kernels
@@ -422,8 +438,12 @@ def results_table(rows: Sequence[Row]) -> list[str]:
     """The main table: one line per measurement."""
     body = (
         (
-            r["variant"], "causal" if r["causal"] else "noncausal", r["n"],
-            fmt(r["time_ms"]), fmt(r["peak_mib"]), r["status"],
+            r["variant"],
+            "causal" if r["causal"] else "noncausal",
+            r["n"],
+            fmt(r["time_ms"]),
+            fmt(r["peak_mib"]),
+            r["status"],
         )
         for r in rows
     )
@@ -444,12 +464,15 @@ def ratio_table(rows: Sequence[Row], causal: bool) -> list[str]:
                 continue
             previous = [m for m in ns if m < n and (variant, m) in ok]
             prev = ok[(variant, previous[-1])] if previous else None
-            body.append((
-                n, variant,
-                fmt(ratio(row["time_ms"], base and base["time_ms"])),
-                fmt(ratio(row["peak_mib"], base and base["peak_mib"])),
-                fmt(ratio(row["peak_mib"], prev and prev["peak_mib"])),
-            ))
+            body.append(
+                (
+                    n,
+                    variant,
+                    fmt(ratio(row["time_ms"], base and base["time_ms"])),
+                    fmt(ratio(row["peak_mib"], base and base["peak_mib"])),
+                    fmt(ratio(row["peak_mib"], prev and prev["peak_mib"])),
+                )
+            )
     header = ("N", "variant", "time ÷ softmax", "peak ÷ softmax", "peak ÷ peak at previous N")
     return markdown_table(header, body)
 
@@ -555,24 +578,44 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m transformers_lab.bench.kernels",
         description="Forward+backward time and extra peak memory of attention kernels vs N.",
     )
-    parser.add_argument("--n", type=positive_int, nargs="+",
-                        default=[512, 1024, 2048, 4096, 8192, 16384], help="sequence lengths")
+    parser.add_argument(
+        "--n",
+        type=positive_int,
+        nargs="+",
+        default=[512, 1024, 2048, 4096, 8192, 16384],
+        help="sequence lengths",
+    )
     parser.add_argument("--batch", type=positive_int, default=1)
     parser.add_argument("--heads", type=positive_int, default=4)
     parser.add_argument("--head-dim", type=positive_int, default=32)
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--causal", choices=list(CAUSAL_MODES), default="both")
-    parser.add_argument("--kernels", nargs="+", default=list(VARIANTS), metavar="VARIANT",
-                        help=f"variants to run (default all: {', '.join(VARIANTS)})")
-    parser.add_argument("--repeats", type=positive_int, default=3,
-                        help="timed passes after the warm-up; the median is reported")
-    parser.add_argument("--out", type=Path, default=Path("bench_out/kernels"),
-                        help="output directory")
-    parser.add_argument("--quadratic-max-n", type=positive_int, default=4096,
-                        help=f"skip {', '.join(sorted(QUADRATIC_VARIANTS))} above this N")
-    parser.add_argument("--timeout", type=positive_float, default=600.0,
-                        help="seconds allowed per measurement")
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=list(VARIANTS),
+        metavar="VARIANT",
+        help=f"variants to run (default all: {', '.join(VARIANTS)})",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed passes after the warm-up; the median is reported",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench_out/kernels"), help="output directory"
+    )
+    parser.add_argument(
+        "--quadratic-max-n",
+        type=positive_int,
+        default=4096,
+        help=f"skip {', '.join(sorted(QUADRATIC_VARIANTS))} above this N",
+    )
+    parser.add_argument(
+        "--timeout", type=positive_float, default=600.0, help="seconds allowed per measurement"
+    )
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     return parser
 
