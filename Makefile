@@ -14,8 +14,8 @@ install: $(VENV)/.installed  ## create .venv and install the package with its de
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
 test: install  ## run the whole test suite (what CI runs)

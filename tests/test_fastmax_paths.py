@@ -69,15 +69,18 @@ def test_noncausal_paths_agree(dtype, p, nq, nk, padded):
     torch.testing.assert_close(fm.factorized(qs, ks, v_aug, p), reference, **TOL[dtype])
     # the recurrent state after every key, queried once, is the non-causal answer
     _, state = recurrent(ks, ks, v_aug, p)
-    torch.testing.assert_close(fm.feature_map(qs, p) @ state, reference, **TOL[dtype])
+    torch.testing.assert_close(fm.read_state(qs, state, p), reference, **TOL[dtype])
 
 
 @pytest.mark.parametrize("p", [1, 2])
 def test_feature_map_factorises_the_polynomial(p):
-    a, b = torch.randn(10, D, dtype=torch.float64), torch.randn(12, D, dtype=torch.float64)
-    assert fm.feature_map(a, p).shape[-1] == fm.feature_dim(D, p)
+    for d in (D, D + 1):  # odd and even D + 1
+        a, b = torch.randn(10, d, dtype=torch.float64), torch.randn(12, d, dtype=torch.float64)
+        phi_a, phi_b = fm.feature_map(a, p), fm.feature_map(b, p)
+        assert phi_a.shape[-1] == fm.feature_dim(d, p)
+        w = fm.feature_weights(d, p, torch.float64)
+        torch.testing.assert_close((w * phi_a) @ phi_b.T, fm.poly(a @ b.T, p))
     assert fm.feature_dim(32, 2) == 1 + 32 + 32 * 33 // 2
-    torch.testing.assert_close(fm.feature_map(a, p) @ fm.feature_map(b, p).T, fm.poly(a @ b.T, p))
 
 
 def test_module_decode_prefill_then_steps_matches_forward():
@@ -93,7 +96,7 @@ def test_module_decode_prefill_then_steps_matches_forward():
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs, dim=2), full, rtol=1e-10, atol=1e-12)
     # the state does not grow with the context
-    assert state.shape == (B, H, fm.feature_dim(D, 2), DV + 1)
+    assert state.shape == (B, H, DV + 1, fm.feature_dim(D, 2))
 
 
 def test_decode_with_padding_matches_forward_with_padding():
@@ -156,3 +159,30 @@ def test_normalisation_uses_each_token_alone():
     k2[:, :, -1] *= 1000.0
     _, ks2, _ = kernel.prepare(q, k2, v, None)
     torch.testing.assert_close(ks2[:, :, :-1], ks[:, :, :-1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize("d", [4, 5])
+def test_feature_map_vjp_matches_autograd(p, d):
+    u = torch.randn(3, 7, d, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(3, 7, fm.feature_dim(d, p), dtype=torch.float64)
+    (expected,) = torch.autograd.grad(fm.feature_map(u, p), u, grad)
+    torch.testing.assert_close(fm.feature_map_vjp(u.detach(), grad, p), expected)
+
+
+@pytest.mark.parametrize("p", [1, 2])
+@pytest.mark.parametrize(("nq", "nk"), [(7, 7), (3, 8), (8, 5)])
+def test_chunked_backward_passes_gradcheck_across_chunks(p, nq, nk):
+    """Several chunks, a chunk that does not divide N, and a state carried in and out."""
+    d, dv = 3, 2
+    q = torch.randn(1, 2, nq, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, nk, d, dtype=torch.float64, requires_grad=True)
+    v_aug = torch.randn(1, 2, nk, dv + 1, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(1, 2, dv + 1, fm.feature_dim(d, p), dtype=torch.float64)
+    state.requires_grad_()
+
+    def fn(q, k, v_aug, state):
+        out, final = fm.chunked_causal(q, k, v_aug, p, chunk_size=3, state=state)
+        return out, final
+
+    assert torch.autograd.gradcheck(fn, (q, k, v_aug, state))

@@ -5,27 +5,28 @@ The softmax's exponential is replaced by its Taylor polynomial of order p (1 or 
 
     a_ij = f(x_ij) / sum_j f(x_ij),   x_ij = s * q_i . k_j,   f(x) = sum_{m<=p} x^m / m!
 
-f(q.k) factorises into ``phi(q) . phi(k)`` with the feature map::
-
-    phi(u) = [1, u, (u_a u_b for a < b), (u_a^2 / sqrt 2 for a)]     # 1 + D + D(D+1)/2 features
-
-(the second-order part is the symmetric half of u (x) u). So the numerator
-``sum_j f(x_ij) v_j = phi(q_i) @ sum_j phi(k_j) v_j^T`` costs O(N * D^p * Dv), not O(N^2).
+With u~ = [1, u], f factorises: p=1 is f = q~ . k~, and p=2 is
+f(x) = (1 + x)^2 / 2 + 1/2 = sum_f w_f phi_f(q) phi_f(k), where phi(u) holds the products
+u~_a u~_b of the symmetric half of u~ (x) u~: 1, u, and each pair of u once,
+1 + D + D(D+1)/2 features for even D. The weights w fold in the 1/2 and the fact that
+(q~ . k~)^2 counts a square once and a pair twice. So the numerator
+``sum_j f(x_ij) v_j = phi(q_i) @ sum_j w * phi(k_j) v_j^T`` costs O(N * D^p * Dv), not O(N^2).
 
 Every path works on ``v_aug = [v, 1]`` with masked keys zeroed: its last column carries
 the denominator, so one product gives numerator and normaliser together. The four paths,
 which agree to rounding:
 
 - ``quadratic``: the N x N polynomial, the reference (and what ``weights`` returns);
-- ``factorized``: non-causal, one state ``sum_j phi(k_j) v_aug_j^T``;
+- ``factorized``: non-causal, one state ``sum_j v_aug_j (w * phi(k_j))^T``;
 - ``chunked_causal``: the exact polynomial of the C x C scores inside each chunk, and a
   running prefix state across chunks (never an N x D^p x Dv tensor);
 - ``recurrent_step``: one new token, state in and state out, O(1) work per token.
+
+States are stored value-major, (B, H, Dv + 1, F), so that the gradients w.r.t. the
+features come out of the matrix products contiguous.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -42,20 +43,110 @@ def poly(x: Tensor, p: int) -> Tensor:
 
 
 def feature_dim(head_dim: int, p: int) -> int:
-    """Number of features of ``feature_map`` for head size D: 1 + D (+ D(D+1)/2)."""
-    return 1 + head_dim + (head_dim * (head_dim + 1) // 2 if p == 2 else 0)
+    """Number of features of ``feature_map``: D + 1 for p=1, (D + 1)(floor((D + 1)/2) + 1)
+    for p=2 (1 + D + D(D+1)/2 when D is even)."""
+    e = head_dim + 1
+    return e if p == 1 else e * (e // 2 + 1)
 
 
 def feature_map(u: Tensor, p: int) -> Tensor:
-    """phi(u), (..., D) -> (..., feature_dim(D, p)), with phi(a) . phi(b) = poly(a . b, p)."""
-    ones = u.new_ones(*u.shape[:-1], 1)
+    """phi(u), (..., N, D) -> (..., N, F): the monomials of u~ = [1, u] of degree p.
+
+    For p=2 they are u~_a u~_(a+r mod E) for the shifts r = 0..E/2 of E = D + 1 entries:
+    every unordered pair once (for even E the last shift holds each of its pairs twice,
+    and ``feature_weights`` halves them). The result is a transposed view of the
+    feature-major ``features_t``.
+    """
+    ut_t = F.pad(u, (1, 0), value=1.0).transpose(-2, -1).contiguous()  # (..., E, N)
+    return features_t(ut_t, p).transpose(-2, -1)
+
+
+def _chunks_t(u: Tensor, c: int) -> Tensor:
+    """u~^T of every chunk: (B, H, N, D) -> (B, H, N / C, E, C), each block contiguous.
+
+    Whole-sequence rows N floats apart would alias in the cache when N is a power of two.
+    """
+    b, h, n, _ = u.shape
+    ut = F.pad(u, (1, 0), value=1.0).reshape(b, h, n // c, c, -1)
+    return ut.transpose(-2, -1).contiguous()
+
+
+def _rolled_t(ut_t: Tensor, shifts: int) -> Tensor:
+    """(..., E, N) -> (..., R, E, N) view with rolled[..., r, a, :] = ut_t[..., (a + r) % E, :]."""
+    e = ut_t.shape[-2]
+    doubled = torch.cat([ut_t, ut_t[..., : shifts - 1, :]], dim=-2)  # (..., E + R - 1, N)
+    return doubled.unfold(-2, e, 1).transpose(-2, -1)
+
+
+def features_t(ut_t: Tensor, p: int) -> Tensor:
+    """Feature-major phi: u~^T (..., E, N) -> phi^T (..., F, N).
+
+    Tokens run along the last, contiguous axis, so the products are plain vector
+    multiplies of shifted rows, with no gather.
+    """
     if p == 1:
-        return torch.cat([ones, u], dim=-1)
-    d = u.shape[-1]
-    i, j = torch.triu_indices(d, d, device=u.device)
-    # (a.b)^2 / 2 = sum_a a_a^2 b_a^2 / 2 + sum_{a<b} (a_a a_b)(b_a b_b)
-    weight = u.new_ones(i.shape[0]).masked_fill(i == j, math.sqrt(0.5))
-    return torch.cat([ones, u, u[..., i] * u[..., j] * weight], dim=-1)
+        return ut_t
+    e, n = ut_t.shape[-2:]
+    shifts = e // 2 + 1
+    rolled = _rolled_t(ut_t, shifts)
+    if torch.is_grad_enabled() and ut_t.requires_grad:
+        return (ut_t.unsqueeze(-3) * rolled).flatten(-3, -2)
+    # Without autograd, write into a contiguous tensor: the overlapping strides of
+    # ``rolled`` would otherwise give the product a scattered layout and flatten a copy.
+    out = ut_t.new_empty(*ut_t.shape[:-2], shifts, e, n)
+    return torch.mul(ut_t.unsqueeze(-3), rolled, out=out).flatten(-3, -2)
+
+
+def features_t_vjp(ut_t: Tensor, grad_t: Tensor, p: int) -> Tensor:
+    """d(sum(grad_t * features_t(ut_t, p))) / d ut_t, shape (..., E, N)."""
+    if p == 1:
+        return grad_t
+    e, n = ut_t.shape[-2:]
+    shifts = e // 2 + 1
+    g = grad_t.unflatten(-2, (shifts, e))  # g[r, a] multiplies u~_a u~_((a + r) % E)
+    left = (g * _rolled_t(ut_t, shifts)).sum(-3)  # the derivative through u~_a
+    # through u~_((a + r) % E): d u~_b += sum_r g[r, (b - r) % E] u~_((b - r) % E)
+    h = torch.cat([g * ut_t.unsqueeze(-3)] * 2, dim=-2)  # (..., R, 2E, N): h[r, j] = h[r, j % E]
+    skewed = h.as_strided(  # skewed[..., r, b, :] = h[..., r, b - r + E, :]
+        (*h.shape[:-3], shifts, e, n),
+        (*h.stride()[:-3], (2 * e - 1) * n, n, 1),
+        h.storage_offset() + e * n,
+    )
+    return left + skewed.sum(-3)
+
+
+def feature_map_vjp(u: Tensor, grad: Tensor, p: int) -> Tensor:
+    """d(sum(grad * feature_map(u, p))) / du, token-major, (..., N, D)."""
+    ut_t = F.pad(u, (1, 0), value=1.0).transpose(-2, -1).contiguous()
+    return features_t_vjp(ut_t, grad.transpose(-2, -1).contiguous(), p)[..., 1:, :].transpose(
+        -2, -1
+    )
+
+
+def feature_weights(
+    head_dim: int, p: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> Tensor:
+    """w with ``(w * phi(a)) . phi(b) = poly(a . b, p)``, shape (feature_dim,)."""
+    e = head_dim + 1
+    if p == 1:
+        return torch.ones(e, dtype=dtype, device=device)
+    w = torch.ones(e // 2 + 1, e, dtype=dtype, device=device)
+    w[0] = 0.5  # squares u~_a^2: (1 + x)^2 / 2 holds them with weight 1/2
+    w[0, 0] = 1.0  # the constant 1 * 1: 1/2 from (1 + x)^2 / 2, plus the other 1/2 of f
+    if e % 2 == 0:
+        w[-1] = 0.5  # the shift by E/2 meets each of its pairs twice
+    return w.flatten()
+
+
+def weighted_state(v_aug: Tensor, k: Tensor, p: int) -> Tensor:
+    """sum over keys of v_aug (w * phi(k))^T: (..., N, Dv + 1), (..., N, D) -> (..., Dv + 1, F)."""
+    w = feature_weights(k.shape[-1], p, k.dtype, k.device)
+    return (v_aug.transpose(-2, -1) @ feature_map(k, p)) * w
+
+
+def read_state(q: Tensor, state: Tensor, p: int) -> Tensor:
+    """phi(q) @ state^T: (..., Nq, D), (..., Dv + 1, F) -> (..., Nq, Dv + 1)."""
+    return feature_map(q, p) @ state.transpose(-2, -1)
 
 
 def quadratic(q: Tensor, k: Tensor, v_aug: Tensor, p: int, causal: bool) -> Tensor:
@@ -70,9 +161,79 @@ def quadratic(q: Tensor, k: Tensor, v_aug: Tensor, p: int, causal: bool) -> Tens
 
 
 def factorized(q: Tensor, k: Tensor, v_aug: Tensor, p: int) -> Tensor:
-    """Non-causal linear path: phi(q) @ (phi(k)^T @ v_aug)."""
-    state = feature_map(k, p).transpose(-2, -1) @ v_aug  # (B, H, F, Dv + 1)
-    return feature_map(q, p) @ state  # (B, H, Nq, Dv + 1)
+    """Non-causal linear path: one state over every key, read by every query."""
+    return read_state(q, weighted_state(v_aug, k, p), p)  # (B, H, Nq, Dv + 1)
+
+
+class _ChunkLoop(torch.autograd.Function):
+    """The causal chunk recurrence with a hand-written backward pass.
+
+    Inputs are square and whole chunks: q, k (B, H, N, D), v_aug (B, H, N, Dv + 1) with N
+    a multiple of C, and the initial state (B, H, Dv + 1, F). Chunk by chunk, the output
+    is the exact masked polynomial of the chunk plus phi(q) read against the state, and
+    then the chunk's keys join the state. Only the inputs and the state before each chunk
+    are saved: the features are recomputed in the backward pass, one chunk at a time, so
+    no N x F tensor is ever held and every step works on cache-sized blocks.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v_aug, state, p, c):  # type: ignore[override]
+        b, h, n, _ = q.shape
+        w = feature_weights(q.shape[-1], p, q.dtype, q.device)
+        future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+        ut_q, ut_k = _chunks_t(q, c), _chunks_t(k, c)  # (B, H, nc, E, C)
+        out = torch.empty_like(v_aug)
+        state = state.clone()  # updated in place below
+        keep = any(ctx.needs_input_grad[:4])
+        before = q.new_empty(b, h, n // c, *state.shape[-2:]) if keep else None
+        for i in range(n // c):
+            rows = slice(i * c, (i + 1) * c)
+            qi, ki, vi = q[:, :, rows], k[:, :, rows], v_aug[:, :, rows]
+            if keep:
+                before[:, :, i] = state
+            phi_q = features_t(ut_q[:, :, i], p)  # (B, H, F, C)
+            phi_k = features_t(ut_k[:, :, i], p)
+            scores = poly(qi @ ki.transpose(-2, -1), p).masked_fill_(future, 0.0)  # (B, H, C, C)
+            out[:, :, rows] = scores @ vi + phi_q.transpose(-2, -1) @ state.transpose(-2, -1)
+            state += (vi.transpose(-2, -1) @ phi_k.transpose(-2, -1)).mul_(w)
+        ctx.p, ctx.c = p, c
+        if keep:
+            ctx.save_for_backward(q, k, v_aug, before)
+        return out, state
+
+    @staticmethod
+    def backward(ctx, d_out, d_state):  # type: ignore[override]
+        q, k, v_aug, before = ctx.saved_tensors
+        p, c = ctx.p, ctx.c
+        n = q.shape[2]
+        w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
+        future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+        ut_q, ut_k = _chunks_t(q, c), _chunks_t(k, c)  # (B, H, nc, E, C)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
+        d_s = d_state.clone()  # gradient w.r.t. the state that chunk i's keys join
+        for i in reversed(range(n // c)):
+            rows = slice(i * c, (i + 1) * c)
+            qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v_aug[:, :, rows], d_out[:, :, rows]
+            phi_q = features_t(ut_q[:, :, i], p)  # (B, H, F, C)
+            phi_k = features_t(ut_k[:, :, i], p).mul(w)
+            x = qi @ ki.transpose(-2, -1)
+            scores = poly(x, p).masked_fill_(future, 0.0)
+            # through the state: out_i = phi_q^T S^T, and later states gain v_i (w phi_k)^T
+            dv[:, :, rows] = scores.transpose(-2, -1) @ doi + phi_k.transpose(
+                -2, -1
+            ) @ d_s.transpose(-2, -1)
+            d_phi_k = (d_s.transpose(-2, -1) @ vi.transpose(-2, -1)).mul_(w)  # (B, H, F, C)
+            d_phi_q = before[:, :, i].transpose(-2, -1) @ doi.transpose(-2, -1)
+            d_s += doi.transpose(-2, -1) @ phi_q.transpose(-2, -1)
+            # through the chunk's own polynomial, poly'(x) = 1 (p=1) or 1 + x (p=2)
+            dx = (doi @ vi.transpose(-2, -1)).masked_fill_(future, 0.0)
+            if p == 2:
+                dx.mul_(x.add_(1.0))
+            d_ut_q = features_t_vjp(ut_q[:, :, i], d_phi_q, p)[..., 1:, :]  # (B, H, D, C)
+            d_ut_k = features_t_vjp(ut_k[:, :, i], d_phi_k, p)[..., 1:, :]
+            dq[:, :, rows] = dx @ ki + d_ut_q.transpose(-2, -1)
+            dk[:, :, rows] = dx.transpose(-2, -1) @ qi + d_ut_k.transpose(-2, -1)
+        return dq, dk, dv, d_s, None, None
 
 
 def chunked_causal(
@@ -85,16 +246,16 @@ def chunked_causal(
 ) -> tuple[Tensor, Tensor]:
     """Causal linear path. Returns the output and the state after the last key.
 
-    ``state`` (B, H, F, Dv + 1) is the sum of phi(k) v_aug^T over keys seen before ``k``.
+    ``state`` (B, H, Dv + 1, F) is ``weighted_state`` of the keys seen before ``k``.
     Queries are aligned to the last Nq keys, as in the kernel contract.
     """
     b, h, nq, _ = q.shape
     nk = k.shape[2]
     if state is None:
-        state = q.new_zeros(b, h, feature_dim(q.shape[-1], p), v_aug.shape[-1])
+        state = q.new_zeros(b, h, v_aug.shape[-1], feature_dim(q.shape[-1], p))
     if nk > nq:  # keys before the first query are visible to every query
         split = nk - nq
-        state = state + feature_map(k[:, :, :split], p).transpose(-2, -1) @ v_aug[:, :, :split]
+        state = state + weighted_state(v_aug[:, :, :split], k[:, :, :split], p)
         k, v_aug = k[:, :, split:], v_aug[:, :, split:]
     elif nq > nk:  # queries before the first key see nothing: prepend empty keys
         k = F.pad(k, (0, 0, nq - nk, 0))
@@ -103,32 +264,20 @@ def chunked_causal(
     pad = -nq % c  # empty trailing keys and discarded trailing queries
     if pad:
         q, k, v_aug = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v_aug))
-    nc = (nq + pad) // c
-    qc = q.reshape(b, h, nc, c, -1)  # (B, H, nc, C, D)
-    kc = k.reshape(b, h, nc, c, -1)
-    vc = v_aug.reshape(b, h, nc, c, -1)  # (B, H, nc, C, Dv + 1)
-
-    # Inside a chunk: the exact polynomial of the C x C scores, causally masked.
-    tril = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    intra = poly(qc @ kc.transpose(-2, -1), p).masked_fill(~tril, 0.0) @ vc
-
-    # Across chunks: chunk n sees the state of every chunk before it.
-    chunk_states = feature_map(kc, p).transpose(-2, -1) @ vc  # (B, H, nc, F, Dv + 1)
-    running = torch.cumsum(chunk_states, dim=2)
-    before = torch.cat([torch.zeros_like(running[:, :, :1]), running[:, :, :-1]], dim=2)
-    inter = feature_map(qc, p) @ (before + state.unsqueeze(2))  # (B, H, nc, C, Dv + 1)
-
-    out = (intra + inter).reshape(b, h, nc * c, -1)[:, :, :nq]
-    return out, state + running[:, :, -1]
+    out, state = _ChunkLoop.apply(q, k, v_aug, state, p, c)
+    return out[:, :, :nq], state
 
 
 def recurrent_step(
     q: Tensor, k: Tensor, v_aug: Tensor, p: int, state: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """One decoding step: q, k (B, H, 1, D) and v_aug (B, H, 1, Dv + 1) of the new token."""
-    update = feature_map(k, p).transpose(-2, -1) @ v_aug  # (B, H, F, Dv + 1)
+    """One decoding step: q, k (B, H, 1, D) and v_aug (B, H, 1, Dv + 1) of the new token.
+
+    The state (B, H, Dv + 1, F) gains the new key, then the new query reads it.
+    """
+    update = weighted_state(v_aug, k, p)
     state = update if state is None else state + update
-    return feature_map(q, p) @ state, state
+    return read_state(q, state, p), state
 
 
 def normalise_output(out_aug: Tensor) -> Tensor:
@@ -169,7 +318,7 @@ class FastmaxAttention(AttentionKernel):
         p: int = 2,
         scale: float = 1.0,
         normalize: bool = True,
-        chunk_size: int = 64,
+        chunk_size: int = 128,
         impl: str = "linear",
         eps: float = 1e-6,
     ) -> None:
@@ -285,8 +434,8 @@ class FastmaxAttention(AttentionKernel):
     ) -> tuple[Tensor, Tensor]:
         """Causal attention of T new tokens given the recurrent state of the past ones.
 
-        The state is ``sum_j phi(k_j) [v_j, 1]^T`` over the keys seen so far, shape
-        (B, H, feature_dim, Dv + 1): its size, and the work per new token, do not grow
+        The state is ``sum_j [v_j, 1] phi(k_j)^T`` over the keys seen so far, shape
+        (B, H, Dv + 1, feature_dim): its size, and the work per new token, do not grow
         with the context.
         """
         self.check_inputs(q, k, v, key_padding_mask)
