@@ -163,11 +163,14 @@ def test_normalisation_uses_each_token_alone():
 
 @pytest.mark.parametrize("p", [1, 2])
 @pytest.mark.parametrize("d", [4, 5])
-def test_feature_map_vjp_matches_autograd(p, d):
-    u = torch.randn(3, 7, d, dtype=torch.float64, requires_grad=True)
-    grad = torch.randn(3, 7, fm.feature_dim(d, p), dtype=torch.float64)
-    (expected,) = torch.autograd.grad(fm.feature_map(u, p), u, grad)
-    torch.testing.assert_close(fm.feature_map_vjp(u.detach(), grad, p), expected)
+def test_feature_vjp_matches_autograd(p, d):
+    ut_t = torch.randn(3, d + 1, 7, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(3, fm.feature_dim(d, p), 7, dtype=torch.float64)
+    phi_t = fm.features_t(ut_t, p)
+    (expected,) = torch.autograd.grad(phi_t, ut_t, grad)
+    torch.testing.assert_close(fm.features_t_vjp(ut_t.detach(), grad, p), expected)
+    with torch.no_grad():  # the autograd-free branch computes the same features
+        torch.testing.assert_close(fm.features_t(ut_t, p), phi_t)
 
 
 @pytest.mark.parametrize("p", [1, 2])

@@ -115,14 +115,6 @@ def features_t_vjp(ut_t: Tensor, grad_t: Tensor, p: int) -> Tensor:
     return left + skewed.sum(-3)
 
 
-def feature_map_vjp(u: Tensor, grad: Tensor, p: int) -> Tensor:
-    """d(sum(grad * feature_map(u, p))) / du, token-major, (..., N, D)."""
-    ut_t = F.pad(u, (1, 0), value=1.0).transpose(-2, -1).contiguous()
-    return features_t_vjp(ut_t, grad.transpose(-2, -1).contiguous(), p)[..., 1:, :].transpose(
-        -2, -1
-    )
-
-
 def feature_weights(
     head_dim: int, p: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None
 ) -> Tensor:
@@ -193,9 +185,9 @@ class _ChunkLoop(torch.autograd.Function):
                 before[:, :, i] = state
             phi_q = features_t(ut_q[:, :, i], p)  # (B, H, F, C)
             phi_k = features_t(ut_k[:, :, i], p)
-            scores = poly(qi @ ki.transpose(-2, -1), p).masked_fill_(future, 0.0)  # (B, H, C, C)
-            out[:, :, rows] = scores @ vi + phi_q.transpose(-2, -1) @ state.transpose(-2, -1)
-            state += (vi.transpose(-2, -1) @ phi_k.transpose(-2, -1)).mul_(w)
+            scores = poly(qi @ ki.mT, p).masked_fill_(future, 0.0)  # (B, H, C, C)
+            out[:, :, rows] = scores @ vi + phi_q.mT @ state.mT
+            state += (vi.mT @ phi_k.mT).mul_(w)
         ctx.p, ctx.c = p, c
         if keep:
             ctx.save_for_backward(q, k, v_aug, before)
@@ -216,23 +208,21 @@ class _ChunkLoop(torch.autograd.Function):
             qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v_aug[:, :, rows], d_out[:, :, rows]
             phi_q = features_t(ut_q[:, :, i], p)  # (B, H, F, C)
             phi_k = features_t(ut_k[:, :, i], p).mul(w)
-            x = qi @ ki.transpose(-2, -1)
+            x = qi @ ki.mT
             scores = poly(x, p).masked_fill_(future, 0.0)
             # through the state: out_i = phi_q^T S^T, and later states gain v_i (w phi_k)^T
-            dv[:, :, rows] = scores.transpose(-2, -1) @ doi + phi_k.transpose(
-                -2, -1
-            ) @ d_s.transpose(-2, -1)
-            d_phi_k = (d_s.transpose(-2, -1) @ vi.transpose(-2, -1)).mul_(w)  # (B, H, F, C)
-            d_phi_q = before[:, :, i].transpose(-2, -1) @ doi.transpose(-2, -1)
-            d_s += doi.transpose(-2, -1) @ phi_q.transpose(-2, -1)
+            dv[:, :, rows] = scores.mT @ doi + phi_k.mT @ d_s.mT
+            d_phi_k = (d_s.mT @ vi.mT).mul_(w)  # (B, H, F, C)
+            d_phi_q = before[:, :, i].mT @ doi.mT
+            d_s += doi.mT @ phi_q.mT
             # through the chunk's own polynomial, poly'(x) = 1 (p=1) or 1 + x (p=2)
-            dx = (doi @ vi.transpose(-2, -1)).masked_fill_(future, 0.0)
+            dx = (doi @ vi.mT).masked_fill_(future, 0.0)
             if p == 2:
                 dx.mul_(x.add_(1.0))
             d_ut_q = features_t_vjp(ut_q[:, :, i], d_phi_q, p)[..., 1:, :]  # (B, H, D, C)
             d_ut_k = features_t_vjp(ut_k[:, :, i], d_phi_k, p)[..., 1:, :]
-            dq[:, :, rows] = dx @ ki + d_ut_q.transpose(-2, -1)
-            dk[:, :, rows] = dx.transpose(-2, -1) @ qi + d_ut_k.transpose(-2, -1)
+            dq[:, :, rows] = dx @ ki + d_ut_q.mT
+            dk[:, :, rows] = dx.mT @ qi + d_ut_k.mT
         return dq, dk, dv, d_s, None, None
 
 
