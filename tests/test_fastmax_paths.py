@@ -62,11 +62,13 @@ def test_causal_paths_agree(dtype, p, nq, nk, chunk, padded):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("p", [1, 2])
 @pytest.mark.parametrize(("nq", "nk"), [(17, 17), (4, 17), (17, 6)])
+@pytest.mark.parametrize("chunk", [4, 64])
 @pytest.mark.parametrize("padded", [False, True])
-def test_noncausal_paths_agree(dtype, p, nq, nk, padded):
+def test_noncausal_paths_agree(dtype, p, nq, nk, chunk, padded):
     _, qs, ks, v_aug, _ = inputs(nq, nk, dtype, p, padded)
     reference = fm.quadratic(qs, ks, v_aug, p, causal=False)
-    torch.testing.assert_close(fm.factorized(qs, ks, v_aug, p), reference, **TOL[dtype])
+    factorized = fm.factorized(qs, ks, v_aug, p, chunk)
+    torch.testing.assert_close(factorized, reference, **TOL[dtype])
     # the recurrent state after every key, queried once, is the non-causal answer
     _, state = recurrent(ks, ks, v_aug, p)
     torch.testing.assert_close(fm.read_state(qs, state, p), reference, **TOL[dtype])
@@ -189,3 +191,8 @@ def test_chunked_backward_passes_gradcheck_across_chunks(p, nq, nk):
         return out, final
 
     assert torch.autograd.gradcheck(fn, (q, k, v_aug, state))
+
+    def noncausal(q, k, v_aug):
+        return fm.factorized(q, k, v_aug, p, chunk_size=3)
+
+    assert torch.autograd.gradcheck(noncausal, (q, k, v_aug))

@@ -152,9 +152,60 @@ def quadratic(q: Tensor, k: Tensor, v_aug: Tensor, p: int, causal: bool) -> Tens
     return a @ v_aug  # (B, H, Nq, Dv + 1)
 
 
-def factorized(q: Tensor, k: Tensor, v_aug: Tensor, p: int) -> Tensor:
-    """Non-causal linear path: one state over every key, read by every query."""
-    return read_state(q, weighted_state(v_aug, k, p), p)  # (B, H, Nq, Dv + 1)
+def factorized(q: Tensor, k: Tensor, v_aug: Tensor, p: int, chunk_size: int = 128) -> Tensor:
+    """Non-causal linear path: one state over every key, read by every query.
+
+    Keys and queries are processed ``chunk_size`` at a time (see ``_FactorizedLoop``).
+    """
+    c = chunk_size
+    nq = q.shape[2]
+    q = F.pad(q, (0, 0, 0, -nq % c))
+    k, v_aug = (F.pad(t, (0, 0, 0, -k.shape[2] % c)) for t in (k, v_aug))  # empty keys
+    return _FactorizedLoop.apply(q, k, v_aug, p, c)[:, :, :nq]  # (B, H, Nq, Dv + 1)
+
+
+class _FactorizedLoop(torch.autograd.Function):
+    """Non-causal state ``S = sum_j v_aug_j (w phi(k_j))^T`` and its read ``phi(q) S^T``,
+    a chunk at a time with a hand-written backward pass: the features are recomputed per
+    chunk, so no N x F tensor is ever held. Nq and Nk must be multiples of C."""
+
+    @staticmethod
+    def forward(ctx, q, k, v_aug, p, c):  # type: ignore[override]
+        b, h, nq, _ = q.shape
+        w = feature_weights(q.shape[-1], p, q.dtype, q.device)
+        ut_q, ut_k = _chunks_t(q, c), _chunks_t(k, c)  # (B, H, n / C, E, C)
+        state = q.new_zeros(b, h, v_aug.shape[-1], w.shape[0])  # (B, H, Dv + 1, F)
+        for i in range(k.shape[2] // c):
+            vi = v_aug[:, :, i * c : (i + 1) * c]
+            state += (vi.mT @ features_t(ut_k[:, :, i], p).mT).mul_(w)
+        out = q.new_empty(b, h, nq, v_aug.shape[-1])
+        for i in range(nq // c):
+            out[:, :, i * c : (i + 1) * c] = features_t(ut_q[:, :, i], p).mT @ state.mT
+        ctx.p, ctx.c = p, c
+        ctx.save_for_backward(q, k, v_aug, state)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        q, k, v_aug, state = ctx.saved_tensors
+        p, c = ctx.p, ctx.c
+        w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
+        ut_q, ut_k = _chunks_t(q, c), _chunks_t(k, c)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
+        d_s = torch.zeros_like(state)
+        for i in range(q.shape[2] // c):
+            rows = slice(i * c, (i + 1) * c)
+            doi = d_out[:, :, rows]
+            d_ut_q = features_t_vjp(ut_q[:, :, i], state.mT @ doi.mT, p)[..., 1:, :]
+            dq[:, :, rows] = d_ut_q.mT
+            d_s += doi.mT @ features_t(ut_q[:, :, i], p).mT
+        for i in range(k.shape[2] // c):
+            rows = slice(i * c, (i + 1) * c)
+            vi = v_aug[:, :, rows]
+            dv[:, :, rows] = features_t(ut_k[:, :, i], p).mul(w).mT @ d_s.mT
+            d_ut_k = features_t_vjp(ut_k[:, :, i], (d_s.mT @ vi.mT).mul_(w), p)[..., 1:, :]
+            dk[:, :, rows] = d_ut_k.mT
+        return dq, dk, dv, None, None
 
 
 class _ChunkLoop(torch.autograd.Function):
@@ -285,7 +336,7 @@ class FastmaxAttention(AttentionKernel):
         scale: s, multiplies q.k before the polynomial.
         normalize: divide every query and key by its own L2 norm over the head dimension.
             The norm of each token uses that token alone, so nothing leaks from the future.
-        chunk_size: C of the causal chunked path.
+        chunk_size: C, the tokens processed at once by the linear paths.
         impl: ``"linear"`` (factorized / chunked) or ``"quadratic"`` (the reference).
         dropout: drops whole keys. During training each (batch, head, key) is kept with
             probability 1 - dropout and its value scaled by 1 / (1 - dropout); the
@@ -386,7 +437,7 @@ class FastmaxAttention(AttentionKernel):
             elif causal:
                 out, _ = chunked_causal(qs, ks, v_aug, self.p, self.chunk_size)
             else:
-                out = factorized(qs, ks, v_aug, self.p)
+                out = factorized(qs, ks, v_aug, self.p, self.chunk_size)
             return normalise_output(out).to(v.dtype)
 
     def weights(
