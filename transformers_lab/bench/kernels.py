@@ -537,9 +537,9 @@ def plot(rows: Sequence[Row], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     handles, labels = ax_time.get_legend_handles_labels()
     if handles:
-        ax_mem.legend(handles, labels, fontsize=8)
+        fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
