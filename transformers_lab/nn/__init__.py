@@ -1,5 +1,37 @@
 """Layers shared by every model."""
 
-from transformers_lab.nn.attention import MultiHeadAttention, as_kernel_factory
+from transformers_lab.nn.attention import (
+    Context,
+    KernelFactory,
+    MultiHeadAttention,
+    as_kernel_factory,
+)
+from transformers_lab.nn.layers import (
+    ACTIVATIONS,
+    MLP,
+    POSITIONAL_ENCODINGS,
+    Block,
+    PatchEmbedding,
+    PositionalEncoding,
+    TokenEmbedding,
+    activation,
+    sinusoidal_table,
+)
+from transformers_lab.nn.optim import weight_decay_groups
 
-__all__ = ["MultiHeadAttention", "as_kernel_factory"]
+__all__ = [
+    "ACTIVATIONS",
+    "MLP",
+    "POSITIONAL_ENCODINGS",
+    "Block",
+    "Context",
+    "KernelFactory",
+    "MultiHeadAttention",
+    "PatchEmbedding",
+    "PositionalEncoding",
+    "TokenEmbedding",
+    "activation",
+    "as_kernel_factory",
+    "sinusoidal_table",
+    "weight_decay_groups",
+]

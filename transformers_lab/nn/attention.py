@@ -11,6 +11,9 @@ from torch import Tensor, nn
 from transformers_lab.attention import AttentionKernel, kernel_class
 
 KernelFactory = Callable[..., AttentionKernel]
+# A cross-attention context: the memory (B, Nk, dim), or its keys and values from
+# ``MultiHeadAttention.project_context``.
+Context = Tensor | tuple[Tensor, Tensor] | None
 
 
 def as_kernel_factory(kernel: KernelFactory | str) -> KernelFactory:
@@ -79,7 +82,22 @@ class MultiHeadAttention(nn.Module):
         b, n, _ = x.shape
         return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    def project_context(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-head keys and values of a cross-attention context, (B, H, Nk, head_dim) each.
+
+        Pass the pair back as ``context`` to attend to the same memory many times (as a
+        decoder does at every step) without projecting it again.
+        """
+        if not self.cross:
+            raise ValueError("project_context() is for cross-attention (cross=True) layers")
+        if context.dim() != 3:
+            raise ValueError(
+                f"expected a context of shape (batch, tokens, dim), got {tuple(context.shape)}"
+            )
+        k, v = self.kv_proj(context).split(self.d_model, dim=-1)
+        return self.split_heads(k), self.split_heads(v)
+
+    def project(self, x: Tensor, context: Context) -> tuple[Tensor, Tensor, Tensor]:
         """Per-head queries, keys and values, each (B, H, N, head_dim)."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(
@@ -88,14 +106,11 @@ class MultiHeadAttention(nn.Module):
         if self.cross:
             if context is None:
                 raise ValueError("cross-attention needs a context tensor (batch, tokens, dim)")
-            q = self.q_proj(x)
-            k, v = self.kv_proj(context).split(self.d_model, dim=-1)
-        else:
-            if context is not None:
-                raise ValueError(
-                    "a self-attention layer takes no context; build it with cross=True"
-                )
-            q, k, v = self.qkv_proj(x).split(self.d_model, dim=-1)
+            k, v = context if isinstance(context, tuple) else self.project_context(context)
+            return self.split_heads(self.q_proj(x)), k, v
+        if context is not None:
+            raise ValueError("a self-attention layer takes no context; build it with cross=True")
+        q, k, v = self.qkv_proj(x).split(self.d_model, dim=-1)
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
     def merge_heads(self, out: Tensor) -> Tensor:
@@ -107,12 +122,13 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        context: Tensor | None = None,
+        context: Context = None,
         *,
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
-        """x (B, Nq, d_model), context (B, Nk, context_dim) -> (B, Nq, d_model)."""
+        """x (B, Nq, d_model), context (B, Nk, context_dim) or its projected (k, v)
+        -> (B, Nq, d_model)."""
         q, k, v = self.project(x, context)
         out = self.kernel(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         return self.merge_heads(out)
@@ -120,7 +136,7 @@ class MultiHeadAttention(nn.Module):
     def attention_weights(
         self,
         x: Tensor,
-        context: Tensor | None = None,
+        context: Context = None,
         *,
         causal: bool = False,
         key_padding_mask: Tensor | None = None,

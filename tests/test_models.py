@@ -1,0 +1,297 @@
+"""The models: shapes, causality, cached decoding, beam search, overfitting, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformers_lab.attention import KERNELS
+from transformers_lab.models import GPT, EncoderClassifier, Transformer, ViT
+from transformers_lab.nn import ACTIVATIONS, POSITIONAL_ENCODINGS, weight_decay_groups
+
+KERNEL_NAMES = sorted(KERNELS)
+V = 23
+
+
+def tiny_gpt(attention="softmax", **kw) -> GPT:
+    options = {"n_layer": 2, "n_head": 2, "d_model": 16, "block_size": 24} | kw
+    return GPT(V, attention=attention, **options).eval()
+
+
+def tiny_transformer(attention="softmax", **kw) -> Transformer:
+    options = {
+        "d_model": 16,
+        "n_head": 2,
+        "n_encoder_layers": 2,
+        "n_decoder_layers": 2,
+        "max_len": 20,
+        "dropout": 0.0,
+    } | kw
+    return Transformer(V, V + 2, attention=attention, **options).eval()
+
+
+def source_batch() -> torch.Tensor:
+    src = torch.randint(3, V, (3, 9))
+    src[1, 6:] = 0  # padding (pad_id = 0)
+    return src
+
+
+# ---------------------------------------------------------------- shapes and options
+
+
+@pytest.mark.parametrize("pos", POSITIONAL_ENCODINGS)
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_gpt_shapes_with_every_position_kind_and_norm(pos, norm_first):
+    model = tiny_gpt(pos_encoding=pos, norm_first=norm_first, bias=False)
+    assert model(torch.randint(0, V, (3, 11))).shape == (3, 11, V)
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_every_activation_builds_and_runs(act):
+    model = ViT(image_size=8, patch_size=4, d_model=16, n_layer=1, n_head=2, act=act)
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 10)
+
+
+def test_vit_and_encoder_shapes_and_pooling():
+    images = torch.randn(2, 3, 12, 12)
+    for pool in ("cls", "mean"):
+        vit = ViT(image_size=12, patch_size=4, in_channels=3, num_classes=5, pool=pool, head="mlp")
+        assert vit(images).shape == (2, 5)
+    tokens = EncoderClassifier(4, vocab_size=V, pad_id=0, pool="none", d_model=16, n_head=2)
+    assert tokens(torch.randint(0, V, (2, 7))).shape == (2, 7, 4)
+    patches = EncoderClassifier(4, image_size=12, patch_size=6, in_channels=3, pool="mean")
+    assert patches(images).shape == (2, 4)
+
+
+def test_transformer_shapes():
+    model = tiny_transformer()
+    assert model(source_batch(), torch.randint(0, V, (3, 5))).shape == (3, 5, V + 2)
+    shared = Transformer(
+        V, V, d_model=16, n_head=2, n_encoder_layers=1, n_decoder_layers=1, share_embeddings=True
+    )
+    assert shared.tgt_tok is shared.src_tok and shared.out.weight is shared.tgt_tok.weight
+
+
+def test_mean_pooling_ignores_padding():
+    model = EncoderClassifier(3, vocab_size=V, pad_id=0, pool="mean", d_model=16, n_head=2).eval()
+    x = torch.randint(1, V, (1, 6))
+    padded = torch.cat([x, torch.zeros(1, 3, dtype=torch.long)], dim=1)
+    torch.testing.assert_close(model(padded), model(x), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- GPT
+
+
+def test_gpt_parameter_count_matches_nanogpt_baby_gpt():
+    """nanoGPT's CPU baby GPT (4 layers, 4 heads, 128 wide, block 64, vocab 65, no bias)
+    reports 0.80M parameters, position embeddings not counted."""
+    model = GPT(65, 64, n_layer=4, n_head=4, d_model=128, bias=False)
+    assert model.num_params() == 795_904
+    assert f"{model.num_params() / 1e6:.2f}M" == "0.80M"
+    assert model.lm_head.weight is model.tok.weight
+
+
+def test_gpt_init_scales_residual_projections():
+    model = GPT(65, 64, n_layer=8, n_head=4, d_model=256)
+    proj = model.blocks[0].attn.out_proj.weight.std().item()
+    fc = model.blocks[0].mlp.fc.weight.std().item()
+    assert abs(fc - 0.02) < 0.002
+    assert abs(proj - 0.02 / 4) < 0.001  # 0.02 / sqrt(2 * 8)
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_gpt_is_causal(name):
+    model = tiny_gpt(name)
+    idx = torch.randint(0, V, (2, 12))
+    changed = idx.clone()
+    changed[:, 7:] = torch.randint(0, V, (2, 5))
+    torch.testing.assert_close(model(changed)[:, :7], model(idx)[:, :7], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_gpt_cached_decoding_equals_full_forward(name):
+    model = tiny_gpt(name)
+    idx = torch.randint(0, V, (2, 15))
+    full = model(idx)
+    logits, cache = model.forward_cached(idx[:, :6])
+    steps = [logits]
+    for t in range(6, 15):
+        logits, cache = model.forward_cached(idx[:, t : t + 1], cache, offset=t)
+        steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
+    # greedy generation with and without the cache, past block_size (the window slides)
+    prompt = idx[:, :5]
+    cached = model.generate(prompt, 30, temperature=0)
+    recomputed = model.generate(prompt, 30, temperature=0, use_cache=False)
+    assert torch.equal(cached, recomputed)
+
+
+def test_sampling_respects_top_k_and_top_p():
+    model = tiny_gpt()
+    prompt = torch.randint(0, V, (4, 3))
+    logits = model(prompt)[:, -1]
+    allowed = logits.topk(3, dim=-1).indices
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        out = model.generate(prompt, 1, temperature=1.0, top_k=3, generator=gen)[:, -1]
+        assert (out[:, None] == allowed).any(dim=1).all()
+    nucleus = model.generate(prompt, 4, top_p=1e-6, generator=gen)  # only the top token
+    assert torch.equal(nucleus, model.generate(prompt, 4, temperature=0))
+
+
+# ---------------------------------------------------------------- encoder-decoder
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_decoder_step_ignores_later_targets_and_padded_source(name):
+    model = tiny_transformer(name)
+    src, tgt = source_batch(), torch.randint(3, V, (3, 8))
+    out = model(src, tgt)
+    tgt2 = tgt.clone()
+    tgt2[:, 5:] = torch.randint(3, V, (3, 3))
+    torch.testing.assert_close(model(src, tgt2)[:, :5], out[:, :5], rtol=0, atol=1e-6)
+    # more padding after the source changes nothing
+    longer = torch.cat([src, torch.zeros(3, 4, dtype=torch.long)], dim=1)
+    torch.testing.assert_close(model(longer, tgt), out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_padded_source_tokens_change_nothing(name):
+    model = tiny_transformer(name)
+    src, tgt = source_batch(), torch.randint(3, V, (3, 6))
+    memory, pad = model.encode(src)
+    # the decoder sees the memory only through unpadded keys: scramble the padded rows
+    scrambled = memory.clone()
+    scrambled[pad] = 100 * torch.randn_like(scrambled[pad])
+    torch.testing.assert_close(model.decode(tgt, scrambled, pad), model.decode(tgt, memory, pad))
+
+
+@pytest.mark.parametrize("name", ["softmax", "fastmax"])
+def test_transformer_cached_greedy_equals_full_recompute(name):
+    model = tiny_transformer(name)
+    src = source_batch()
+    memory, pad = model.encode(src)
+    ys = torch.full((3, 1), model.bos_id)
+    for _ in range(8):  # greedy by recomputing the whole target every step
+        next_id = model.decode(ys, memory, pad)[:, -1].argmax(-1)
+        ys = torch.cat([ys, next_id[:, None]], dim=1)
+    cached = model.greedy(src, max_len=8)
+    eos = (ys[:, 1:] == model.eos_id).cumsum(1) - (ys[:, 1:] == model.eos_id).long() > 0
+    expected = ys[:, 1:].masked_fill(eos, model.pad_id)  # padding after EOS
+    assert torch.equal(cached, expected[:, : cached.shape[1]])
+
+
+@pytest.mark.parametrize("name", ["softmax", "fastmax", "cosine"])
+def test_beam_search_with_beam_one_equals_greedy(name):
+    model = tiny_transformer(name)
+    src = source_batch()
+    assert torch.equal(model.beam_search(src, beam_size=1, max_len=10), model.greedy(src, 10))
+    beams = model.translate(src, max_len=10, beam_size=4)
+    assert beams.shape[0] == 3 and beams.shape[1] <= 10
+
+
+def test_beam_search_finds_a_better_sequence_than_greedy():
+    """Scored by the model's own log-probability, beam 4 is at least as good as greedy."""
+    model = tiny_transformer(dropout=0.0)
+    src = source_batch()
+
+    def logprob(tgt):
+        memory, pad = model.encode(src)
+        ys = torch.cat([torch.full((3, 1), model.bos_id), tgt], dim=1)
+        logp = model.decode(ys[:, :-1], memory, pad).log_softmax(-1)
+        return logp.gather(-1, ys[:, 1:, None]).squeeze(-1).sum(-1)
+
+    greedy, beam = model.greedy(src, 6), model.beam_search(src, 4, 6, length_penalty=0.0)
+    n = min(greedy.shape[1], beam.shape[1])
+    assert (logprob(beam[:, :n]) >= logprob(greedy[:, :n]) - 1e-4).all()
+
+
+# ---------------------------------------------------------------- learning
+
+
+def fit(model, loss_fn, steps=150, lr=1e-2):
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(steps):
+        loss = loss_fn()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_every_model_overfits_one_batch(name):
+    torch.manual_seed(0)
+    idx = torch.randint(0, V, (4, 12))
+    gpt = tiny_gpt(name, d_model=32)
+    gpt_loss = fit(
+        gpt, lambda: F.cross_entropy(gpt(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+    )
+
+    src, tgt = torch.randint(3, V, (4, 8)), torch.randint(3, V, (4, 8))
+    tr = tiny_transformer(name, d_model=32, norm_first=True)
+    tr_loss = fit(
+        tr, lambda: F.cross_entropy(tr(src, tgt[:, :-1]).flatten(0, 1), tgt[:, 1:].flatten())
+    )
+
+    images, labels = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    vit = ViT(image_size=8, patch_size=4, d_model=32, n_layer=2, n_head=2, attention=name)
+    vit_loss = fit(vit, lambda: F.cross_entropy(vit(images), labels))
+
+    tokens, classes = torch.randint(1, V, (8, 10)), torch.randint(0, 3, (8,))
+    enc = EncoderClassifier(3, vocab_size=V, d_model=32, n_layer=2, n_head=2, attention=name)
+    enc_loss = fit(enc, lambda: F.cross_entropy(enc(tokens), classes))
+
+    losses = {"gpt": gpt_loss, "transformer": tr_loss, "vit": vit_loss, "encoder": enc_loss}
+    assert max(losses.values()) < 0.05, losses
+
+
+def test_weight_decay_groups():
+    model = GPT(V, 16, n_layer=2, n_head=2, d_model=16)
+    decay, no_decay = weight_decay_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    decay_ids = {id(p) for p in decay["params"]}
+    no_decay_ids = {id(p) for p in no_decay["params"]}
+    assert not decay_ids & no_decay_ids
+    assert decay_ids | no_decay_ids == {id(p) for p in model.parameters()}
+    assert id(model.tok.weight) in no_decay_ids  # the tied embedding / LM head
+    assert id(model.blocks[0].attn.qkv_proj.weight) in decay_ids
+    assert all(
+        p.dim() == 1
+        for p in no_decay["params"]
+        if p is not model.tok.weight and p is not model.pos.embedding.weight
+    )
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input_gets_clear_errors():
+    with pytest.raises(ValueError, match="d_model=30 must be divisible by num_heads=4"):
+        GPT(V, 16, n_head=4, d_model=30)
+    model = tiny_gpt()
+    with pytest.raises(
+        ValueError, match=r"25 tokens is longer than the positions table \(max_len=24\)"
+    ):
+        model(torch.randint(0, V, (1, 25)))
+    with pytest.raises(ValueError, match=r"token id 23 is outside the vocabulary \[0, 23\)"):
+        model(torch.tensor([[1, 2, 23]]))
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        model(torch.tensor([[-1, 2]]))
+    vit = ViT(image_size=8, patch_size=4, in_channels=1)
+    with pytest.raises(ValueError, match=r"in_channels=1, got \(2, 3, 8, 8\)"):
+        vit(torch.randn(2, 3, 8, 8))
+    with pytest.raises(ValueError, match="expected 8x8 images"):
+        vit(torch.randn(2, 1, 9, 9))
+    with pytest.raises(ValueError, match="image_size=30 does not fit the patch grid"):
+        ViT(image_size=30, patch_size=4)
+    with pytest.raises(ValueError, match="unknown activation 'swish'"):
+        tiny_gpt(act="swish")
+    with pytest.raises(ValueError, match="unknown positional encoding 'rope'"):
+        tiny_gpt(pos_encoding="rope")
+    with pytest.raises(ValueError, match="share_embeddings needs one vocabulary"):
+        Transformer(10, 12, share_embeddings=True)
+    with pytest.raises(ValueError, match="either vocab_size"):
+        EncoderClassifier(3)

@@ -1,0 +1,178 @@
+"""Encoder-only classifiers: a generic one over tokens or image patches, and ViT."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from transformers_lab.models.common import block_stack, final_norm
+from transformers_lab.nn import (
+    KernelFactory,
+    PatchEmbedding,
+    PositionalEncoding,
+    TokenEmbedding,
+    activation,
+)
+
+POOLINGS = ("cls", "mean", "none")
+HEADS = ("linear", "mlp")
+
+
+class EncoderClassifier(nn.Module):
+    """Embedding, a stack of non-causal Blocks, pooling and a classification head.
+
+    The input is either token ids (give ``vocab_size``) or images cut into patches (give
+    ``image_size`` and ``patch_size``).
+
+    Args:
+        num_classes: classes of the head.
+        vocab_size, max_len: token input; ``max_len`` is the positions table.
+        image_size, patch_size, in_channels: patch input (square images).
+        d_model, n_layer, n_head, mlp_ratio, dropout, act, bias, norm_first: as in GPT.
+        pos_encoding: sinusoidal, learned, fourier or none.
+        pool: ``cls`` (a learned class token, prepended), ``mean`` (average over the
+            non-padded tokens) or ``none`` (a prediction per token).
+        head: ``linear``, or ``mlp`` (Linear, activation, Linear).
+        pad_id: token id to mask out of attention and of mean pooling.
+        attention: kernel factory or kernel name.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        *,
+        vocab_size: int | None = None,
+        max_len: int = 512,
+        image_size: int | None = None,
+        patch_size: int | None = None,
+        in_channels: int = 1,
+        d_model: int = 64,
+        n_layer: int = 2,
+        n_head: int = 4,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        act: str = "gelu",
+        bias: bool = True,
+        norm_first: bool = True,
+        pos_encoding: str = "sinusoidal",
+        pool: str = "mean",
+        head: str = "linear",
+        pad_id: int | None = None,
+        attention: KernelFactory | str = "softmax",
+    ) -> None:
+        super().__init__()
+        if (vocab_size is None) == (image_size is None or patch_size is None):
+            raise ValueError(
+                "give either vocab_size (token input) or image_size and patch_size "
+                "(patch input), not both and not neither"
+            )
+        if pool not in POOLINGS:
+            raise ValueError(f"unknown pool {pool!r}; valid ones are: {', '.join(POOLINGS)}")
+        if head not in HEADS:
+            raise ValueError(f"unknown head {head!r}; valid ones are: {', '.join(HEADS)}")
+        self.pool, self.pad_id = pool, pad_id
+        if vocab_size is not None:
+            self.embedding: nn.Module = TokenEmbedding(vocab_size, d_model)
+        else:
+            self.embedding = PatchEmbedding(image_size, patch_size, in_channels, d_model)
+            max_len = self.embedding.num_patches
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d_model)) if pool == "cls" else None
+        self.pos = PositionalEncoding(pos_encoding, d_model, max_len + (pool == "cls"))
+        self.drop = nn.Dropout(dropout)
+        self.blocks = block_stack(
+            n_layer,
+            d_model,
+            n_head,
+            attention,
+            mlp_ratio=mlp_ratio,
+            act=act,
+            dropout=dropout,
+            bias=bias,
+            norm_first=norm_first,
+        )
+        self.norm = final_norm(d_model, bias, norm_first)
+        if head == "linear":
+            self.head: nn.Module = nn.Linear(d_model, num_classes)
+        else:
+            self.head = nn.Sequential(
+                nn.Linear(d_model, d_model), activation(act), nn.Linear(d_model, num_classes)
+            )
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=0.02)
+
+    def features(
+        self, x: Tensor, key_padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Encoded tokens (B, N, d_model) and the padding mask they carry (B, N) or None."""
+        if key_padding_mask is None and self.pad_id is not None and not x.is_floating_point():
+            key_padding_mask = x == self.pad_id
+        h = self.embedding(x)  # (B, N, d_model)
+        if self.cls_token is not None:
+            h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], dim=1)
+            if key_padding_mask is not None:
+                key_padding_mask = nn.functional.pad(key_padding_mask, (1, 0), value=False)
+        pos = self.pos(h.shape[1])
+        h = self.drop(h if pos is None else h + pos)
+        for block in self.blocks:
+            h = block(h, key_padding_mask=key_padding_mask)
+        return self.norm(h), key_padding_mask
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        """Logits (B, classes), or (B, N, classes) with ``pool='none'``.
+
+        x: token ids (B, N) or images (B, C, H, W); key_padding_mask: (B, N), True at
+        padding (derived from ``pad_id`` when not given).
+        """
+        h, mask = self.features(x, key_padding_mask)
+        if self.pool == "cls":
+            h = h[:, 0]
+        elif self.pool == "mean":
+            if mask is None:
+                h = h.mean(dim=1)
+            else:
+                keep = (~mask).unsqueeze(-1).to(h.dtype)
+                h = (h * keep).sum(dim=1) / keep.sum(dim=1).clamp_min(1.0)
+        return self.head(h)
+
+
+class ViT(EncoderClassifier):
+    """Vision Transformer (Dosovitskiy et al., 2021): convolutional patch embedding, a
+    class token (or mean pooling), learned positions and a linear (or MLP) head."""
+
+    def __init__(
+        self,
+        image_size: int = 28,
+        patch_size: int = 4,
+        in_channels: int = 1,
+        num_classes: int = 10,
+        d_model: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        act: str = "gelu",
+        bias: bool = True,
+        norm_first: bool = True,
+        pos_encoding: str = "learned",
+        pool: str = "cls",
+        head: str = "linear",
+        attention: KernelFactory | str = "softmax",
+    ) -> None:
+        super().__init__(
+            num_classes,
+            image_size=image_size,
+            patch_size=patch_size,
+            in_channels=in_channels,
+            d_model=d_model,
+            n_layer=n_layer,
+            n_head=n_head,
+            mlp_ratio=mlp_ratio,
+            dropout=dropout,
+            act=act,
+            bias=bias,
+            norm_first=norm_first,
+            pos_encoding=pos_encoding,
+            pool=pool,
+            head=head,
+            attention=attention,
+        )

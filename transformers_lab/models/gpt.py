@@ -1,0 +1,157 @@
+"""GPT: a decoder-only transformer for language modelling (Radford et al.; nanoGPT-shaped)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from transformers_lab.models.common import block_stack, final_norm, sample_next
+from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, a stack of causal Blocks, a final norm and an LM head
+    tied to the token embedding.
+
+    Args:
+        vocab_size: number of token ids.
+        block_size: the longest context, the size of the positions table.
+        n_layer, n_head, d_model: depth, heads and width.
+        mlp_ratio: MLP hidden width over d_model.
+        dropout: on the embeddings and the residual branches (attention dropout is the
+            kernel's own ``dropout`` option).
+        bias: biases in the linear layers and LayerNorms.
+        act: MLP activation.
+        norm_first: pre-norm blocks (GPT-2) or post-norm.
+        pos_encoding: learned (GPT-2), sinusoidal, fourier or none.
+        tie_weights: share the LM head with the token embedding.
+        attention: kernel factory (``${attention}`` in the configs) or kernel name.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        n_layer: int = 4,
+        n_head: int = 4,
+        d_model: int = 128,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        bias: bool = True,
+        act: str = "gelu",
+        norm_first: bool = True,
+        pos_encoding: str = "learned",
+        tie_weights: bool = True,
+        attention: KernelFactory | str = "softmax",
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.tok = TokenEmbedding(vocab_size, d_model)
+        self.pos = PositionalEncoding(pos_encoding, d_model, block_size)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = block_stack(
+            n_layer,
+            d_model,
+            n_head,
+            attention,
+            mlp_ratio=mlp_ratio,
+            act=act,
+            dropout=dropout,
+            bias=bias,
+            norm_first=norm_first,
+        )
+        self.norm = final_norm(d_model, bias, norm_first)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections by 1/sqrt(2 n_layer), one per sub-layer
+        for name, param in self.named_parameters():
+            if name.endswith(("attn.out_proj.weight", "mlp.proj.weight")):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+        if tie_weights:
+            self.lm_head.weight = self.tok.weight
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """N(0, 0.02) for linear and embedding weights, zero biases (GPT-2)."""
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; by default without the position table, as nanoGPT counts."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= sum(p.numel() for p in self.pos.parameters())
+        return n
+
+    def embed(self, idx: Tensor, offset: int = 0) -> Tensor:
+        """Token + position embeddings of ids (B, T) starting at position ``offset``."""
+        if idx.dim() != 2:
+            raise ValueError(f"expected token ids of shape (batch, tokens), got {tuple(idx.shape)}")
+        x = self.tok(idx)  # (B, T, d_model)
+        pos = self.pos(idx.shape[1], offset)
+        return self.drop(x if pos is None else x + pos)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Logits (B, T, vocab) of the next token at every position of idx (B, T)."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, causal=True)
+        return self.lm_head(self.norm(x))
+
+    def forward_cached(
+        self, idx: Tensor, cache: list[Any] | None = None, offset: int = 0
+    ) -> tuple[Tensor, list[Any]]:
+        """Logits of new tokens idx (B, T) at positions ``offset..``, given the cache of the
+        tokens before them (None at the start); returns the logits and the new cache.
+
+        The cache is, per layer, the kernel's decoding state: keys and values for the
+        softmax family, the recurrent state for fastmax.
+        """
+        x = self.embed(idx, offset)
+        cache = cache or [None] * len(self.blocks)
+        new_cache = []
+        for block, state in zip(self.blocks, cache, strict=True):
+            x, state = block.decode(x, state)
+            new_cache.append(state)
+        return self.lm_head(self.norm(x)), new_cache
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Extend idx (B, T) by ``max_new_tokens`` sampled tokens (``temperature=0``: greedy).
+
+        With ``use_cache`` each new token costs one cached step; without it the whole
+        context is recomputed every step. Past ``block_size`` the context slides: the
+        last ``block_size`` tokens are kept (and, with the cache, re-encoded once the
+        window moves).
+        """
+        cache, cached = None, 0  # tokens held by the cache
+        for _ in range(max_new_tokens):
+            if not use_cache:
+                logits = self(idx[:, -self.block_size :])
+            elif cache is not None and cached < self.block_size:
+                logits, cache = self.forward_cached(idx[:, -1:], cache, offset=cached)
+                cached += 1
+            else:  # start, or the window slid: encode the last block_size tokens
+                context = idx[:, -self.block_size :]
+                logits, cache = self.forward_cached(context)
+                cached = context.shape[1]
+            next_id = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+            idx = torch.cat([idx, next_id[:, None]], dim=1)
+        return idx

@@ -1,0 +1,264 @@
+"""Building blocks shared by every model: activations, MLP, positions, embeddings, Block."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from transformers_lab.nn.attention import Context, KernelFactory, MultiHeadAttention
+
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "gelu_tanh": partial(nn.GELU, approximate="tanh"),
+    "silu": nn.SiLU,
+    "tanh": nn.Tanh,
+    "sigmoid": nn.Sigmoid,
+    "leaky_relu": nn.LeakyReLU,
+    "elu": nn.ELU,
+    "mish": nn.Mish,
+}
+POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "fourier", "none")
+
+
+def activation(name: str) -> nn.Module:
+    """The activation module called ``name``."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; valid ones are: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]()
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: Linear, activation, Linear, dropout."""
+
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        act: str = "gelu",
+        dropout: float = 0.0,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, hidden, bias=bias)
+        self.act = activation(act)
+        self.proj = nn.Linear(hidden, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(self.act(self.fc(x))))
+
+
+def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
+    """Vaswani et al.'s table: PE[p, 2i] = sin(p w_i), PE[p, 2i+1] = cos(p w_i),
+    w_i = 10000^(-2i / d_model). Shape (max_len, d_model)."""
+    position = torch.arange(max_len, dtype=torch.float32)[:, None]
+    freqs = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(1e4) / d_model))
+    table = torch.zeros(max_len, d_model)
+    table[:, 0::2] = torch.sin(position * freqs)
+    table[:, 1::2] = torch.cos(position * freqs[: d_model // 2])
+    return table
+
+
+class PositionalEncoding(nn.Module):
+    """Position vectors added to the token embeddings.
+
+    Kinds:
+        sinusoidal: the fixed table of Vaswani et al. (2017).
+        learned: one trained vector per position (GPT, ViT), init N(0, 0.02).
+        fourier: learned Fourier features: sin and cos of the position times learned
+            frequencies (initialised to the sinusoidal ones), so the model can retune
+            the frequencies of the fixed table.
+        none: no positions (the attention kernel sees a bag of tokens).
+
+    Every kind refuses a sequence longer than ``max_len``, the model's context.
+    """
+
+    def __init__(self, kind: str, d_model: int, max_len: int) -> None:
+        super().__init__()
+        if kind not in POSITIONAL_ENCODINGS:
+            raise ValueError(
+                f"unknown positional encoding {kind!r}; valid ones are: "
+                f"{', '.join(POSITIONAL_ENCODINGS)}"
+            )
+        if kind in ("sinusoidal", "fourier") and d_model % 2:
+            raise ValueError(f"{kind} positions need an even d_model, got d_model={d_model}")
+        self.kind = kind
+        self.max_len = max_len
+        if kind == "sinusoidal":
+            self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+        elif kind == "learned":
+            self.embedding = nn.Embedding(max_len, d_model)
+            nn.init.normal_(self.embedding.weight, std=0.02)
+        elif kind == "fourier":
+            freqs = torch.exp(torch.arange(0, d_model, 2) * (-math.log(1e4) / d_model))
+            self.freqs = nn.Parameter(freqs)
+
+    def forward(self, length: int, offset: int = 0) -> Tensor | None:
+        """Position vectors of positions ``offset .. offset + length - 1``, (length, d_model),
+        or None for ``none``."""
+        if offset + length > self.max_len:
+            raise ValueError(
+                f"a sequence of {offset + length} tokens is longer than the positions table "
+                f"(max_len={self.max_len}); crop the input or build the model with a longer "
+                "context (block_size / max_len)"
+            )
+        if self.kind == "none":
+            return None
+        if self.kind == "fourier":
+            position = torch.arange(offset, offset + length, device=self.freqs.device)
+            angles = position[:, None].to(self.freqs.dtype) * self.freqs  # (T, d_model / 2)
+            return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)
+        if self.kind == "learned":
+            return self.embedding.weight[offset : offset + length]
+        return self.table[offset : offset + length]
+
+
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding that names the bad id when a token falls outside the vocabulary."""
+
+    def forward(self, idx: Tensor) -> Tensor:  # type: ignore[override]
+        if idx.numel() and (idx.min() < 0 or idx.max() >= self.num_embeddings):
+            bad = idx[(idx < 0) | (idx >= self.num_embeddings)][0].item()
+            raise ValueError(
+                f"token id {bad} is outside the vocabulary [0, {self.num_embeddings}); "
+                "check that the tokenizer and the model's vocab_size agree"
+            )
+        return super().forward(idx)
+
+
+class PatchEmbedding(nn.Module):
+    """Cuts an image into non-overlapping patches and embeds each with one convolution.
+
+    (B, C, H, W) -> (B, (H / P) * (W / P), d_model), patches in row-major order.
+    """
+
+    def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int) -> None:
+        super().__init__()
+        if image_size % patch_size:
+            raise ValueError(
+                f"image_size={image_size} does not fit the patch grid: it is not a multiple "
+                f"of patch_size={patch_size}; choose a patch size that divides the image size"
+            )
+        self.image_size = image_size
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.num_patches = (image_size // patch_size) ** 2
+        self.proj = nn.Conv2d(in_channels, d_model, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, images: Tensor) -> Tensor:
+        if images.dim() != 4 or images.shape[1] != self.in_channels:
+            raise ValueError(
+                f"expected images of shape (batch, {self.in_channels}, {self.image_size}, "
+                f"{self.image_size}) with in_channels={self.in_channels}, got "
+                f"{tuple(images.shape)}; set in_channels to the images' channel count"
+            )
+        if images.shape[-2:] != (self.image_size, self.image_size):
+            raise ValueError(
+                f"expected {self.image_size}x{self.image_size} images (image_size="
+                f"{self.image_size}), got {images.shape[-2]}x{images.shape[-1]}; resize them "
+                "or build the model with their size"
+            )
+        return self.proj(images).flatten(2).transpose(1, 2)  # (B, num_patches, d_model)
+
+
+def _sublayer(
+    x: Tensor, norm: nn.Module, fn: Callable[[Tensor], Tensor], norm_first: bool
+) -> Tensor:
+    """A residual sub-layer: x + f(norm(x)) (pre-norm) or norm(x + f(x)) (post-norm)."""
+    return x + fn(norm(x)) if norm_first else norm(x + fn(x))
+
+
+class Block(nn.Module):
+    """A transformer layer: self-attention, optional cross-attention, and an MLP, each a
+    residual sub-layer with its own LayerNorm, before (pre-norm) or after (post-norm).
+
+    Args:
+        d_model, num_heads: width and heads of every attention.
+        attention: kernel factory of the self-attention.
+        cross_attention: kernel factory of the cross-attention; None for no cross-attention.
+        mlp_ratio: hidden width of the MLP over d_model.
+        act: MLP activation.
+        dropout: dropout on the residual branches (attention and MLP outputs).
+        bias: biases in the linear layers and LayerNorms.
+        norm_first: pre-norm (True) or post-norm (False, as in Vaswani et al.).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        attention: KernelFactory | str,
+        cross_attention: KernelFactory | str | None = None,
+        *,
+        mlp_ratio: float = 4.0,
+        act: str = "gelu",
+        dropout: float = 0.0,
+        bias: bool = True,
+        norm_first: bool = True,
+    ) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.attn = MultiHeadAttention(d_model, num_heads, attention, bias=bias, dropout=dropout)
+        self.norm_attn = nn.LayerNorm(d_model, bias=bias)
+        self.cross = None
+        if cross_attention is not None:
+            self.cross = MultiHeadAttention(
+                d_model, num_heads, cross_attention, cross=True, bias=bias, dropout=dropout
+            )
+            self.norm_cross = nn.LayerNorm(d_model, bias=bias)
+        self.mlp = MLP(d_model, int(mlp_ratio * d_model), act, dropout, bias)
+        self.norm_mlp = nn.LayerNorm(d_model, bias=bias)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        memory: Context = None,
+        memory_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """x (B, N, d_model); memory (B, M, d_model) or its projected (k, v) for the
+        cross-attention. Masks are (B, N) and (B, M), True at padding."""
+
+        def self_attention(h: Tensor) -> Tensor:
+            return self.attn(h, causal=causal, key_padding_mask=key_padding_mask)
+
+        x = _sublayer(x, self.norm_attn, self_attention, self.norm_first)
+        return self._cross_and_mlp(x, memory, memory_padding_mask)
+
+    def decode(
+        self,
+        x: Tensor,
+        state: Any = None,
+        *,
+        memory: Context = None,
+        memory_padding_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Any]:
+        """Causal step over new tokens x (B, T, d_model) given this layer's cache ``state``."""
+        new_state = None
+
+        def self_attention(h: Tensor) -> Tensor:
+            nonlocal new_state
+            out, new_state = self.attn.decode(h, state)
+            return out
+
+        x = _sublayer(x, self.norm_attn, self_attention, self.norm_first)
+        return self._cross_and_mlp(x, memory, memory_padding_mask), new_state
+
+    def _cross_and_mlp(
+        self, x: Tensor, memory: Context, memory_padding_mask: Tensor | None
+    ) -> Tensor:
+        if self.cross is not None:
+
+            def cross_attention(h: Tensor) -> Tensor:
+                return self.cross(h, memory, key_padding_mask=memory_padding_mask)
+
+            x = _sublayer(x, self.norm_cross, cross_attention, self.norm_first)
+        return _sublayer(x, self.norm_mlp, self.mlp, self.norm_first)
