@@ -1,0 +1,46 @@
+"""The generation benchmark runs end to end and reports what the caches hold."""
+
+import csv
+
+import pytest
+
+from transformers_lab.bench import generation
+
+
+def test_generation_bench_writes_reports(tmp_path):
+    argv = [
+        "--context",
+        "8",
+        "40",
+        "--kernels",
+        "softmax",
+        "fastmax",
+        "--new-tokens",
+        "3",
+        "--n-layer",
+        "1",
+        "--d-model",
+        "16",
+        "--n-head",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    assert generation.main(argv) == 0
+    rows = list(csv.DictReader((tmp_path / "generation.csv").open()))
+    assert [(r["kernel"], r["context"]) for r in rows] == [
+        ("softmax", "8"),
+        ("softmax", "40"),
+        ("fastmax", "8"),
+        ("fastmax", "40"),
+    ]
+    assert all(float(r["ms_per_token"]) > 0 for r in rows)
+    cache = {(r["kernel"], r["context"]): float(r["cache_mib"]) for r in rows}
+    assert cache[("softmax", "40")] > cache[("softmax", "8")]  # the KV cache grows
+    assert cache[("fastmax", "40")] == cache[("fastmax", "8")]  # the state does not
+    assert "ms / token" in (tmp_path / "generation.md").read_text()
+
+
+def test_unknown_kernel_is_refused():
+    with pytest.raises(SystemExit):
+        generation.main(["--kernels", "nope"])

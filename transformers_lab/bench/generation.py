@@ -1,0 +1,134 @@
+"""Time per generated token against context length, for GPT with each kernel's cache.
+
+Usage::
+
+    python -m transformers_lab.bench.generation --context 256 4096 --kernels softmax fastmax
+
+For every (kernel, context) a GPT with untrained weights encodes a random prompt of
+``context`` tokens once (not timed), then generates ``--new-tokens`` tokens greedily, one
+cached step each; the figure is the median wall time of a step. The softmax family
+keeps a KV cache that grows with the context; fastmax keeps a fixed-size recurrent
+state. Writes ``generation.csv`` and ``generation.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from transformers_lab.attention import KERNELS
+from transformers_lab.models import GPT
+
+
+def cache_mib(cache: object) -> float:
+    """Size of every tensor in a (nested) cache, in MiB."""
+    if isinstance(cache, torch.Tensor):
+        return cache.numel() * cache.element_size() / 2**20
+    if isinstance(cache, list | tuple):
+        return sum(cache_mib(c) for c in cache)
+    return 0.0
+
+
+@torch.no_grad()
+def time_per_token(model: GPT, context: int, new_tokens: int, device: str) -> tuple[float, float]:
+    """Median seconds per cached step after a ``context``-token prompt, and the cache size."""
+    prompt = torch.randint(0, model.vocab_size, (1, context), device=device)
+    logits, cache = model.forward_cached(prompt)
+    next_id = logits[:, -1].argmax(-1, keepdim=True)
+    times = []
+    for t in range(new_tokens):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits, cache = model.forward_cached(next_id, cache, offset=context + t)
+        next_id = logits[:, -1].argmax(-1, keepdim=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:] or times), cache_mib(cache)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m transformers_lab.bench.generation", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--context", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--kernels", nargs="+", default=["softmax", "fastmax"])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=65)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/generation"))
+    args = parser.parse_args(argv)
+    unknown = [k for k in args.kernels if k not in KERNELS]
+    if unknown:
+        parser.error(f"unknown kernels {unknown}; valid kernels are: {', '.join(KERNELS)}")
+
+    rows = []
+    for kernel in args.kernels:
+        torch.manual_seed(0)
+        model = (
+            GPT(
+                args.vocab,
+                max(args.context) + args.new_tokens,
+                n_layer=args.n_layer,
+                n_head=args.n_head,
+                d_model=args.d_model,
+                pos_encoding="sinusoidal",
+                attention=kernel,
+            )
+            .to(args.device)
+            .eval()
+        )
+        for context in args.context:
+            seconds, mib = time_per_token(model, context, args.new_tokens, args.device)
+            rows.append(
+                {
+                    "kernel": kernel,
+                    "context": context,
+                    "ms_per_token": 1e3 * seconds,
+                    "cache_mib": mib,
+                }
+            )
+            print(
+                f"{kernel:<10} context={context:<6} {1e3 * seconds:8.3f} ms/token "
+                f"cache {mib:8.2f} MiB",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / "generation.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [
+        f"# Cached generation, GPT {args.n_layer} layers x {args.n_head} heads x "
+        f"{args.d_model}, batch 1, {args.device}",
+        "",
+        "| kernel | context | ms / token | vs first context | cache (MiB) |",
+        "|---|---|---|---|---|",
+    ]
+    first = {}
+    for row in rows:
+        base = first.setdefault(row["kernel"], row["ms_per_token"])
+        lines.append(
+            f"| {row['kernel']} | {row['context']} | {row['ms_per_token']:.3f} | "
+            f"{row['ms_per_token'] / base:.2f}x | {row['cache_mib']:.2f} |"
+        )
+    (args.out / "generation.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
