@@ -73,6 +73,21 @@ def test_transformer_shapes():
     assert shared.tgt_tok is shared.src_tok and shared.out.weight is shared.tgt_tok.weight
 
 
+def test_cross_attention_kernel_is_chosen_separately():
+    model = tiny_transformer("softmax", cross_attention="fastmax")
+    block = model.decoder[0]
+    assert block.attn.kernel.name == "softmax" and block.cross.kernel.name == "fastmax"
+    assert model.encoder[0].cross is None and model.encoder[0].attn.kernel.name == "softmax"
+
+
+def test_dropout_acts_in_training_only():
+    model = tiny_gpt(dropout=0.5)
+    idx = torch.randint(0, V, (2, 8))
+    torch.testing.assert_close(model(idx), model(idx))
+    model.train()
+    assert not torch.allclose(model(idx), model(idx))
+
+
 def test_mean_pooling_ignores_padding():
     model = EncoderClassifier(3, vocab_size=V, pad_id=0, pool="mean", d_model=16, n_head=2).eval()
     x = torch.randint(1, V, (1, 6))
