@@ -1,0 +1,456 @@
+"""Data: downloads, tokenizers, windows, data modules on small files the tests write,
+and the real data sets when TLAB_DATA_DIR holds them."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiktoken
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from transformers_lab.data import (
+    CharTokenizer,
+    DataFileError,
+    DigitsDataModule,
+    MNISTDataModule,
+    ShakespeareBPEDataModule,
+    ShakespeareCharDataModule,
+    SyntheticDataModule,
+    TiktokenTokenizer,
+    TranslationDataModule,
+    copy_or_sort,
+    download,
+    ensure_file,
+    load_encoding,
+    mqar,
+)
+from transformers_lab.data import translation as translation_module
+from transformers_lab.data.text import ContiguousWindows, RandomWindows
+from transformers_lab.data.tokenizers import GPT2_PATTERN
+from transformers_lab.data.translation import BucketBatchSampler, read_iwslt_train, read_iwslt_xml
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+REAL = Path(os.environ.get("TLAB_DATA_DIR", "/nonexistent"))
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------- downloads
+
+
+def test_download_is_verified_and_atomic(tmp_path, monkeypatch):
+    payload = b"hello data"
+    good = hashlib.sha256(payload).hexdigest()
+    target = tmp_path / "sub" / "file.bin"
+
+    def fetch(url, path, timeout=60.0):
+        Path(path).write_bytes(payload)
+
+    monkeypatch.setattr(download, "fetch", fetch)
+    assert ensure_file(target, "https://example.org/file.bin", good) == target
+    assert target.read_bytes() == payload
+    assert [p.name for p in target.parent.iterdir()] == ["file.bin"]  # no temp file left
+    # an existing good file is not fetched again
+    monkeypatch.setattr(download, "fetch", lambda *a, **k: pytest.fail("fetched again"))
+    ensure_file(target, "https://example.org/file.bin", good)
+
+
+def test_corrupted_download_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(download, "fetch", lambda url, path, timeout=60.0: path.write_bytes(b"x"))
+    target = tmp_path / "file.bin"
+    with pytest.raises(DataFileError, match="fails its checksum.*nothing was written"):
+        ensure_file(target, "https://example.org/file.bin", "0" * 64)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_download_leaves_no_partial_file(tmp_path, monkeypatch):
+    def fetch(url, path, timeout=60.0):
+        Path(path).write_bytes(b"half of it")
+        raise ConnectionResetError("connection reset by peer")
+
+    monkeypatch.setattr(download, "fetch", fetch)
+    target = tmp_path / "file.bin"
+    with pytest.raises(DataFileError) as info:
+        ensure_file(target, "https://example.org/file.bin", "0" * 64)
+    message = str(info.value)
+    assert "https://example.org/file.bin" in message and str(target) in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_offline_missing_file_names_url_and_path(tmp_path, monkeypatch):
+    import urllib.error
+
+    def fetch(url, path, timeout=60.0):
+        raise urllib.error.URLError("Temporary failure in name resolution")
+
+    monkeypatch.setattr(download, "fetch", fetch)
+    dm = ShakespeareCharDataModule(root=str(tmp_path))
+    with pytest.raises(DataFileError) as info:
+        dm.prepare_data()
+    message = str(info.value)
+    assert ShakespeareCharDataModule.url in message
+    assert str(tmp_path / "shakespeare" / "input.txt") in message
+    with pytest.raises(DataFileError, match="downloads are off"):
+        ShakespeareCharDataModule(root=str(tmp_path), download=False).prepare_data()
+
+
+def test_existing_corrupted_file_fails_its_checksum(tmp_path):
+    path = tmp_path / "shakespeare" / "input.txt"
+    path.parent.mkdir()
+    path.write_text("not shakespeare")
+    with pytest.raises(DataFileError, match="fails its checksum.*delete it"):
+        ShakespeareCharDataModule(root=str(tmp_path)).prepare_data()
+
+
+def test_md5_checksums(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"abc")
+    ensure_file(path, "https://example.org/f", "md5:" + hashlib.md5(b"abc").hexdigest())
+    with pytest.raises(DataFileError, match="md5"):
+        ensure_file(path, "https://example.org/f", "md5:" + "0" * 32)
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def test_char_tokenizer_round_trip_and_specials(tmp_path):
+    tok = CharTokenizer.from_text(TEXT)
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+    assert tok.vocab_size == len(set(TEXT))
+    tok.save(tmp_path / "vocab.json")
+    assert CharTokenizer.load(tmp_path / "vocab.json").itos == tok.itos
+    special = CharTokenizer.from_text(TEXT, specials=True)
+    assert [special.special_id(s) for s in ("<pad>", "<bos>", "<eos>")] == [0, 1, 2]
+    ids = [special.special_id("<bos>"), *special.encode("Speak"), special.special_id("<eos>")]
+    assert special.decode(ids) == "Speak"
+    with pytest.raises(ValueError, match="'#' is not in the vocabulary"):
+        tok.encode("#")
+
+
+def tiny_ranks() -> dict[bytes, int]:
+    """Byte-level BPE ranks with a few merges."""
+    ranks = {bytes([i]): i for i in range(256)}
+    for merge in (b"th", b"e ", b"the", b"sp", b"ea", b"spea", b"speak"):
+        ranks[merge] = len(ranks)
+    return ranks
+
+
+def tiny_encoding() -> tiktoken.Encoding:
+    """A tiktoken Encoding built from local ranks (no download)."""
+    return tiktoken.Encoding(
+        "tiny", pat_str=GPT2_PATTERN, mergeable_ranks=tiny_ranks(), special_tokens={}
+    )
+
+
+def write_ranks(ranks: dict[bytes, int], path: Path) -> None:
+    """A .tiktoken ranks file: one base64 token and its rank per line."""
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+
+
+def test_tiktoken_tokenizer_round_trip_and_specials(tmp_path):
+    tok = TiktokenTokenizer(tiny_encoding(), specials=True)
+    text = TEXT.lower()
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode("speak")) == 1  # merges apply
+    assert tok.vocab_size == tok.encoding.n_vocab + 3
+    assert tok.special_id("<pad>") == tok.encoding.n_vocab
+    assert (
+        tok.decode([tok.special_id("<bos>"), *tok.encode("the"), tok.special_id("<eos>")]) == "the"
+    )
+    # the same ranks from a local .tiktoken file
+    write_ranks(tiny_ranks(), tmp_path / "tiny.tiktoken")
+    local = load_encoding("tiny", tmp_path / "tiny.tiktoken")
+    assert local.encode_ordinary(text) == tok.encode(text)
+
+
+def test_unknown_tiktoken_encoding_lists_known_ones():
+    with pytest.raises(ValueError, match="unknown tiktoken encoding 'nope'; known ones: .*gpt2"):
+        load_encoding("nope")
+
+
+# ---------------------------------------------------------------- windows and text
+
+
+def test_windows_shift_targets_and_respect_the_stride():
+    data = torch.arange(50)
+    x, y = RandomWindows(data, 8, num_samples=5)[0]
+    assert torch.equal(y, x + 1) and len(x) == 8
+    windows = ContiguousWindows(data, 8)
+    assert len(windows) == 6  # offsets 0, 8, ..., 40 (the last needs 9 tokens: 40..48)
+    starts = [windows[i][0][0].item() for i in range(len(windows))]
+    assert starts == [0, 8, 16, 24, 32, 40]
+    strided = ContiguousWindows(data, 8, stride=4)
+    assert [strided[i][0][0].item() for i in range(3)] == [0, 4, 8]
+    with pytest.raises(IndexError):
+        windows[6]
+    with pytest.raises(ValueError, match="too few"):
+        RandomWindows(torch.arange(5), 8, 1)
+
+
+def write_text_root(tmp_path: Path, monkeypatch) -> Path:
+    path = tmp_path / "shakespeare" / "input.txt"
+    path.parent.mkdir(parents=True)
+    path.write_text(TEXT)
+    monkeypatch.setattr(ShakespeareCharDataModule, "sha256", sha256(path))
+    return tmp_path
+
+
+def test_shakespeare_char_module_on_a_few_lines(tmp_path, monkeypatch):
+    root = write_text_root(tmp_path, monkeypatch)
+    dm = ShakespeareCharDataModule(root=str(root), block_size=16, batch_size=4, train_samples=8)
+    dm.setup()
+    split = int(len(TEXT) * 0.9)
+    assert len(dm.train_data) == split and len(dm.val_data) == len(TEXT) - split
+    assert dm.tokenizer.decode(dm.val_data.tolist()) == TEXT[split:]
+    assert dm.model_kwargs() == {"vocab_size": len(set(TEXT)), "block_size": 16}
+    assert (root / "shakespeare" / "vocab.json").exists()  # saved beside the data
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == y.shape == (4, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert len(list(dm.val_dataloader())) == -(-len(ContiguousWindows(dm.val_data, 16)) // 4)
+    # the vocabulary travels in checkpoints
+    restored = ShakespeareCharDataModule(root=str(root))
+    restored.load_state_dict(dm.state_dict())
+    assert restored.tokenizer.itos == dm.tokenizer.itos
+
+
+def test_shakespeare_bpe_module_with_a_local_encoding(tmp_path, monkeypatch):
+    root = write_text_root(tmp_path, monkeypatch)
+    write_ranks(tiny_ranks(), tmp_path / "tiny.tiktoken")
+    dm = ShakespeareBPEDataModule(
+        encoding="tiny", bpe_file=str(tmp_path / "tiny.tiktoken"), root=str(root), block_size=8
+    )
+    dm.setup()
+    assert dm.vocab_size == 256 + 7
+    split = int(len(TEXT) * 0.9)
+    assert dm.tokenizer.decode(dm.train_data.tolist()) == TEXT[:split]
+    with pytest.raises(ValueError, match="trained with the tiktoken encoding 'gpt2'"):
+        dm.load_state_dict({"tokenizer": {"kind": "tiktoken", "encoding": "gpt2", "specials": []}})
+
+
+# ---------------------------------------------------------------- images
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """An IDX file (the MNIST format): magic, dimensions, then uint8 data; gzip'd and raw."""
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    raw = header + array.astype(np.uint8).tobytes()
+    path.with_suffix("").write_bytes(raw)  # what torchvision reads
+    with gzip.open(path, "wb") as f:
+        f.write(raw)
+
+
+def test_mnist_module_on_idx_files_the_test_writes(tmp_path, monkeypatch):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    sizes = {"train": 40, "t10k": 12}
+    for split, n in sizes.items():
+        write_idx(raw / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        write_idx(raw / f"{split}-labels-idx1-ubyte.gz", rng.integers(0, 10, (n,)))
+    files = {p.name: sha256(p) for p in raw.glob("*.gz")}
+    monkeypatch.setattr(MNISTDataModule, "files", files)
+    dm = MNISTDataModule(root=str(tmp_path), batch_size=8, val_size=10, download=False)
+    dm.setup()
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (30, 10, 12)
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (8, 1, 28, 28) and x.dtype == torch.float32 and y.max() < 10
+    assert dm.model_kwargs() == {"image_size": 28, "in_channels": 1, "num_classes": 10}
+
+
+def test_digits_module_offline():
+    dm = DigitsDataModule(batch_size=32)
+    dm.setup()
+    assert len(dm.train_set) + len(dm.val_set) + len(dm.test_set) == 1797
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (32, 1, 8, 8) and x.min() >= 0.0 and x.max() <= 1.0
+    assert dm.model_kwargs() == {"image_size": 8, "in_channels": 1, "num_classes": 10}
+
+
+# ---------------------------------------------------------------- translation
+
+PAIRS = [("A man rides a horse.", "Ein Mann reitet ein Pferd."), ("Two dogs.", "Zwei Hunde.")]
+
+
+def write_multi30k(root: Path, monkeypatch) -> None:
+    folder = root / "multi30k"
+    folder.mkdir(parents=True)
+    for split in ("train", "val", "test_2016_flickr"):
+        for lang, side in (("en", 0), ("de", 1)):
+            path = folder / f"{split}.{lang}.gz"
+            with gzip.open(path, "wt", encoding="utf-8") as f:
+                f.writelines(pair[side] + "\n" for pair in PAIRS * 3)
+            monkeypatch.setitem(translation_module.MULTI30K_FILES, path.name, sha256(path))
+
+
+@pytest.mark.parametrize(("src_lang", "tgt_lang"), [("en", "de"), ("de", "en")])
+def test_translation_module_on_gzipped_parallel_lines(tmp_path, monkeypatch, src_lang, tgt_lang):
+    write_multi30k(tmp_path, monkeypatch)
+    dm = TranslationDataModule(
+        root=str(tmp_path),
+        src_lang=src_lang,
+        tgt_lang=tgt_lang,
+        batch_size=4,
+        bucket=2,
+        download=False,
+    )
+    dm.setup()
+    assert {k: len(v) for k, v in dm.sets.items()} == {"train": 6, "val": 6, "test": 6}
+    kwargs = dm.model_kwargs()
+    assert kwargs["src_vocab_size"] == dm.tokenizer.vocab_size
+    src, tgt = next(iter(dm.val_dataloader()))
+    side = 0 if src_lang == "en" else 1
+    assert tgt[0, 0] == kwargs["bos_id"]
+    assert dm.decode(tgt[0, 1:].tolist()) == PAIRS[0][1 - side]
+    assert dm.decode(src[0].tolist()) == PAIRS[0][side]
+    # padding fills the shorter pair of the batch
+    assert (src[1] == kwargs["pad_id"]).any() and (src[1] == kwargs["eos_id"]).sum() == 1
+
+
+def test_bucketing_groups_similar_lengths_and_covers_every_pair():
+    lengths = [1, 50, 2, 49, 3, 48, 4, 47]
+    sampler = BucketBatchSampler(lengths, batch_size=2, bucket=4)
+    batches = list(sampler)
+    assert sorted(i for b in batches for i in b) == list(range(8))
+    assert all(abs(lengths[a] - lengths[b]) < 5 for a, b in batches)
+    assert len(sampler) == 4
+
+
+def test_iwslt_files(tmp_path):
+    train = tmp_path / "iwslt2017" / "train.tags.en-de.en"
+    train.parent.mkdir()
+    train.write_text(
+        "<url>http://x</url>\n<talkid>1</talkid>\nHello there.\n  <title>T</title>\nBye.\n"
+    )
+    xml = tmp_path / "iwslt2017" / "IWSLT17.TED.dev2010.en-de.en.xml"
+    xml.write_text(
+        '<refset>\n<doc docid="1">\n<seg id="1"> Good morning. </seg>\n'
+        '<seg id="2">Yes.</seg>\n</doc></refset>\n'
+    )
+    assert read_iwslt_train(train) == ["Hello there.", "Bye."]
+    assert read_iwslt_xml(xml) == ["Good morning.", "Yes."]
+    for lang, lines in (("de", ["Hallo.", "Tschüss."]),):
+        (train.parent / f"train.tags.en-de.{lang}").write_text("\n".join(lines) + "\n")
+        (train.parent / f"IWSLT17.TED.dev2010.en-de.{lang}.xml").write_text(
+            '<seg id="1">Guten Morgen.</seg><seg id="2">Ja.</seg>'
+        )
+    dm = TranslationDataModule(root=str(tmp_path), dataset="iwslt2017")
+    assert dm.read_split("train") == (["Hello there.", "Bye."], ["Hallo.", "Tschüss."])
+    assert dm.read_split("val")[1] == ["Guten Morgen.", "Ja."]
+    with pytest.raises(DataFileError, match="tst2010.en-de.en.xml is missing"):
+        dm.read_split("test")
+
+
+# ---------------------------------------------------------------- synthetic
+
+
+def test_mqar_answers_are_the_values_bound_earlier():
+    inputs, labels = mqar(200, vocab_size=64, seq_len=48, num_kv_pairs=6, seed=3)
+    assert inputs.shape == labels.shape == (200, 48)
+    for x, y in zip(inputs.tolist(), labels.tolist(), strict=True):
+        bound = {x[i]: x[i + 1] for i in range(0, 12, 2)}
+        assert all(k < 32 for k in bound) and all(v >= 32 for v in bound.values())
+        answered = [(x[i], y[i]) for i in range(len(y)) if y[i] != -100]
+        assert len(answered) == 6
+        assert all(bound[key] == value for key, value in answered)
+    again, _ = mqar(200, vocab_size=64, seq_len=48, num_kv_pairs=6, seed=3)
+    assert torch.equal(inputs, again)
+    other, _ = mqar(200, vocab_size=64, seq_len=48, num_kv_pairs=6, seed=4)
+    assert not torch.equal(inputs, other)
+
+
+def test_mqar_gaps_follow_a_power_law():
+    _, labels = mqar(2000, vocab_size=256, seq_len=256, num_kv_pairs=4, seed=0)
+    positions = (labels != -100).nonzero()[:, 1].float()
+    first_half = (positions < 8 + (256 - 8) / 2).float().mean()
+    assert first_half > 0.6  # a uniform placement would give 0.5
+
+
+def test_mqar_rejects_impossible_settings():
+    with pytest.raises(ValueError, match="seq_len >= 4 \\* num_kv_pairs"):
+        mqar(1, vocab_size=64, seq_len=20, num_kv_pairs=8)
+
+
+@pytest.mark.parametrize("task", ["copy", "sort"])
+def test_copy_and_sort(task):
+    inputs, labels = copy_or_sort(task, 50, vocab_size=10, length=6, seed=1)
+    assert inputs.shape == labels.shape == (50, 12)
+    x = inputs[:, :6]
+    assert (inputs[:, 6] == 9).all()  # the separator
+    expected = x if task == "copy" else x.sort(dim=1).values
+    assert torch.equal(labels[:, 6:], expected)
+    assert (labels[:, :6] == -100).all()
+
+
+def test_synthetic_module_and_configs():
+    dm = SyntheticDataModule(
+        "mqar",
+        vocab_size=64,
+        seq_len=32,
+        num_kv_pairs=4,
+        train_examples=20,
+        val_examples=10,
+        batch_size=5,
+    )
+    dm.setup()
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == y.shape == (5, 32)
+    assert not torch.equal(dm.train_set.tensors[0][:10], dm.val_set.tensors[0])
+    with pytest.raises(ValueError, match="unknown synthetic task 'recall'"):
+        SyntheticDataModule("recall")
+
+
+@pytest.mark.parametrize("path", sorted((CONF / "data").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_data_config_instantiates(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("TLAB_DATA_DIR", str(tmp_path))
+    dm = instantiate(OmegaConf.load(path))
+    assert hasattr(dm, "model_kwargs") and hasattr(dm, "train_dataloader")
+    if hasattr(dm, "root"):
+        assert dm.root == tmp_path
+
+
+# ---------------------------------------------------------------- real data
+
+
+def need(*files: str) -> None:
+    missing = [f for f in files if not (REAL / f).exists()]
+    if missing:
+        pytest.skip(f"real data not found: {', '.join(missing)} under TLAB_DATA_DIR={REAL}")
+
+
+def test_real_shakespeare_split():
+    need("shakespeare/input.txt")
+    dm = ShakespeareCharDataModule(root=str(REAL), download=False)
+    dm.setup()
+    assert (len(dm.train_data), len(dm.val_data), dm.vocab_size) == (1_003_854, 111_540, 65)
+    text = (REAL / "shakespeare" / "input.txt").read_text()
+    assert dm.tokenizer.decode(torch.cat([dm.train_data, dm.val_data]).tolist()) == text
+
+
+def test_real_mnist_counts(tmp_path):
+    need(*(f"MNIST/raw/{name}" for name in MNISTDataModule.files))
+    shutil.copytree(REAL / "MNIST", tmp_path / "MNIST")  # unpacking writes beside the archives
+    dm = MNISTDataModule(root=str(tmp_path), val_size=5000, download=False)
+    dm.setup()
+    assert len(dm.train_set) + len(dm.val_set) == 60_000 and len(dm.test_set) == 10_000
+
+
+def test_real_multi30k_counts():
+    need(*(f"multi30k/{name}" for name in translation_module.MULTI30K_FILES))
+    dm = TranslationDataModule(root=str(REAL), download=False)
+    dm.setup()
+    assert [len(dm.raw[s][0]) for s in ("train", "val", "test")] == [29_000, 1_014, 1_000]
+    assert [len(dm.sets[s]) for s in ("val", "test")] == [1_014, 1_000]
