@@ -196,3 +196,16 @@ def test_chunked_backward_passes_gradcheck_across_chunks(p, nq, nk):
         return fm.factorized(q, k, v_aug, p, chunk_size=3)
 
     assert torch.autograd.gradcheck(noncausal, (q, k, v_aug))
+
+
+def test_double_backward_is_refused_not_wrong():
+    """The hand-written backward passes are first-order only: asking for a second order
+    raises instead of returning silently wrong numbers."""
+    kernel = FastmaxAttention(head_dim=D, num_heads=H)
+    q, k, v = (torch.randn(1, H, 6, n, requires_grad=True) for n in (D, D, DV))
+    for causal in (False, True):
+        out = kernel(q, k, v, causal=causal)
+        with pytest.raises(RuntimeError, match="first-order gradients only"):
+            torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        (gq,) = torch.autograd.grad(out.square().sum(), q)  # first order still works
+        assert torch.isfinite(gq).all()

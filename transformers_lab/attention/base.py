@@ -150,6 +150,8 @@ class AttentionKernel(nn.Module):
                 f"num_heads={self.num_heads} but got q of shape {tuple(q.shape)} "
                 "(batch, heads, tokens, head_dim)"
             )
+        if k.shape[2] == 0:
+            raise ValueError(f"{self.name}: got no keys (k of shape {tuple(k.shape)})")
         if q.shape[:2] != k.shape[:2]:
             raise ValueError(
                 f"{self.name}: q and k disagree on (batch, heads): "

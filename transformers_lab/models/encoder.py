@@ -61,10 +61,12 @@ class EncoderClassifier(nn.Module):
         attention: KernelFactory | str = "softmax",
     ) -> None:
         super().__init__()
-        if (vocab_size is None) == (image_size is None or patch_size is None):
+        patches = (image_size is not None, patch_size is not None)
+        if patches[0] != patches[1] or (vocab_size is not None) == patches[0]:
             raise ValueError(
                 "give either vocab_size (token input) or image_size and patch_size "
-                "(patch input), not both and not neither"
+                f"(patch input), not both and not neither; got vocab_size={vocab_size}, "
+                f"image_size={image_size}, patch_size={patch_size}"
             )
         if pool not in POOLINGS:
             raise ValueError(f"unknown pool {pool!r}; valid ones are: {', '.join(POOLINGS)}")

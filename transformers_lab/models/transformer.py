@@ -83,9 +83,11 @@ class Transformer(nn.Module):
         self.encoder_norm = final_norm(d_model, bias, norm_first)
         self.decoder_norm = final_norm(d_model, bias, norm_first)
         self.out = nn.Linear(d_model, tgt_vocab_size, bias=False)
-        for p in self.parameters():  # Xavier init, as in the reference implementation
-            if p.dim() > 1:
-                nn.init.xavier_uniform_(p)
+        # Xavier init of the projections and embeddings, as in the reference implementation;
+        # the kernels keep their own initialisation (cosine temperatures, additive biases)
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.xavier_uniform_(module.weight)
         if tie_output:
             self.out.weight = self.tgt_tok.weight
 
@@ -135,13 +137,21 @@ class Transformer(nn.Module):
             new_cache.append(state)
         return self.out(self.decoder_norm(x))[:, -1], new_cache
 
-    def _start(self, src: Tensor, copies: int) -> tuple[list, Tensor, int]:
-        """Encode once; memory keys/values per decoder layer, repeated ``copies`` times."""
+    def _start(self, src: Tensor, copies: int, max_len: int | None) -> tuple[list, Tensor, int]:
+        """Encode once; memory keys/values per decoder layer, repeated ``copies`` times; and
+        the number of decoding steps (``max_len``, at most the positions table)."""
         memory, src_pad = self.encode(src)
         memory = memory.repeat_interleave(copies, dim=0)
         src_pad = src_pad.repeat_interleave(copies, dim=0)
         memory_kv = [block.cross.project_context(memory) for block in self.decoder]
-        return memory_kv, src_pad, self.pos.max_len
+        table = self.pos.max_len
+        return memory_kv, src_pad, table if max_len is None else min(max_len, table)
+
+    def _never_emit(self, logits: Tensor) -> Tensor:
+        """Logits with PAD and BOS ruled out: they are never real output tokens."""
+        logits = logits.clone()
+        logits[:, [self.pad_id, self.bos_id]] = float("-inf")
+        return logits
 
     @torch.no_grad()
     def translate(
@@ -165,14 +175,13 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def greedy(self, src: Tensor, max_len: int | None = None) -> Tensor:
         """Greedy decoding with caches; see ``translate``."""
-        memory_kv, src_pad, table = self._start(src, 1)
-        steps = min(max_len or table, table)
+        memory_kv, src_pad, steps = self._start(src, 1, max_len)
         ys = torch.full((src.shape[0], 1), self.bos_id, dtype=torch.long, device=src.device)
         done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
         cache: list[Any] = [None] * len(self.decoder)
         for t in range(steps):
             logits, cache = self.decode_step(ys[:, -1:], cache, memory_kv, src_pad, t)
-            next_id = logits.argmax(dim=-1).masked_fill(done, self.pad_id)
+            next_id = self._never_emit(logits).argmax(dim=-1).masked_fill(done, self.pad_id)
             ys = torch.cat([ys, next_id[:, None]], dim=1)
             done |= next_id == self.eos_id
             if done.all():
@@ -187,8 +196,7 @@ class Transformer(nn.Module):
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
         b, k, alpha, device = src.shape[0], beam_size, length_penalty, src.device
-        memory_kv, src_pad, table = self._start(src, k)
-        steps = min(max_len or table, table)
+        memory_kv, src_pad, steps = self._start(src, k, max_len)
         scores = torch.full((b, k), float("-inf"), device=device)
         scores[:, 0] = 0.0  # one live beam per source at the start
         ys = torch.full((b * k, 1), self.bos_id, dtype=torch.long, device=device)
@@ -197,7 +205,7 @@ class Transformer(nn.Module):
         cache: list[Any] = [None] * len(self.decoder)
         for t in range(steps):
             logits, cache = self.decode_step(ys[:, -1:], cache, memory_kv, src_pad, t)
-            logp = logits.float().log_softmax(dim=-1)  # (B * K, V)
+            logp = self._never_emit(logits.float()).log_softmax(dim=-1)  # (B * K, V)
             # a finished beam only continues with padding, at no cost
             logp[done] = float("-inf")
             logp[done, self.pad_id] = 0.0

@@ -123,7 +123,10 @@ class TokenEmbedding(nn.Embedding):
     """nn.Embedding that names the bad id when a token falls outside the vocabulary."""
 
     def forward(self, idx: Tensor) -> Tensor:  # type: ignore[override]
-        if idx.numel() and (idx.min() < 0 or idx.max() >= self.num_embeddings):
+        if idx.is_cuda:  # checked on the device, without a host sync
+            ok = ((idx >= 0) & (idx < self.num_embeddings)).all()
+            torch._assert_async(ok, f"token id outside the vocabulary [0, {self.num_embeddings})")
+        elif idx.numel() and (idx.min() < 0 or idx.max() >= self.num_embeddings):
             bad = idx[(idx < 0) | (idx >= self.num_embeddings)][0].item()
             raise ValueError(
                 f"token id {bad} is outside the vocabulary [0, {self.num_embeddings}); "
