@@ -115,3 +115,13 @@ def test_bad_inputs_are_refused():
     cross = MultiHeadAttention(D_MODEL, HEADS, cross=True)
     with pytest.raises(ValueError, match="needs a context"):
         cross(torch.randn(2, 5, D_MODEL))
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_prepared_memory_equals_cross_attention(name):
+    layer = MultiHeadAttention(D_MODEL, HEADS, name, cross=True).double().eval()
+    x, mem = torch.randn(2, 4, D_MODEL).double(), torch.randn(2, 9, D_MODEL).double()
+    pad = torch.zeros(2, 9, dtype=torch.bool)
+    pad[1, 5:] = True
+    prepared = layer.project_context(mem, pad)
+    torch.testing.assert_close(layer(x, prepared), layer(x, mem, key_padding_mask=pad))

@@ -10,7 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from transformers_lab.attention.additive import AdditiveAttention
-from transformers_lab.attention.base import AttentionKernel, attention_mask, masked_softmax
+from transformers_lab.attention.base import (
+    AttentionKernel,
+    Memory,
+    attention_mask,
+    masked_softmax,
+)
 from transformers_lab.attention.fastmax import FastmaxAttention
 from transformers_lab.attention.softmax import CosineAttention, DotAttention, SoftmaxAttention
 
@@ -48,6 +53,7 @@ __all__ = [
     "CosineAttention",
     "DotAttention",
     "FastmaxAttention",
+    "Memory",
     "SoftmaxAttention",
     "attention_mask",
     "build_kernel",

@@ -17,6 +17,7 @@ dropout is off.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +55,18 @@ def masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:
     # A finite fill keeps fully masked rows finite (uniform) before they are zeroed below.
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     return scores.softmax(dim=-1).masked_fill(~allowed, 0.0)
+
+
+@dataclass
+class Memory:
+    """Keys and values prepared once by ``AttentionKernel.memory`` and read many times, as a
+    decoder does with its source at every step. Kernels keep what they need: the keys,
+    values and padding mask, or (fastmax) the factorised state of all keys."""
+
+    keys: Tensor | None = None
+    values: Tensor | None = None
+    key_padding_mask: Tensor | None = None
+    state: Tensor | None = None
 
 
 class AttentionKernel(nn.Module):
@@ -128,6 +141,14 @@ class AttentionKernel(nn.Module):
             v = torch.cat([v_past, v], dim=2)
         out = self(q, k, v, causal=True, key_padding_mask=key_padding_mask)
         return out, (k, v, key_padding_mask)
+
+    def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
+        """Prepare keys (B, H, Nk, D) and values for ``read_memory``."""
+        return Memory(k, v, key_padding_mask)
+
+    def read_memory(self, q: Tensor, memory: Memory) -> Tensor:
+        """Non-causal attention of q (B, H, Nq, D) over a prepared memory."""
+        return self(q, memory.keys, memory.values, key_padding_mask=memory.key_padding_mask)
 
     def check_inputs(
         self, q: Tensor, k: Tensor, v: Tensor | None, key_padding_mask: Tensor | None

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformers_lab.attention.base import AttentionKernel, attention_mask
+from transformers_lab.attention.base import AttentionKernel, Memory, attention_mask
 
 SUPPORTED_P = (1, 2)
 
@@ -476,6 +476,20 @@ class FastmaxAttention(AttentionKernel):
                 a = a.masked_fill(~allowed, 0.0)
             den = a.sum(dim=-1, keepdim=True)
             return (a / den.masked_fill(den == 0, 1.0)).to(q.dtype)
+
+    def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
+        """The factorised state of every key: reading it costs O(1) in the memory length."""
+        self.check_inputs(k[:, :, :1], k, v, key_padding_mask)
+        with torch.autocast(k.device.type, enabled=False):
+            _, ks, v_aug = self.prepare(k[:, :, :1], k, v, key_padding_mask)
+            return Memory(state=weighted_state(v_aug, ks, self.p))
+
+    def read_memory(self, q: Tensor, memory: Memory) -> Tensor:
+        if memory.state is None:
+            raise ValueError("fastmax.read_memory needs a memory made by fastmax.memory()")
+        with torch.autocast(q.device.type, enabled=False):
+            qs, _, _ = self.prepare(q, q, None, None)
+            return normalise_output(read_state(qs, memory.state, self.p)).to(q.dtype)
 
     def decode(
         self,

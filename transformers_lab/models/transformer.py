@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from transformers_lab.attention import Memory
 from transformers_lab.models.common import block_stack, final_norm, reorder_cache
 from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
 
@@ -121,31 +122,26 @@ class Transformer(nn.Module):
         return self.decode(tgt, memory, src_pad)
 
     def decode_step(
-        self,
-        tokens: Tensor,
-        cache: list[Any],
-        memory_kv: list[tuple[Tensor, Tensor]],
-        src_pad: Tensor,
-        offset: int,
+        self, tokens: Tensor, cache: list[Any], memory: list[Memory], offset: int
     ) -> tuple[Tensor, list[Any]]:
         """Logits (B, vocab) of the token after ``tokens`` (B, 1) at position ``offset``,
-        using each layer's self-attention cache and projected memory."""
+        using each layer's self-attention cache and prepared memory of the source."""
         x = self.embed(tokens, self.tgt_tok, offset)
         new_cache = []
-        for block, state, kv in zip(self.decoder, cache, memory_kv, strict=True):
-            x, state = block.decode(x, state, memory=kv, memory_padding_mask=src_pad)
+        for block, state, layer_memory in zip(self.decoder, cache, memory, strict=True):
+            x, state = block.decode(x, state, memory=layer_memory)
             new_cache.append(state)
         return self.out(self.decoder_norm(x))[:, -1], new_cache
 
-    def _start(self, src: Tensor, copies: int, max_len: int | None) -> tuple[list, Tensor, int]:
-        """Encode once; memory keys/values per decoder layer, repeated ``copies`` times; and
-        the number of decoding steps (``max_len``, at most the positions table)."""
+    def _start(self, src: Tensor, copies: int, max_len: int | None) -> tuple[list[Memory], int]:
+        """Encode once and prepare each decoder layer's memory, repeated ``copies`` times;
+        and the number of decoding steps (``max_len``, at most the positions table)."""
         memory, src_pad = self.encode(src)
         memory = memory.repeat_interleave(copies, dim=0)
         src_pad = src_pad.repeat_interleave(copies, dim=0)
-        memory_kv = [block.cross.project_context(memory) for block in self.decoder]
+        prepared = [block.cross.project_context(memory, src_pad) for block in self.decoder]
         table = self.pos.max_len
-        return memory_kv, src_pad, table if max_len is None else min(max_len, table)
+        return prepared, table if max_len is None else min(max_len, table)
 
     def _never_emit(self, logits: Tensor) -> Tensor:
         """Logits with PAD and BOS ruled out: they are never real output tokens."""
@@ -175,12 +171,12 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def greedy(self, src: Tensor, max_len: int | None = None) -> Tensor:
         """Greedy decoding with caches; see ``translate``."""
-        memory_kv, src_pad, steps = self._start(src, 1, max_len)
+        memory, steps = self._start(src, 1, max_len)
         ys = torch.full((src.shape[0], 1), self.bos_id, dtype=torch.long, device=src.device)
         done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
         cache: list[Any] = [None] * len(self.decoder)
         for t in range(steps):
-            logits, cache = self.decode_step(ys[:, -1:], cache, memory_kv, src_pad, t)
+            logits, cache = self.decode_step(ys[:, -1:], cache, memory, t)
             next_id = self._never_emit(logits).argmax(dim=-1).masked_fill(done, self.pad_id)
             ys = torch.cat([ys, next_id[:, None]], dim=1)
             done |= next_id == self.eos_id
@@ -196,7 +192,7 @@ class Transformer(nn.Module):
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
         b, k, alpha, device = src.shape[0], beam_size, length_penalty, src.device
-        memory_kv, src_pad, steps = self._start(src, k, max_len)
+        memory, steps = self._start(src, k, max_len)
         scores = torch.full((b, k), float("-inf"), device=device)
         scores[:, 0] = 0.0  # one live beam per source at the start
         ys = torch.full((b * k, 1), self.bos_id, dtype=torch.long, device=device)
@@ -204,7 +200,7 @@ class Transformer(nn.Module):
         lengths = torch.zeros(b * k, device=device)
         cache: list[Any] = [None] * len(self.decoder)
         for t in range(steps):
-            logits, cache = self.decode_step(ys[:, -1:], cache, memory_kv, src_pad, t)
+            logits, cache = self.decode_step(ys[:, -1:], cache, memory, t)
             logp = self._never_emit(logits.float()).log_softmax(dim=-1)  # (B * K, V)
             # a finished beam only continues with padding, at no cost
             logp[done] = float("-inf")

@@ -8,12 +8,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from transformers_lab.attention import AttentionKernel, kernel_class
+from transformers_lab.attention import AttentionKernel, Memory, kernel_class
 
 KernelFactory = Callable[..., AttentionKernel]
-# A cross-attention context: the memory (B, Nk, dim), or its keys and values from
-# ``MultiHeadAttention.project_context``.
-Context = Tensor | tuple[Tensor, Tensor] | None
+# A cross-attention context: the memory (B, Nk, dim), or the kernel's prepared Memory of
+# it from ``MultiHeadAttention.project_context``.
+Context = Tensor | Memory | None
 
 
 def as_kernel_factory(kernel: KernelFactory | str) -> KernelFactory:
@@ -82,12 +82,11 @@ class MultiHeadAttention(nn.Module):
         b, n, _ = x.shape
         return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def project_context(self, context: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-head keys and values of a cross-attention context, (B, H, Nk, head_dim) each.
-
-        Pass the pair back as ``context`` to attend to the same memory many times (as a
-        decoder does at every step) without projecting it again.
-        """
+    def project_context(self, context: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
+        """Keys and values of a cross-attention context (B, Nk, dim), prepared by the kernel
+        (the factorised state for fastmax). Pass the result back as ``context`` to attend
+        to the same memory many times, as a decoder does at every step, without projecting
+        or summarising it again; its padding mask goes with it."""
         if not self.cross:
             raise ValueError("project_context() is for cross-attention (cross=True) layers")
         if context.dim() != 3:
@@ -95,23 +94,26 @@ class MultiHeadAttention(nn.Module):
                 f"expected a context of shape (batch, tokens, dim), got {tuple(context.shape)}"
             )
         k, v = self.kv_proj(context).split(self.d_model, dim=-1)
-        return self.split_heads(k), self.split_heads(v)
+        return self.kernel.memory(self.split_heads(k), self.split_heads(v), key_padding_mask)
 
-    def project(self, x: Tensor, context: Context) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """Per-head queries, keys and values, each (B, H, N, head_dim)."""
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(
-                f"expected x of shape (batch, tokens, d_model={self.d_model}), got {tuple(x.shape)}"
-            )
+        self._check_x(x)
         if self.cross:
             if context is None:
                 raise ValueError("cross-attention needs a context tensor (batch, tokens, dim)")
-            k, v = context if isinstance(context, tuple) else self.project_context(context)
-            return self.split_heads(self.q_proj(x)), k, v
+            k, v = self.kv_proj(context).split(self.d_model, dim=-1)
+            return self.split_heads(self.q_proj(x)), self.split_heads(k), self.split_heads(v)
         if context is not None:
             raise ValueError("a self-attention layer takes no context; build it with cross=True")
         q, k, v = self.qkv_proj(x).split(self.d_model, dim=-1)
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+
+    def _check_x(self, x: Tensor) -> None:
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"expected x of shape (batch, tokens, d_model={self.d_model}), got {tuple(x.shape)}"
+            )
 
     def merge_heads(self, out: Tensor) -> Tensor:
         """(B, H, N, head_dim) -> output projection of (B, N, d_model)."""
@@ -127,8 +129,12 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
-        """x (B, Nq, d_model), context (B, Nk, context_dim) or its projected (k, v)
+        """x (B, Nq, d_model), context (B, Nk, context_dim) or its prepared Memory
         -> (B, Nq, d_model)."""
+        if isinstance(context, Memory):  # the mask travels inside the memory
+            self._check_x(x)
+            out = self.kernel.read_memory(self.split_heads(self.q_proj(x)), context)
+            return self.merge_heads(out)
         q, k, v = self.project(x, context)
         out = self.kernel(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         return self.merge_heads(out)
