@@ -22,6 +22,7 @@ from transformers_lab.data import (
     CharTokenizer,
     DataFileError,
     DigitsDataModule,
+    FashionMNISTDataModule,
     MNISTDataModule,
     ShakespeareBPEDataModule,
     ShakespeareCharDataModule,
@@ -253,8 +254,9 @@ def write_idx(path: Path, array: np.ndarray) -> None:
         f.write(raw)
 
 
-def test_mnist_module_on_idx_files_the_test_writes(tmp_path, monkeypatch):
-    raw = tmp_path / "MNIST" / "raw"
+@pytest.mark.parametrize("module", [MNISTDataModule, FashionMNISTDataModule])
+def test_mnist_modules_on_idx_files_the_test_writes(tmp_path, monkeypatch, module):
+    raw = tmp_path / module.folder / "raw"
     raw.mkdir(parents=True)
     rng = np.random.default_rng(0)
     sizes = {"train": 40, "t10k": 12}
@@ -262,8 +264,8 @@ def test_mnist_module_on_idx_files_the_test_writes(tmp_path, monkeypatch):
         write_idx(raw / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
         write_idx(raw / f"{split}-labels-idx1-ubyte.gz", rng.integers(0, 10, (n,)))
     files = {p.name: sha256(p) for p in raw.glob("*.gz")}
-    monkeypatch.setattr(MNISTDataModule, "files", files)
-    dm = MNISTDataModule(root=str(tmp_path), batch_size=8, val_size=10, download=False)
+    monkeypatch.setattr(module, "files", files)
+    dm = module(root=str(tmp_path), batch_size=8, val_size=10, download=False)
     dm.setup()
     assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (30, 10, 12)
     x, y = next(iter(dm.train_dataloader()))
