@@ -1,0 +1,26 @@
+"""LightningDataModules for real and synthetic data, tokenizers and verified downloads."""
+
+from transformers_lab.data.download import DataFileError, data_root, ensure_file
+from transformers_lab.data.synthetic import SyntheticDataModule, copy_or_sort, mqar
+from transformers_lab.data.text import ShakespeareBPEDataModule, ShakespeareCharDataModule
+from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer, load_encoding
+from transformers_lab.data.translation import TranslationDataModule
+from transformers_lab.data.vision import DigitsDataModule, FashionMNISTDataModule, MNISTDataModule
+
+__all__ = [
+    "CharTokenizer",
+    "DataFileError",
+    "DigitsDataModule",
+    "FashionMNISTDataModule",
+    "MNISTDataModule",
+    "ShakespeareBPEDataModule",
+    "ShakespeareCharDataModule",
+    "SyntheticDataModule",
+    "TiktokenTokenizer",
+    "TranslationDataModule",
+    "copy_or_sort",
+    "data_root",
+    "ensure_file",
+    "load_encoding",
+    "mqar",
+]

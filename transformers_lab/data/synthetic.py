@@ -1,0 +1,158 @@
+"""Synthetic sequence tasks, generated deterministically from a seed: multi-query
+associative recall (MQAR, as in the Zoology benchmark, Arora et al., 2023), copy and sort.
+
+Every example is (inputs, labels) of length ``seq_len`` for next-token prediction, with
+labels -100 wherever there is nothing to predict, so the loss and the accuracy cover the
+answer positions only.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+IGNORE = -100
+TASKS = ("mqar", "copy", "sort")
+
+
+def mqar(
+    num_examples: int,
+    vocab_size: int = 8192,
+    seq_len: int = 64,
+    num_kv_pairs: int = 8,
+    power_a: float = 0.01,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """MQAR examples: ``num_kv_pairs`` key-value pairs, then each key again as a query.
+
+    Keys come from the lower half of the vocabulary (id 0 excluded), values from the upper
+    half. The pairs fill the first ``2 * num_kv_pairs`` positions; each key is queried once
+    after them, at an even offset ``2 * gap`` whose gap follows the power law
+    p(gap) ~ gap^(power_a - 1) (most queries come soon after the context). The label at a
+    query position is the value bound to that key; the other positions hold random tokens
+    and the label -100.
+    """
+    context = 2 * num_kv_pairs
+    space = (seq_len - context) // 2
+    if space < num_kv_pairs:
+        raise ValueError(
+            f"seq_len={seq_len} is too short for num_kv_pairs={num_kv_pairs}: MQAR needs "
+            f"seq_len >= 4 * num_kv_pairs = {4 * num_kv_pairs}"
+        )
+    half = vocab_size // 2
+    if half - 1 < num_kv_pairs or vocab_size - half < num_kv_pairs:
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small for {num_kv_pairs} distinct keys and values"
+        )
+    g = torch.Generator().manual_seed(seed)
+    n = num_examples
+
+    def distinct(count: int, low: int, high: int) -> Tensor:  # (n, count) without repeats
+        return torch.rand(n, high - low, generator=g).argsort(dim=1)[:, :count] + low
+
+    keys = distinct(num_kv_pairs, 1, half)
+    values = distinct(num_kv_pairs, half, vocab_size)
+    # power-law gaps without replacement: Gumbel top-k on log p
+    gap = torch.arange(1, space + 1, dtype=torch.float64)
+    log_p = torch.log(power_a * gap ** (power_a - 1))
+    gumbel = -torch.log(-torch.log(torch.rand(n, space, generator=g, dtype=torch.float64)))
+    gaps = (log_p + gumbel).topk(num_kv_pairs, dim=1).indices  # (n, P) in [0, space)
+
+    seq = torch.zeros(n, seq_len + 1, dtype=torch.long)
+    seq[:, 0:context:2], seq[:, 1:context:2] = keys, values
+    query_pos = context + 2 * gaps
+    seq.scatter_(1, query_pos, keys)
+    labels = torch.full((n, seq_len + 1), IGNORE, dtype=torch.long)
+    labels.scatter_(1, query_pos + 1, values)
+    inputs, labels = seq[:, :-1], labels[:, 1:]
+    noise = torch.randint(vocab_size, inputs.shape, generator=g)
+    inputs = torch.where(inputs == 0, noise, inputs)  # random tokens between the queries
+    return inputs, labels
+
+
+def copy_or_sort(
+    task: str, num_examples: int, vocab_size: int = 16, length: int = 16, seed: int = 0
+) -> tuple[Tensor, Tensor]:
+    """``x, SEP, f(x)`` with f the identity (copy) or sorting (sort); SEP = vocab_size - 1.
+
+    Tokens of x are drawn from [0, vocab_size - 1); only f(x) is supervised.
+    """
+    if task not in ("copy", "sort"):
+        raise ValueError(f"unknown task {task!r}; expected copy or sort")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(vocab_size - 1, (num_examples, length), generator=g)
+    target = x if task == "copy" else x.sort(dim=1).values
+    sep = torch.full((num_examples, 1), vocab_size - 1)
+    seq = torch.cat([x, sep, target], dim=1)  # (n, 2L + 1)
+    labels = seq.clone()
+    labels[:, : length + 1] = IGNORE  # nothing to predict before the separator
+    return seq[:, :-1], labels[:, 1:]
+
+
+class SyntheticDataModule(L.LightningDataModule):
+    """MQAR, copy or sort, with disjoint seeds for the training and validation sets.
+
+    Args:
+        task: mqar, copy or sort.
+        vocab_size: token ids (MQAR: keys and values split it in halves; copy/sort: the
+            last id is the separator).
+        seq_len: tokens per example (copy/sort: 2 * length + 1 - 1 inputs).
+        num_kv_pairs: MQAR pairs per example.
+        train_examples, val_examples: set sizes.
+        batch_size, num_workers: loaders.
+        seed: the training set uses ``seed``, validation ``seed + 1``.
+    """
+
+    def __init__(
+        self,
+        task: str = "mqar",
+        vocab_size: int = 256,
+        seq_len: int = 64,
+        num_kv_pairs: int = 8,
+        train_examples: int = 20_000,
+        val_examples: int = 1_000,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if task not in TASKS:
+            raise ValueError(f"unknown synthetic task {task!r}; valid ones are: {', '.join(TASKS)}")
+        if task != "mqar" and seq_len % 2:
+            raise ValueError(f"{task} needs an even seq_len (x, SEP, f(x)), got {seq_len}")
+        self.task, self.vocab_size, self.seq_len = task, vocab_size, seq_len
+        self.num_kv_pairs = num_kv_pairs
+        self.train_examples, self.val_examples = train_examples, val_examples
+        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+
+    def generate(self, num_examples: int, seed: int) -> TensorDataset:
+        if self.task == "mqar":
+            inputs, labels = mqar(
+                num_examples, self.vocab_size, self.seq_len, self.num_kv_pairs, seed=seed
+            )
+        else:
+            length = self.seq_len // 2
+            inputs, labels = copy_or_sort(self.task, num_examples, self.vocab_size, length, seed)
+        return TensorDataset(inputs, labels)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            self.train_set = self.generate(self.train_examples, self.seed)
+            self.val_set = self.generate(self.val_examples, self.seed + 1)
+
+    def model_kwargs(self) -> dict[str, int]:
+        return {"vocab_size": self.vocab_size, "block_size": self.seq_len}
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup()
+        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)

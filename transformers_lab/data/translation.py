@@ -1,0 +1,287 @@
+"""Translation pairs: Multi30k (task 1, en <-> de) and IWSLT 2017 TED files."""
+
+from __future__ import annotations
+
+import gzip
+import random
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from transformers_lab.data.download import DataFileError, data_root, ensure_file
+from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer, load_encoding
+
+MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
+MULTI30K_FILES = {
+    "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
+    "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
+    "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
+    "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
+    "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
+    "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
+}
+MULTI30K_SPLITS = {"train": "train", "val": "val", "test": "test_2016_flickr"}
+LANGUAGES = ("en", "de")
+
+
+def read_lines(path: Path) -> list[str]:
+    """Lines of a text file, gzip'd or not, without their newlines."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def read_iwslt_train(path: Path) -> list[str]:
+    """Sentences of an IWSLT ``train.tags.*`` file: every line that is not an XML tag."""
+    return [line.strip() for line in read_lines(path) if not line.lstrip().startswith("<")]
+
+
+_SEG = re.compile(r"<seg[^>]*>(.*?)</seg>")
+
+
+def read_iwslt_xml(path: Path) -> list[str]:
+    """Sentences of an IWSLT ``IWSLT17.*.xml`` dev/test file: the ``<seg>`` contents."""
+    return [m.group(1).strip() for m in _SEG.finditer(path.read_text(encoding="utf-8"))]
+
+
+class PairDataset(Dataset):
+    """Tokenised (source, target) pairs: source + EOS, and BOS + target + EOS."""
+
+    def __init__(self, src: list[list[int]], tgt: list[list[int]]) -> None:
+        if len(src) != len(tgt):
+            raise ValueError(f"{len(src)} source lines but {len(tgt)} target lines")
+        self.src, self.tgt = src, tgt
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
+        return self.src[i], self.tgt[i]
+
+
+def pad_batch(batch: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Pad sources and targets to the longest of the batch: (B, S) and (B, T)."""
+
+    def pad(seqs: list[list[int]]) -> Tensor:
+        out = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        return out
+
+    src, tgt = zip(*batch, strict=True)
+    return pad(list(src)), pad(list(tgt))
+
+
+class BucketBatchSampler(Sampler[list[int]]):
+    """Batches of similar source lengths: shuffle, cut into pools of ``bucket`` batches,
+    sort each pool by length, batch it, and shuffle the batches (less padding)."""
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, bucket: int = 50, seed: int = 0):
+        self.lengths, self.batch_size, self.bucket, self.seed = lengths, batch_size, bucket, seed
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        rng = random.Random(self.seed + self.epoch)
+        self.epoch += 1
+        order = list(range(len(self.lengths)))
+        rng.shuffle(order)
+        pool = self.batch_size * self.bucket
+        batches = []
+        for start in range(0, len(order), pool):
+            chunk = sorted(order[start : start + pool], key=self.lengths.__getitem__)
+            batches += [
+                chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size)
+            ]
+        rng.shuffle(batches)
+        return iter(batches)
+
+    def __len__(self) -> int:
+        return -(-len(self.lengths) // self.batch_size)
+
+
+class TranslationDataModule(L.LightningDataModule):
+    """Parallel sentences for the encoder-decoder, tokenised with BOS, EOS and PAD.
+
+    Args:
+        dataset: ``multi30k`` (downloaded, checksummed gzip files in ``<root>/multi30k``)
+            or ``iwslt2017`` (files the user provides in ``<root>/iwslt2017``:
+            ``train.tags.<s>-<t>.<lang>`` and ``IWSLT17.TED.{dev,tst}2010.<s>-<t>.<lang>.xml``).
+        src_lang, tgt_lang: ``en`` -> ``de`` or ``de`` -> ``en``.
+        tokenizer: ``char`` (one vocabulary over both languages' training text) or
+            ``tiktoken`` (``encoding``, shared by both sides).
+        max_len: longest tokenised sentence kept (longer training pairs are dropped,
+            longer evaluation pairs truncated).
+        batch_size, bucket: batching; ``bucket`` > 0 groups training pairs of similar
+            length (pools of ``bucket`` batches), 0 shuffles plainly.
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        dataset: str = "multi30k",
+        src_lang: str = "en",
+        tgt_lang: str = "de",
+        tokenizer: str = "char",
+        encoding: str = "gpt2",
+        bpe_file: str | None = None,
+        max_len: int = 256,
+        batch_size: int = 64,
+        bucket: int = 50,
+        num_workers: int = 0,
+        download: bool = True,
+    ) -> None:
+        super().__init__()
+        if dataset not in ("multi30k", "iwslt2017"):
+            raise ValueError(f"unknown dataset {dataset!r}; valid ones are: multi30k, iwslt2017")
+        if {src_lang, tgt_lang} != set(LANGUAGES):
+            raise ValueError(
+                f"src_lang={src_lang!r}, tgt_lang={tgt_lang!r}: expected en -> de or de -> en"
+            )
+        if tokenizer not in ("char", "tiktoken"):
+            raise ValueError(f"unknown tokenizer {tokenizer!r}; valid ones are: char, tiktoken")
+        self.root, self.dataset = data_root(root), dataset
+        self.src_lang, self.tgt_lang = src_lang, tgt_lang
+        self.tokenizer_kind, self.encoding, self.bpe_file = tokenizer, encoding, bpe_file
+        self.max_len, self.batch_size, self.bucket = max_len, batch_size, bucket
+        self.num_workers, self.download = num_workers, download
+        self.tokenizer: Any = None
+        self.sets: dict[str, PairDataset] = {}
+        self.raw: dict[str, tuple[list[str], list[str]]] = {}
+
+    # ------------------------------------------------------------------ files
+
+    def prepare_data(self) -> None:
+        if self.dataset == "multi30k":
+            folder = self.root / "multi30k"
+            for name, sha in MULTI30K_FILES.items():
+                ensure_file(folder / name, MULTI30K_URL + name, sha, download=self.download)
+
+    def iwslt_paths(self, split: str, lang: str) -> Path:
+        folder, pair = self.root / "iwslt2017", f"{self.src_lang}-{self.tgt_lang}"
+        if split == "train":
+            return folder / f"train.tags.{pair}.{lang}"
+        return folder / f"IWSLT17.TED.{'dev' if split == 'val' else 'tst'}2010.{pair}.{lang}.xml"
+
+    def read_split(self, split: str) -> tuple[list[str], list[str]]:
+        """Raw (source, target) sentences of ``train``, ``val`` or ``test``."""
+        sides = []
+        for lang in (self.src_lang, self.tgt_lang):
+            if self.dataset == "multi30k":
+                sides.append(
+                    read_lines(self.root / "multi30k" / f"{MULTI30K_SPLITS[split]}.{lang}.gz")
+                )
+                continue
+            path = self.iwslt_paths(split, lang)
+            if not path.exists():
+                raise DataFileError(
+                    f"{path} is missing: IWSLT 2017 is not downloaded automatically; place the "
+                    "files from the IWSLT 2017 TED release (https://wit3.fbk.eu) there"
+                )
+            sides.append(read_iwslt_train(path) if split == "train" else read_iwslt_xml(path))
+        return sides[0], sides[1]
+
+    # ------------------------------------------------------------------ tokens
+
+    def build_tokenizer(self, texts: list[str]) -> Any:
+        if self.tokenizer_kind == "char":
+            return CharTokenizer("".join(texts), specials=True)
+        return TiktokenTokenizer(load_encoding(self.encoding, self.bpe_file), specials=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a sentence; the char tokenizer drops characters it never saw in
+        training (rare letters of the validation and test sets)."""
+        if self.tokenizer_kind == "tiktoken":
+            return self.tokenizer.encode(text)
+        return [self.tokenizer.stoi[c] for c in text if c in self.tokenizer.stoi]
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.sets:
+            return
+        self.prepare_data()
+        self.raw = {split: self.read_split(split) for split in ("train", "val", "test")}
+        if self.tokenizer is None:
+            self.tokenizer = self.build_tokenizer([*self.raw["train"][0], *self.raw["train"][1]])
+        bos, eos = self.tokenizer.special_id("<bos>"), self.tokenizer.special_id("<eos>")
+        longest = self.max_len - 2  # room for BOS and EOS
+        for split, (src_lines, tgt_lines) in self.raw.items():
+            if len(src_lines) != len(tgt_lines):
+                raise DataFileError(
+                    f"{self.dataset} {split}: {len(src_lines)} {self.src_lang} lines but "
+                    f"{len(tgt_lines)} {self.tgt_lang} lines; the files are not aligned"
+                )
+            pairs = [
+                (self.encode(s), self.encode(t)) for s, t in zip(src_lines, tgt_lines, strict=True)
+            ]
+            if split == "train":  # drop over-long training pairs instead of cutting them
+                pairs = [(s, t) for s, t in pairs if len(s) <= longest and len(t) <= longest]
+            src = [[*s[:longest], eos] for s, _ in pairs]
+            tgt = [[bos, *t[:longest], eos] for _, t in pairs]
+            self.sets[split] = PairDataset(src, tgt)
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.special_id("<pad>")
+
+    def model_kwargs(self) -> dict[str, int]:
+        """What the encoder-decoder needs from this data."""
+        self.setup()
+        v = self.tokenizer.vocab_size
+        return {
+            "src_vocab_size": v,
+            "tgt_vocab_size": v,
+            "max_len": self.max_len,
+            "pad_id": self.pad_id,
+            "bos_id": self.tokenizer.special_id("<bos>"),
+            "eos_id": self.tokenizer.special_id("<eos>"),
+        }
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of target ids, stopping at EOS."""
+        eos = self.tokenizer.special_id("<eos>")
+        ids = list(ids)
+        return self.tokenizer.decode(ids[: ids.index(eos)] if eos in ids else ids)
+
+    # ------------------------------------------------------------------ loaders
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        self.setup()
+        data = self.sets[split]
+
+        def collate(batch: Sequence[tuple[list[int], list[int]]]) -> tuple[Tensor, Tensor]:
+            return pad_batch(batch, self.pad_id)
+
+        if train and self.bucket > 0:
+            sampler = BucketBatchSampler([len(s) for s in data.src], self.batch_size, self.bucket)
+            return DataLoader(
+                data, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers
+            )
+        return DataLoader(
+            data,
+            batch_size=self.batch_size,
+            shuffle=train,
+            collate_fn=collate,
+            num_workers=self.num_workers,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", train=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer.state_dict()} if self.tokenizer else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        meta = state.get("tokenizer")
+        if meta and meta["kind"] == "char":
+            self.tokenizer = CharTokenizer(meta["chars"], specials=True)

@@ -1,0 +1,159 @@
+"""Image classification data: MNIST and Fashion-MNIST (torchvision), scikit-learn digits."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset, random_split
+
+from transformers_lab.data.download import data_root, ensure_file
+
+# Archives and checksums: MNIST by sha256; Fashion-MNIST by the MD5s torchvision pins.
+MNIST_MIRROR = "https://ossci-datasets.s3.amazonaws.com/mnist/"
+MNIST_FILES = {
+    "train-images-idx3-ubyte.gz": "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",  # noqa: E501
+    "train-labels-idx1-ubyte.gz": "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",  # noqa: E501
+    "t10k-images-idx3-ubyte.gz": "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
+    "t10k-labels-idx1-ubyte.gz": "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
+}
+FASHION_MIRROR = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+FASHION_FILES = {
+    "train-images-idx3-ubyte.gz": "md5:8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+    "train-labels-idx1-ubyte.gz": "md5:25c81989df183df01b3e8a0aad5dffbe",
+    "t10k-images-idx3-ubyte.gz": "md5:bef4ecab320f06d8554ea6380940ec79",
+    "t10k-labels-idx1-ubyte.gz": "md5:bb300cfdad3c16e7a12a480ee83cd310",
+}
+
+
+class ImageDataModule(L.LightningDataModule):
+    """Loaders and model facts shared by the image data modules: subclasses fill
+    ``train_set``, ``val_set`` and ``test_set`` in ``setup``."""
+
+    image_size: int
+    in_channels: int
+    num_classes: int
+
+    def __init__(self, batch_size: int = 64, num_workers: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+
+    def model_kwargs(self) -> dict[str, int]:
+        """What an image classifier needs from this data."""
+        return {
+            "image_size": self.image_size,
+            "in_channels": self.in_channels,
+            "num_classes": self.num_classes,
+        }
+
+    def _loader(self, name: str, shuffle: bool = False) -> DataLoader:
+        if getattr(self, name) is None:
+            self.setup()
+        return DataLoader(
+            getattr(self, name),
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train_set", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val_set")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test_set")
+
+
+class MNISTDataModule(ImageDataModule):
+    """MNIST through torchvision: 60000 training images (the last ``val_size`` held out
+    for validation) and the 10000 test images, normalised by the training mean and std.
+
+    The archives live in ``<root>/MNIST/raw/``; missing ones are downloaded and checked
+    against pinned checksums. ``augment`` adds random shifts of up to 2 pixels.
+    """
+
+    folder, mirror, files = "MNIST", MNIST_MIRROR, MNIST_FILES
+    mean, std = 0.1307, 0.3081
+    image_size, in_channels, num_classes = 28, 1, 10
+
+    def __init__(
+        self,
+        root: str | None = None,
+        batch_size: int = 64,
+        val_size: int = 5000,
+        augment: bool = False,
+        num_workers: int = 0,
+        download: bool = True,
+    ) -> None:
+        super().__init__(batch_size, num_workers)
+        self.root, self.val_size = data_root(root), val_size
+        self.augment, self.download = augment, download
+
+    def prepare_data(self) -> None:
+        raw = self.root / self.folder / "raw"
+        for name, checksum in self.files.items():
+            ensure_file(raw / name, self.mirror + name, checksum, download=self.download)
+
+    def _dataset(self, train: bool, augment: bool) -> Dataset:
+        from torchvision import datasets, transforms
+
+        steps = [transforms.RandomAffine(0, translate=(2 / 28, 2 / 28))] if augment else []
+        steps += [transforms.ToTensor(), transforms.Normalize((self.mean,), (self.std,))]
+        cls = datasets.FashionMNIST if self.folder == "FashionMNIST" else datasets.MNIST
+        # the archives are in place (prepare_data), so torchvision only unpacks them
+        return cls(self.root, train=train, download=True, transform=transforms.Compose(steps))
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        self.prepare_data()
+        full, plain = self._dataset(True, self.augment), self._dataset(True, False)
+        n_train = len(full) - self.val_size
+        self.train_set = torch.utils.data.Subset(full, range(n_train))
+        self.val_set = torch.utils.data.Subset(plain, range(n_train, len(plain)))
+        self.test_set = self._dataset(False, False)
+
+
+class FashionMNISTDataModule(MNISTDataModule):
+    """Fashion-MNIST (Xiao et al., 2017): the MNIST layout with clothing images."""
+
+    folder, mirror, files = "FashionMNIST", FASHION_MIRROR, FASHION_FILES
+    mean, std = 0.2860, 0.3530
+
+
+class DigitsDataModule(ImageDataModule):
+    """scikit-learn's bundled 8x8 digits (1797 images, no download), scaled to [0, 1] and
+    split at random (fixed ``seed``) into train, validation and test."""
+
+    image_size, in_channels, num_classes = 8, 1, 10
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        val_fraction: float = 0.15,
+        test_fraction: float = 0.15,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(batch_size, num_workers)
+        self.val_fraction, self.test_fraction, self.seed = val_fraction, test_fraction, seed
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        labels = torch.tensor(digits.target, dtype=torch.long)
+        full = TensorDataset(images, labels)
+        n_val = int(len(full) * self.val_fraction)
+        n_test = int(len(full) * self.test_fraction)
+        sizes = [len(full) - n_val - n_test, n_val, n_test]
+        generator = torch.Generator().manual_seed(self.seed)
+        self.train_set, self.val_set, self.test_set = random_split(full, sizes, generator)
