@@ -376,3 +376,18 @@ def test_bad_input_gets_clear_errors():
         EncoderClassifier(3)
     with pytest.raises(ValueError, match="patch_size=None"):
         EncoderClassifier(3, vocab_size=10, image_size=8)
+
+
+def test_positional_encodings():
+    from transformers_lab.nn import PositionalEncoding, sinusoidal_table
+
+    x = torch.randn(2, 10, 8)
+    sinusoidal = PositionalEncoding("sinusoidal", 8, 16)
+    torch.testing.assert_close(sinusoidal(x, offset=3), x + sinusoidal_table(16, 8)[3:13])
+    # the Fourier features start as the sinusoidal table, with trainable frequencies
+    fourier = PositionalEncoding("fourier", 8, 16)
+    torch.testing.assert_close(fourier(x), sinusoidal(x), rtol=1e-5, atol=1e-5)
+    assert fourier.freqs.requires_grad
+    assert torch.equal(PositionalEncoding("none", 8, 16)(x), x)
+    learned = PositionalEncoding("learned", 8, 16)
+    assert learned(x).shape == x.shape and learned.embedding.weight.requires_grad

@@ -113,8 +113,7 @@ class EncoderClassifier(nn.Module):
             h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], dim=1)
             if key_padding_mask is not None:
                 key_padding_mask = nn.functional.pad(key_padding_mask, (1, 0), value=False)
-        pos = self.pos(h.shape[1])
-        h = self.drop(h if pos is None else h + pos)
+        h = self.drop(self.pos(h))
         for block in self.blocks:
             h = block(h, key_padding_mask=key_padding_mask)
         return self.norm(h), key_padding_mask

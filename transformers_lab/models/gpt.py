@@ -95,9 +95,7 @@ class GPT(nn.Module):
         """Token + position embeddings of ids (B, T) starting at position ``offset``."""
         if idx.dim() != 2:
             raise ValueError(f"expected token ids of shape (batch, tokens), got {tuple(idx.shape)}")
-        x = self.tok(idx)  # (B, T, d_model)
-        pos = self.pos(idx.shape[1], offset)
-        return self.drop(x if pos is None else x + pos)
+        return self.drop(self.pos(self.tok(idx), offset))  # (B, T, d_model)
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits (B, T, vocab) of the next token at every position of idx (B, T)."""

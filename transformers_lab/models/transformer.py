@@ -96,9 +96,7 @@ class Transformer(nn.Module):
         """Embeddings scaled by sqrt(d_model), plus positions, for ids (B, T)."""
         if tokens.dim() != 2:
             raise ValueError(f"expected token ids (batch, tokens), got shape {tuple(tokens.shape)}")
-        x = table(tokens) * math.sqrt(self.d_model)
-        pos = self.pos(tokens.shape[1], offset)
-        return self.drop(x if pos is None else x + pos)
+        return self.drop(self.pos(table(tokens) * math.sqrt(self.d_model), offset))
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """Source ids (B, S) -> memory (B, S, d_model) and its padding mask (B, S)."""

@@ -99,7 +99,7 @@ class PositionalEncoding(nn.Module):
             freqs = torch.exp(torch.arange(0, d_model, 2) * (-math.log(1e4) / d_model))
             self.freqs = nn.Parameter(freqs)
 
-    def forward(self, length: int, offset: int = 0) -> Tensor | None:
+    def table_rows(self, length: int, offset: int = 0) -> Tensor | None:
         """Position vectors of positions ``offset .. offset + length - 1``, (length, d_model),
         or None for ``none``."""
         if offset + length > self.max_len:
@@ -117,6 +117,11 @@ class PositionalEncoding(nn.Module):
         if self.kind == "learned":
             return self.embedding.weight[offset : offset + length]
         return self.table[offset : offset + length]
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x (B, T, d_model) plus the vectors of positions ``offset .. offset + T - 1``."""
+        rows = self.table_rows(x.shape[1], offset)
+        return x if rows is None else x + rows
 
 
 class TokenEmbedding(nn.Embedding):
