@@ -433,9 +433,11 @@ def need(*files: str) -> None:
         pytest.skip(f"real data not found: {', '.join(missing)} under TLAB_DATA_DIR={REAL}")
 
 
-def test_real_shakespeare_split():
+def test_real_shakespeare_split(tmp_path):
     need("shakespeare/input.txt")
-    dm = ShakespeareCharDataModule(root=str(REAL), download=False)
+    # a scratch root: the module writes vocab.json beside the text
+    shutil.copytree(REAL / "shakespeare", tmp_path / "shakespeare")
+    dm = ShakespeareCharDataModule(root=str(tmp_path), download=False)
     dm.setup()
     assert (len(dm.train_data), len(dm.val_data), dm.vocab_size) == (1_003_854, 111_540, 65)
     text = (REAL / "shakespeare" / "input.txt").read_text()
