@@ -1,0 +1,121 @@
+"""LightningModules: losses, metrics, optimizers and schedules, in short real fits."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from transformers_lab.data import DigitsDataModule, SyntheticDataModule
+from transformers_lab.models import GPT, Transformer, ViT
+from transformers_lab.tasks import (
+    ClassificationTask,
+    LanguageModelTask,
+    TranslationTask,
+    noam,
+    warmup_cosine,
+)
+
+
+def trainer(**kw) -> L.Trainer:
+    options = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    } | kw
+    return L.Trainer(**options)
+
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+
+
+def test_language_model_task_learns_copy_and_logs_its_metrics():
+    L.seed_everything(0)
+    dm = SyntheticDataModule(
+        "copy", vocab_size=8, seq_len=12, train_examples=512, val_examples=64, batch_size=32
+    )
+    model = GPT(n_layer=2, n_head=2, d_model=32, **dm.model_kwargs())
+    task = LanguageModelTask(model, ADAMW, sample_tokens=0)
+    t = trainer(max_epochs=6)
+    t.fit(task, dm)
+    metrics = t.callback_metrics
+    for name in ("train/loss", "val/loss", "val/acc", "val/ppl", "val/bpt"):
+        assert name in metrics, name
+    torch.testing.assert_close(metrics["val/ppl"], metrics["val/loss"].exp())
+    torch.testing.assert_close(metrics["val/bpt"], metrics["val/loss"] / math.log(2))
+    assert metrics["val/acc"] > 0.5  # copying 6 tokens from 7 symbols: chance is 1/7
+
+
+def test_language_model_task_logs_a_text_sample():
+    dm = SyntheticDataModule(
+        "sort", vocab_size=6, seq_len=8, train_examples=64, val_examples=16, batch_size=16
+    )
+    task = LanguageModelTask(
+        GPT(n_layer=1, n_head=1, d_model=8, **dm.model_kwargs()), ADAMW, sample_tokens=5
+    )
+    task.decode = lambda ids: "".join("abcdef"[i] for i in ids)
+    trainer(max_epochs=1, limit_train_batches=2, num_sanity_val_steps=0).fit(task, dm)
+    assert task.samples and len(task.samples[-1]) == 6  # the prompt token and 5 more
+
+
+def test_classification_task_on_digits():
+    L.seed_everything(0)
+    dm = DigitsDataModule(batch_size=64)
+    model = ViT(patch_size=4, d_model=32, n_layer=2, n_head=2, **dm.model_kwargs())
+    task = ClassificationTask(model, ADAMW)
+    t = trainer(max_epochs=4)
+    t.fit(task, dm)
+    assert t.callback_metrics["val/acc"] > 0.5  # chance is 0.1
+    assert t.callback_metrics["val/acc_best"] >= t.callback_metrics["val/acc"]
+    result = t.test(task, dm, verbose=False)[0]
+    assert result["test/acc"] > 0.5
+
+
+def test_translation_task_logs_loss_and_bleu(tmp_path, monkeypatch):
+    from test_data import write_multi30k
+
+    from transformers_lab.data import TranslationDataModule
+
+    write_multi30k(tmp_path, monkeypatch)
+    dm = TranslationDataModule(root=str(tmp_path), batch_size=3, download=False, max_len=40)
+    dm.setup()
+    model = Transformer(
+        d_model=16, n_head=2, n_encoder_layers=1, n_decoder_layers=1, **dm.model_kwargs()
+    )
+    task = TranslationTask(model, ADAMW, bleu_batches=1, max_decode_len=10)
+    task.decode = dm.decode
+    t = trainer(max_steps=3, num_sanity_val_steps=0, limit_val_batches=1)
+    t.fit(task, dm)
+    assert {"train/loss", "val/loss", "val/bleu"} <= set(t.callback_metrics)
+    assert 0 <= t.callback_metrics["val/bleu"] <= 100
+    assert task.samples and all(isinstance(h, str) for h, _ in task.samples)
+
+
+def test_optimizer_groups_and_schedules():
+    model = GPT(23, 16, n_layer=1, n_head=2, d_model=16)
+    sched = functools.partial(warmup_cosine, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    task = LanguageModelTask(model, ADAMW, sched)
+    config = task.configure_optimizers()
+    opt, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert config["lr_scheduler"]["interval"] == "step"
+    lrs = []
+    for _ in range(120):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert lrs[0] < lrs[5] < lrs[10] == pytest.approx(3e-3, rel=0.1)  # warm-up
+    assert lrs[60] == pytest.approx(3e-3 * (0.1 + 0.9 * 0.5), rel=1e-6)  # half-way down
+    assert lrs[115] == pytest.approx(3e-4)  # floor after max_steps
+    opt2 = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    n = noam(opt2, d_model=512, warmup_steps=4000)
+    factors = [n.lr_lambdas[0](s) for s in (0, 3999, 15999)]  # steps 1, 4000, 16000
+    assert factors[1] == pytest.approx(512**-0.5 * 4000**-0.5)
+    assert factors[0] < factors[1] and factors[2] == pytest.approx(factors[1] / 2)
+    with pytest.raises(ValueError, match="max_steps=5 must exceed warmup_steps=10"):
+        warmup_cosine(opt2, 10, 5)

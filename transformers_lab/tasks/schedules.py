@@ -1,0 +1,36 @@
+"""Learning-rate schedules, as factories that Hydra completes with the optimizer."""
+
+from __future__ import annotations
+
+import math
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def warmup_cosine(
+    optimizer: Optimizer, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1
+) -> LambdaLR:
+    """Linear warm-up to the base learning rate over ``warmup_steps``, then a cosine decay
+    to ``min_lr_ratio`` times it at ``max_steps`` (constant after), as in nanoGPT."""
+    if max_steps <= warmup_steps:
+        raise ValueError(f"max_steps={max_steps} must exceed warmup_steps={warmup_steps}")
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)
+
+
+def noam(optimizer: Optimizer, d_model: int, warmup_steps: int = 4000) -> LambdaLR:
+    """The schedule of Vaswani et al.: lr = base * d_model^-0.5 * min(step^-0.5,
+    step * warmup^-1.5), so set the optimizer's lr to 1 (or a scale of it)."""
+
+    def factor(step: int) -> float:
+        step = step + 1
+        return d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+    return LambdaLR(optimizer, factor)

@@ -1,0 +1,88 @@
+"""Sequence-to-sequence translation with the encoder-decoder Transformer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics.text import BLEUScore
+
+from transformers_lab.tasks.base import Task
+
+
+class TranslationTask(Task):
+    """Teacher-forced cross-entropy with label smoothing, the PAD target ignored.
+
+    At validation, the first ``bleu_batches`` batches are also translated greedily and
+    scored with corpus BLEU (``val/bleu``, 0-100) when a ``decode`` function (ids -> text)
+    is set; the first translations are kept in ``samples``.
+
+    Args:
+        label_smoothing: epsilon of the smoothed targets (0.1 in Vaswani et al.).
+        bleu_batches: validation batches decoded for BLEU (0: none).
+        max_decode_len: longest translation produced for BLEU.
+        beam_size: 1 for greedy, more for beam search.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Callable[..., Any],
+        scheduler: Callable[..., Any] | None = None,
+        label_smoothing: float = 0.1,
+        bleu_batches: int = 4,
+        max_decode_len: int = 64,
+        beam_size: int = 1,
+    ) -> None:
+        super().__init__(model, optimizer, scheduler)
+        self.label_smoothing, self.bleu_batches = label_smoothing, bleu_batches
+        self.max_decode_len, self.beam_size = max_decode_len, beam_size
+        self.decode: Callable[[list[int]], str] | None = None
+        self.bleu = {"val": BLEUScore(), "test": BLEUScore()}
+        self.samples: list[tuple[str, str]] = []
+
+    def loss(self, src: Tensor, tgt: Tensor) -> Tensor:
+        logits = self.model(src, tgt[:, :-1])  # predict tgt[:, 1:] from BOS ... last-but-one
+        return F.cross_entropy(
+            logits.flatten(0, 1),
+            tgt[:, 1:].flatten(),
+            ignore_index=self.model.pad_id,
+            label_smoothing=self.label_smoothing,
+        )
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.loss(*batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch[0].shape[0])
+        return loss
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor], batch_idx: int, stage: str) -> None:
+        src, tgt = batch
+        self.log(f"{stage}/loss", self.loss(src, tgt), prog_bar=True, batch_size=len(src))
+        if self.decode is None or batch_idx >= self.bleu_batches:
+            return
+        out = self.model.translate(src, max_len=self.max_decode_len, beam_size=self.beam_size)
+        hyps = [self.decode(row.tolist()) for row in out]
+        refs = [[self.decode(row[1:].tolist())] for row in tgt]
+        self.bleu[stage].update(hyps, refs)
+        if batch_idx == 0:
+            self.samples = list(zip(hyps[:3], (r[0] for r in refs[:3]), strict=True))
+
+    def _log_bleu(self, stage: str) -> None:
+        if self.decode is not None and self.bleu_batches > 0:
+            self.log(f"{stage}/bleu", 100 * self.bleu[stage].compute())
+            self.bleu[stage].reset()
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, batch_idx, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_bleu("val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, batch_idx, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_bleu("test")
