@@ -36,7 +36,7 @@ from transformers_lab.data import (
     mqar,
 )
 from transformers_lab.data import translation as translation_module
-from transformers_lab.data.text import ContiguousWindows, RandomWindows
+from transformers_lab.data.text import Windows
 from transformers_lab.data.tokenizers import GPT2_PATTERN
 from transformers_lab.data.translation import BucketBatchSampler, read_iwslt_train, read_iwslt_xml
 
@@ -187,18 +187,18 @@ def test_unknown_tiktoken_encoding_lists_known_ones():
 
 def test_windows_shift_targets_and_respect_the_stride():
     data = torch.arange(50)
-    x, y = RandomWindows(data, 8, num_samples=5)[0]
-    assert torch.equal(y, x + 1) and len(x) == 8
-    windows = ContiguousWindows(data, 8)
-    assert len(windows) == 6  # offsets 0, 8, ..., 40 (the last needs 9 tokens: 40..48)
-    starts = [windows[i][0][0].item() for i in range(len(windows))]
-    assert starts == [0, 8, 16, 24, 32, 40]
-    strided = ContiguousWindows(data, 8, stride=4)
+    every = Windows(data, 8)
+    assert len(every) == 42  # offsets 0..41: the last window needs 9 tokens, 41..49
+    x, y = every[41]
+    assert torch.equal(y, x + 1) and len(x) == 8 and y[-1] == 49
+    windows = Windows(data, 8, stride=8)
+    assert [windows[i][0][0].item() for i in range(len(windows))] == [0, 8, 16, 24, 32, 40]
+    strided = Windows(data, 8, stride=4)
     assert [strided[i][0][0].item() for i in range(3)] == [0, 4, 8]
     with pytest.raises(IndexError):
         windows[6]
     with pytest.raises(ValueError, match="too few"):
-        RandomWindows(torch.arange(5), 8, 1)
+        Windows(torch.arange(5), 8)
 
 
 def write_text_root(tmp_path: Path, monkeypatch) -> Path:
@@ -212,6 +212,7 @@ def write_text_root(tmp_path: Path, monkeypatch) -> Path:
 def test_shakespeare_char_module_on_a_few_lines(tmp_path, monkeypatch):
     root = write_text_root(tmp_path, monkeypatch)
     dm = ShakespeareCharDataModule(root=str(root), block_size=16, batch_size=4, train_samples=8)
+    dm.prepare_data()  # as the Trainer does, on one process
     dm.setup()
     split = int(len(TEXT) * 0.9)
     assert len(dm.train_data) == split and len(dm.val_data) == len(TEXT) - split
@@ -221,11 +222,21 @@ def test_shakespeare_char_module_on_a_few_lines(tmp_path, monkeypatch):
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == y.shape == (4, 16)
     assert torch.equal(x[:, 1:], y[:, :-1])
-    assert len(list(dm.val_dataloader())) == -(-len(ContiguousWindows(dm.val_data, 16)) // 4)
-    # the vocabulary travels in checkpoints
-    restored = ShakespeareCharDataModule(root=str(root))
+    assert len(list(dm.val_dataloader())) == -(-len(Windows(dm.val_data, 16, stride=16)) // 4)
+    # training windows start anywhere, drawn afresh each epoch by the sampler
+    windows = {tuple(row.tolist()) for _ in range(3) for x, _ in dm.train_dataloader() for row in x}
+    assert len(windows) > 4
+    # the vocabulary travels in checkpoints, and a restored one re-encodes the text
+    restored = ShakespeareCharDataModule(root=str(root), block_size=16)
     restored.load_state_dict(dm.state_dict())
     assert restored.tokenizer.itos == dm.tokenizer.itos
+    restored.setup()
+    assert torch.equal(restored.train_data, dm.train_data)
+    other = ShakespeareCharDataModule(root=str(root), block_size=16)
+    other.setup()
+    other.load_state_dict({"tokenizer": {"kind": "char", "chars": list("ABC"), "specials": []}})
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        other.setup()  # the text has characters the checkpoint's vocabulary never saw
 
 
 def test_shakespeare_bpe_module_with_a_local_encoding(tmp_path, monkeypatch):

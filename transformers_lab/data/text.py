@@ -9,7 +9,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer, load_encoding
@@ -22,40 +22,21 @@ SHAKESPEARE_URL = (
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 
-class RandomWindows(Dataset):
-    """``num_samples`` windows at random offsets: x = data[s : s+T], y = data[s+1 : s+T+1].
+class Windows(Dataset):
+    """Windows x = data[s : s+T], y = data[s+1 : s+T+1] at offsets s = 0, stride, 2 stride...
 
-    Each item draws its own offset, so every epoch (and every worker) sees fresh windows.
+    Training reads them with stride 1 through a random sampler (any offset, drawn in the
+    main process, so workers and ranks never repeat each other's stream); evaluation reads
+    them in order with stride T (contiguous, each target predicted once).
     """
 
-    def __init__(self, data: Tensor, block_size: int, num_samples: int) -> None:
-        if len(data) <= block_size:
-            raise ValueError(
-                f"the text has {len(data)} tokens, too few for windows of block_size="
-                f"{block_size} (+1 target); lower block_size"
-            )
-        self.data, self.block_size, self.num_samples = data, block_size, num_samples
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
-        s = int(torch.randint(len(self.data) - self.block_size, ()))
-        chunk = self.data[s : s + self.block_size + 1]
-        return chunk[:-1], chunk[1:]
-
-
-class ContiguousWindows(Dataset):
-    """Windows at offsets 0, stride, 2 stride, ... that fit the data (evaluation)."""
-
-    def __init__(self, data: Tensor, block_size: int, stride: int | None = None) -> None:
-        self.data, self.block_size = data, block_size
-        self.stride = stride or block_size
+    def __init__(self, data: Tensor, block_size: int, stride: int = 1) -> None:
         if len(data) <= block_size:
             raise ValueError(
                 f"the text has {len(data)} tokens, too few for one window of block_size="
                 f"{block_size} (+1 target); lower block_size"
             )
+        self.data, self.block_size, self.stride = data, block_size, stride
 
     def __len__(self) -> int:
         return (len(self.data) - self.block_size - 1) // self.stride + 1
@@ -72,8 +53,10 @@ class ShakespeareCharDataModule(L.LightningDataModule):
     """Tiny Shakespeare by characters, split as nanoGPT does: the first 90% of the
     characters for training, the rest for validation.
 
-    Training batches are random windows; validation batches are contiguous windows. The
-    vocabulary is saved beside the text (``vocab.json``) and in checkpoints.
+    Training batches are windows at random offsets (``train_samples`` per epoch, drawn
+    with replacement); validation batches are contiguous windows. The vocabulary is
+    saved beside the text (``vocab.json``, once) and in checkpoints; a checkpoint's
+    vocabulary replaces the one built from the text, and the text is encoded again.
 
     Args:
         root: data root (default ``$TLAB_DATA_DIR`` or ``<project>/data``); the text is
@@ -113,20 +96,25 @@ class ShakespeareCharDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         ensure_file(self.path, self.url, self.sha256, download=self.download)
+        self.save_vocabulary()
 
-    def build_tokenizer(self, text: str) -> Any:
-        tokenizer = CharTokenizer.from_text(text)
+    def save_vocabulary(self) -> None:
+        """Write ``vocab.json`` beside the text, once (prepare_data runs on one process)."""
         vocab = self.path.parent / "vocab.json"
+        if vocab.exists():
+            return
         try:
-            tokenizer.save(vocab)
+            self.build_tokenizer(self.path.read_text(encoding="utf-8")).save(vocab)
         except OSError as exc:  # a read-only data root is fine: checkpoints keep it too
             log.info("not saving the vocabulary beside the data: %s", exc)
-        return tokenizer
+
+    def build_tokenizer(self, text: str) -> Any:
+        return CharTokenizer.from_text(text)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_data is not None:
             return
-        self.prepare_data()
+        ensure_file(self.path, self.url, self.sha256, download=False)  # prepare_data fetched it
         text = self.path.read_text(encoding="utf-8")
         if self.tokenizer is None:
             self.tokenizer = self.build_tokenizer(text)
@@ -148,12 +136,15 @@ class ShakespeareCharDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup()
-        windows = RandomWindows(self.train_data, self.block_size, self.train_samples)
-        return DataLoader(windows, batch_size=self.batch_size, num_workers=self.num_workers)
+        windows = Windows(self.train_data, self.block_size)
+        sampler = RandomSampler(windows, replacement=True, num_samples=self.train_samples)
+        return DataLoader(
+            windows, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers
+        )
 
     def val_dataloader(self) -> DataLoader:
         self.setup()
-        windows = ContiguousWindows(self.val_data, self.block_size)
+        windows = Windows(self.val_data, self.block_size, stride=self.block_size)
         return DataLoader(windows, batch_size=self.batch_size, num_workers=self.num_workers)
 
     def state_dict(self) -> dict[str, Any]:
@@ -162,7 +153,10 @@ class ShakespeareCharDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         meta = state.get("tokenizer")
         if meta and meta["kind"] == "char":
-            self.tokenizer = CharTokenizer(meta["chars"], specials=bool(meta["specials"]))
+            tokenizer = CharTokenizer(meta["chars"], specials=bool(meta["specials"]))
+            if self.tokenizer is None or tokenizer.itos != self.tokenizer.itos:
+                self.tokenizer = tokenizer
+                self.train_data = self.val_data = None  # encode again with these ids
 
 
 class ShakespeareBPEDataModule(ShakespeareCharDataModule):
@@ -178,6 +172,9 @@ class ShakespeareBPEDataModule(ShakespeareCharDataModule):
 
     def build_tokenizer(self, text: str) -> TiktokenTokenizer:
         return TiktokenTokenizer(load_encoding(self.encoding_name, self.bpe_file))
+
+    def save_vocabulary(self) -> None:
+        """Nothing to write: the encoding's name is the vocabulary (kept in checkpoints)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         meta = state.get("tokenizer")
