@@ -64,6 +64,9 @@ def test_download_is_verified_and_atomic(tmp_path, monkeypatch):
     assert ensure_file(target, "https://example.org/file.bin", good) == target
     assert target.read_bytes() == payload
     assert [p.name for p in target.parent.iterdir()] == ["file.bin"]  # no temp file left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
     # an existing good file is not fetched again
     monkeypatch.setattr(download, "fetch", lambda *a, **k: pytest.fail("fetched again"))
     ensure_file(target, "https://example.org/file.bin", good)
@@ -277,6 +280,7 @@ def test_mnist_modules_on_idx_files_the_test_writes(tmp_path, monkeypatch, modul
     files = {p.name: sha256(p) for p in raw.glob("*.gz")}
     monkeypatch.setattr(module, "files", files)
     dm = module(root=str(tmp_path), batch_size=8, val_size=10, download=False)
+    dm.prepare_data()
     dm.setup()
     assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (30, 10, 12)
     x, y = next(iter(dm.train_dataloader()))
@@ -355,6 +359,12 @@ def test_iwslt_files(tmp_path):
     )
     assert read_iwslt_train(train) == ["Hello there.", "Bye."]
     assert read_iwslt_xml(xml) == ["Good morning.", "Yes."]
+    odd = tmp_path / "odd.xml"
+    odd.write_text('<seg id="1">Tom &amp; Jerry</seg>\n<seg id="2">two\nlines</seg>\n')
+    assert read_iwslt_xml(odd) == ["Tom & Jerry", "two lines"]
+    kept = tmp_path / "train.tags.x"
+    kept.write_text("<talkid>3</talkid>\n<3 this talk\n")
+    assert read_iwslt_train(kept) == ["<3 this talk"]
     for lang, lines in (("de", ["Hallo.", "Tschüss."]),):
         (train.parent / f"train.tags.en-de.{lang}").write_text("\n".join(lines) + "\n")
         (train.parent / f"IWSLT17.TED.dev2010.en-de.{lang}.xml").write_text(
@@ -459,6 +469,9 @@ def test_real_mnist_counts(tmp_path):
     need(*(f"MNIST/raw/{name}" for name in MNISTDataModule.files))
     shutil.copytree(REAL / "MNIST", tmp_path / "MNIST")  # unpacking writes beside the archives
     dm = MNISTDataModule(root=str(tmp_path), val_size=5000, download=False)
+    with pytest.raises(DataFileError, match="call prepare_data"):
+        dm.setup()
+    dm.prepare_data()  # unpacks, as the Trainer does before setup
     dm.setup()
     assert len(dm.train_set) + len(dm.val_set) == 60_000 and len(dm.test_set) == 10_000
 

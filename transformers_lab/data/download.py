@@ -86,6 +86,9 @@ def ensure_file(path: Path, url: str, checksum: str, *, download: bool = True) -
                 f"the download of {url} fails its checksum: {algorithm} {actual}, expected "
                 f"{expected}; nothing was written to {path}"
             )
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it normal permissions
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -67,7 +67,8 @@ GPT2_PATTERN = (
 
 
 def load_encoding(name: str = "gpt2", bpe_file: str | Path | None = None) -> tiktoken.Encoding:
-    """A tiktoken encoding by name, or from a local ``.tiktoken`` ranks file (offline).
+    """A tiktoken encoding by name, or from a local ``.tiktoken`` ranks file (offline; split
+    with GPT-2's pattern, so use it for GPT-2-style ranks).
 
     ``tiktoken.get_encoding`` downloads its BPE ranks on first use (then caches them in
     ``TIKTOKEN_CACHE_DIR``); offline, pass ``bpe_file`` or use an encoding that a package
@@ -77,17 +78,19 @@ def load_encoding(name: str = "gpt2", bpe_file: str | Path | None = None) -> tik
         from tiktoken.load import load_tiktoken_bpe
 
         ranks = load_tiktoken_bpe(str(bpe_file))
+        # GPT-2's ranks end with <|endoftext|>, so that n_vocab matches tiktoken's gpt2
+        specials = {"<|endoftext|>": len(ranks)} if name in ("gpt2", "r50k_base") else {}
         return tiktoken.Encoding(
-            name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={}
+            name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=specials
         )
-    try:
-        return tiktoken.get_encoding(name)
-    except ValueError:
+    if name not in tiktoken.list_encoding_names():
         raise ValueError(
             f"unknown tiktoken encoding {name!r}; known ones: "
             f"{', '.join(tiktoken.list_encoding_names())}"
-        ) from None
-    except Exception as exc:  # network errors surface as requests/urllib errors
+        )
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as exc:  # network errors, or a corrupted download's hash mismatch
         raise RuntimeError(
             f"could not load the tiktoken encoding {name!r} ({type(exc).__name__}: {exc}). "
             "It is downloaded on first use; offline, set bpe_file to a local .tiktoken ranks "

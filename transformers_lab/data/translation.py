@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import html
 import random
 import re
 from collections.abc import Iterator, Sequence
@@ -37,17 +38,23 @@ def read_lines(path: Path) -> list[str]:
         return [line.rstrip("\n") for line in f]
 
 
+_TAG_LINE = re.compile(
+    r"^\s*</?(url|keywords|speaker|talkid|title|description|reviewer|translator|doc|"
+    r"transcript|seg)\b"
+)
+_SEG = re.compile(r"<seg[^>]*>(.*?)</seg>", re.DOTALL)
+
+
 def read_iwslt_train(path: Path) -> list[str]:
-    """Sentences of an IWSLT ``train.tags.*`` file: every line that is not an XML tag."""
-    return [line.strip() for line in read_lines(path) if not line.lstrip().startswith("<")]
-
-
-_SEG = re.compile(r"<seg[^>]*>(.*?)</seg>")
+    """Sentences of an IWSLT ``train.tags.*`` file: every line but the metadata tags."""
+    return [line.strip() for line in read_lines(path) if not _TAG_LINE.match(line)]
 
 
 def read_iwslt_xml(path: Path) -> list[str]:
-    """Sentences of an IWSLT ``IWSLT17.*.xml`` dev/test file: the ``<seg>`` contents."""
-    return [m.group(1).strip() for m in _SEG.finditer(path.read_text(encoding="utf-8"))]
+    """Sentences of an IWSLT ``IWSLT17.*.xml`` dev/test file: the ``<seg>`` contents,
+    with XML entities decoded."""
+    text = path.read_text(encoding="utf-8")
+    return [html.unescape(" ".join(m.group(1).split())) for m in _SEG.finditer(text)]
 
 
 class PairDataset(Dataset):

@@ -6,7 +6,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, random_split
 
-from transformers_lab.data.download import data_root, ensure_file
+from transformers_lab.data.download import DataFileError, data_root, ensure_file
 
 # Archives and checksums: MNIST by sha256; Fashion-MNIST by the MD5s torchvision pins.
 MNIST_MIRROR = "https://ossci-datasets.s3.amazonaws.com/mnist/"
@@ -95,24 +95,31 @@ class MNISTDataModule(ImageDataModule):
         self.augment, self.download = augment, download
 
     def prepare_data(self) -> None:
+        """Fetch and verify the archives, and unpack them once (on one process)."""
         raw = self.root / self.folder / "raw"
         for name, checksum in self.files.items():
             ensure_file(raw / name, self.mirror + name, checksum, download=self.download)
+        for train in (True, False):  # torchvision unpacks verified archives, no download
+            self._dataset(train, augment=False, unpack=True)
 
-    def _dataset(self, train: bool, augment: bool) -> Dataset:
+    def _dataset(self, train: bool, augment: bool, unpack: bool = False) -> Dataset:
         from torchvision import datasets, transforms
 
         steps = [transforms.RandomAffine(0, translate=(2 / 28, 2 / 28))] if augment else []
         steps += [transforms.ToTensor(), transforms.Normalize((self.mean,), (self.std,))]
         cls = datasets.FashionMNIST if self.folder == "FashionMNIST" else datasets.MNIST
-        # the archives are in place (prepare_data), so torchvision only unpacks them
-        return cls(self.root, train=train, download=True, transform=transforms.Compose(steps))
+        return cls(self.root, train=train, download=unpack, transform=transforms.Compose(steps))
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        self.prepare_data()
-        full, plain = self._dataset(True, self.augment), self._dataset(True, False)
+        try:
+            full, plain = self._dataset(True, self.augment), self._dataset(True, False)
+        except RuntimeError:  # torchvision's "Dataset not found"
+            raise DataFileError(
+                f"{self.folder} is not unpacked under {self.root / self.folder / 'raw'}; call "
+                "prepare_data() first (the Trainer does) to fetch and unpack the archives"
+            ) from None
         n_train = len(full) - self.val_size
         self.train_set = torch.utils.data.Subset(full, range(n_train))
         self.val_set = torch.utils.data.Subset(plain, range(n_train, len(plain)))
