@@ -338,12 +338,29 @@ def test_translation_module_on_gzipped_parallel_lines(tmp_path, monkeypatch, src
 
 
 def test_bucketing_groups_similar_lengths_and_covers_every_pair():
+    from torch.utils.data import RandomSampler
+    from torch.utils.data.distributed import DistributedSampler
+
     lengths = [1, 50, 2, 49, 3, 48, 4, 47]
-    sampler = BucketBatchSampler(lengths, batch_size=2, bucket=4)
+    sampler = BucketBatchSampler(RandomSampler(lengths), batch_size=2, lengths=lengths, bucket=4)
     batches = list(sampler)
     assert sorted(i for b in batches for i in b) == list(range(8))
     assert all(abs(lengths[a] - lengths[b]) < 5 for a, b in batches)
     assert len(sampler) == 4
+    # under DDP, Lightning swaps the wrapped sampler: each rank then sees its own share
+    # (it records the sampler's arguments while the Trainer asks for the dataloaders)
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from torch.utils.data import BatchSampler
+
+    with _replace_dunder_methods(BatchSampler):
+        sampler = BucketBatchSampler(RandomSampler(lengths), 2, lengths=lengths, bucket=4)
+    loader = torch.utils.data.DataLoader(lengths, batch_sampler=sampler)
+    shares = []
+    for rank in (0, 1):
+        dist = DistributedSampler(lengths, num_replicas=2, rank=rank, shuffle=True, seed=0)
+        shares.append({i for b in _update_dataloader(loader, dist).batch_sampler for i in b})
+    assert shares[0].isdisjoint(shares[1]) and shares[0] | shares[1] == set(range(8))
 
 
 def test_iwslt_files(tmp_path):

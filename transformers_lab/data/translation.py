@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import html
-import random
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
 from transformers_lab.data.download import DataFileError, data_root, ensure_file
 from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer, load_encoding
@@ -85,31 +84,34 @@ def pad_batch(batch: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tupl
     return pad(list(src)), pad(list(tgt))
 
 
-class BucketBatchSampler(Sampler[list[int]]):
-    """Batches of similar source lengths: shuffle, cut into pools of ``bucket`` batches,
-    sort each pool by length, batch it, and shuffle the batches (less padding)."""
+class BucketBatchSampler(BatchSampler):
+    """Batches of similar lengths (less padding): the wrapped sampler's indices are cut into
+    pools of ``bucket`` batches, each pool is sorted by length and batched, and the
+    batches are shuffled. As a ``BatchSampler``, Lightning can swap the wrapped sampler
+    for a ``DistributedSampler`` under DDP."""
 
-    def __init__(self, lengths: Sequence[int], batch_size: int, bucket: int = 50, seed: int = 0):
-        self.lengths, self.batch_size, self.bucket, self.seed = lengths, batch_size, bucket, seed
-        self.epoch = 0
+    def __init__(
+        self,
+        sampler: Sampler[int],
+        batch_size: int,
+        drop_last: bool = False,
+        *,
+        lengths: Sequence[int],
+        bucket: int = 50,
+    ) -> None:
+        super().__init__(sampler, batch_size, drop_last)
+        self.lengths, self.bucket = lengths, bucket
 
     def __iter__(self) -> Iterator[list[int]]:
-        rng = random.Random(self.seed + self.epoch)
-        self.epoch += 1
-        order = list(range(len(self.lengths)))
-        rng.shuffle(order)
-        pool = self.batch_size * self.bucket
+        order = list(self.sampler)
+        pool, size = self.batch_size * self.bucket, self.batch_size
         batches = []
         for start in range(0, len(order), pool):
             chunk = sorted(order[start : start + pool], key=self.lengths.__getitem__)
-            batches += [
-                chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size)
-            ]
-        rng.shuffle(batches)
-        return iter(batches)
-
-    def __len__(self) -> int:
-        return -(-len(self.lengths) // self.batch_size)
+            batches += [chunk[i : i + size] for i in range(0, len(chunk), size)]
+        if self.drop_last:
+            batches = [batch for batch in batches if len(batch) == size]
+        return iter([batches[i] for i in torch.randperm(len(batches)).tolist()])
 
 
 class TranslationDataModule(L.LightningDataModule):
@@ -264,9 +266,12 @@ class TranslationDataModule(L.LightningDataModule):
             return pad_batch(batch, self.pad_id)
 
         if train and self.bucket > 0:
-            sampler = BucketBatchSampler([len(s) for s in data.src], self.batch_size, self.bucket)
+            lengths = [len(s) for s in data.src]
+            batches = BucketBatchSampler(
+                RandomSampler(data), self.batch_size, lengths=lengths, bucket=self.bucket
+            )
             return DataLoader(
-                data, batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers
+                data, batch_sampler=batches, collate_fn=collate, num_workers=self.num_workers
             )
         return DataLoader(
             data,
