@@ -141,15 +141,18 @@ def read_state(q: Tensor, state: Tensor, p: int) -> Tensor:
     return feature_map(q, p) @ state.transpose(-2, -1)
 
 
+def polynomial_matrix(q: Tensor, k: Tensor, p: int, allowed: Tensor | None) -> Tensor:
+    """The explicit (B, H, Nq, Nk) matrix poly(q . k), zero where ``allowed`` is False."""
+    a = poly(q @ k.transpose(-2, -1), p)
+    return a if allowed is None else a.masked_fill(~allowed, 0.0)
+
+
 def quadratic(q: Tensor, k: Tensor, v_aug: Tensor, p: int, causal: bool) -> Tensor:
     """Reference path: the explicit (B, H, Nq, Nk) polynomial times v_aug."""
-    a = poly(q @ k.transpose(-2, -1), p)  # (B, H, Nq, Nk)
-    if causal:
-        allowed = attention_mask(
-            q.shape[2], k.shape[2], causal=True, key_padding_mask=None, device=q.device
-        )
-        a = a.masked_fill(~allowed, 0.0)
-    return a @ v_aug  # (B, H, Nq, Dv + 1)
+    allowed = attention_mask(
+        q.shape[2], k.shape[2], causal=causal, key_padding_mask=None, device=q.device
+    )
+    return polynomial_matrix(q, k, p, allowed) @ v_aug  # (B, H, Nq, Dv + 1)
 
 
 def factorized(q: Tensor, k: Tensor, v_aug: Tensor, p: int, chunk_size: int = 128) -> Tensor:
@@ -334,10 +337,14 @@ def recurrent_step(
     return read_state(q, state, p), state
 
 
+def safe_divide(num: Tensor, den: Tensor) -> Tensor:
+    """num / den, with zeros where den is 0 (a query that saw no key)."""
+    return num / den.masked_fill(den == 0, 1.0)
+
+
 def normalise_output(out_aug: Tensor) -> Tensor:
     """Split [numerator, denominator] and divide; a query that saw no key gives zeros."""
-    num, den = out_aug[..., :-1], out_aug[..., -1:]
-    return num / den.masked_fill(den == 0, 1.0)
+    return safe_divide(out_aug[..., :-1], out_aug[..., -1:])
 
 
 class FastmaxAttention(AttentionKernel):
@@ -464,7 +471,6 @@ class FastmaxAttention(AttentionKernel):
         self.check_inputs(q, k, None, key_padding_mask)
         with torch.autocast(q.device.type, enabled=False):
             qs, ks, _ = self.prepare(q, k, None, None)
-            a = poly(qs @ ks.transpose(-2, -1), self.p)  # (B, H, Nq, Nk)
             allowed = attention_mask(
                 q.shape[2],
                 k.shape[2],
@@ -472,10 +478,8 @@ class FastmaxAttention(AttentionKernel):
                 key_padding_mask=key_padding_mask,
                 device=q.device,
             )
-            if allowed is not None:
-                a = a.masked_fill(~allowed, 0.0)
-            den = a.sum(dim=-1, keepdim=True)
-            return (a / den.masked_fill(den == 0, 1.0)).to(q.dtype)
+            a = polynomial_matrix(qs, ks, self.p, allowed)  # (B, H, Nq, Nk)
+            return safe_divide(a, a.sum(dim=-1, keepdim=True)).to(q.dtype)
 
     def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
         """The factorised state of every key: reading it costs O(1) in the memory length."""
