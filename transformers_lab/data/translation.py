@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import html
 import re
@@ -262,9 +263,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.setup()
         data = self.sets[split]
 
-        def collate(batch: Sequence[tuple[list[int], list[int]]]) -> tuple[Tensor, Tensor]:
-            return pad_batch(batch, self.pad_id)
-
+        collate = functools.partial(pad_batch, pad_id=self.pad_id)  # picklable for workers
         if train and self.bucket > 0:
             lengths = [len(s) for s in data.src]
             batches = BucketBatchSampler(
