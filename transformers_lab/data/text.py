@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,18 @@ class ShakespeareCharDataModule(L.LightningDataModule):
             self.setup()
         return self.tokenizer.vocab_size
 
+    def encode(self, text: str) -> list[int]:
+        """Text -> token ids, with this data's tokenizer."""
+        if self.tokenizer is None:
+            self.setup()
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids -> text, with this data's tokenizer."""
+        if self.tokenizer is None:
+            self.setup()
+        return self.tokenizer.decode(ids)
+
     def model_kwargs(self) -> dict[str, int]:
         """What a language model needs from this data."""
         return {"vocab_size": self.vocab_size, "block_size": self.block_size}
@@ -183,3 +196,5 @@ class ShakespeareBPEDataModule(ShakespeareCharDataModule):
                 f"the checkpoint was trained with the tiktoken encoding {meta['encoding']!r}, "
                 f"this data module uses {self.encoding_name!r}; set data.encoding to match"
             )
+        if meta and self.tokenizer is None:  # the encoding is the vocabulary: no text needed
+            self.tokenizer = self.build_tokenizer("")

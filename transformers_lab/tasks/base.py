@@ -1,8 +1,11 @@
-"""What every task shares: the optimizer with weight-decay groups, the schedule, and the
-parameter count in the hyperparameters."""
+"""What every task shares: the optimizer with weight-decay groups, the schedule, the
+parameter counts, and the run's config inside every checkpoint."""
 
 from __future__ import annotations
 
+import inspect
+import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -13,8 +16,33 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from transformers_lab.nn import weight_decay_groups
 
+log = logging.getLogger(__name__)
+
 OptimizerFactory = Callable[..., Optimizer]
-SchedulerFactory = Callable[[Optimizer], LRScheduler]
+SchedulerFactory = Callable[..., LRScheduler]
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Total and trainable parameters (a tied weight is counted once)."""
+    params = list(model.parameters())  # nn.Module.parameters() yields each tensor once
+    return {
+        "model/params": sum(p.numel() for p in params),
+        "model/params_trainable": sum(p.numel() for p in params if p.requires_grad),
+    }
+
+
+def log_text(module: L.LightningModule, key: str, text: str) -> None:
+    """Log a qualitative sample to the run's log and to every logger that takes text."""
+    if module.trainer.sanity_checking:
+        return
+    step = module.global_step
+    log.info("%s at step %d:\n%s", key, step, text)
+    for logger in module.loggers:
+        experiment = logger.experiment
+        if hasattr(experiment, "add_text"):  # tensorboard
+            experiment.add_text(key, text, step)
+        elif hasattr(logger, "log_text"):  # wandb
+            logger.log_text(key=key, columns=["step", "text"], data=[[step, text]])
 
 
 class Task(L.LightningModule):
@@ -26,21 +54,29 @@ class Task(L.LightningModule):
             parameter groups of ``weight_decay_groups``; its ``weight_decay`` applies to
             the decayed group.
         scheduler: a partial schedule completed with the optimizer, stepped every
-            training step; None for a constant learning rate.
+            training step; None for a constant learning rate. A schedule with a
+            ``max_steps`` argument left unset (or None) gets the trainer's total number of
+            optimizer steps (and a warm-up of a tenth of them if its own is longer).
+
+    ``run_config`` (a plain dict, set by ``tlab-train``) is saved in every checkpoint as
+    ``checkpoint["tlab_config"]``, so ``tlab-eval`` and ``tlab-sample`` can rebuild the
+    model and its data from the checkpoint alone.
     """
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: OptimizerFactory,
-        scheduler: Callable[..., LRScheduler] | None = None,
+        scheduler: SchedulerFactory | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.save_hyperparameters(ignore=["model", "optimizer", "scheduler"])
-        self.num_params = sum(p.numel() for p in model.parameters())
+        self.counts = parameter_counts(model)
+        self.num_params = self.counts["model/params"]
+        self.run_config: dict[str, Any] | None = None
 
     def configure_optimizers(self) -> Any:
         # the partial's weight_decay goes to the decayed group only
@@ -48,12 +84,43 @@ class Task(L.LightningModule):
         optimizer = self.optimizer_factory(params=weight_decay_groups(self.model, weight_decay))
         if self.scheduler_factory is None:
             return optimizer
-        scheduler = self.scheduler_factory(optimizer)
+        scheduler = self.scheduler_factory(optimizer, **self.schedule_length())
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
 
+    def schedule_length(self) -> dict[str, int]:
+        """``max_steps`` for a schedule that takes one and was not given it."""
+        factory = self.scheduler_factory
+        try:
+            takes = "max_steps" in inspect.signature(getattr(factory, "func", factory)).parameters
+        except (TypeError, ValueError):  # a builtin or odd callable: leave it alone
+            return {}
+        if not takes or getattr(factory, "keywords", {}).get("max_steps") is not None:
+            return {}
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError(
+                "the schedule needs a length and the trainer has no finite number of steps; "
+                "set scheduler.max_steps or trainer.max_steps"
+            )
+        length = {"max_steps": int(total)}
+        warmup = getattr(factory, "keywords", {}).get("warmup_steps")
+        if warmup is not None and warmup >= total:  # a debug run far shorter than the warm-up
+            length["warmup_steps"] = int(total) // 10
+            log.warning(
+                "the run has %d optimizer steps, fewer than warmup_steps=%d: warming up for %d",
+                total,
+                warmup,
+                length["warmup_steps"],
+            )
+        return length
+
     def on_fit_start(self) -> None:
         for logger in self.loggers:
-            logger.log_hyperparams({"model/params": self.num_params})
+            logger.log_hyperparams(self.counts)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.run_config is not None:
+            checkpoint["tlab_config"] = self.run_config

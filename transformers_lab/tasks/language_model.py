@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformers_lab.tasks.base import Task
+from transformers_lab.tasks.base import Task, log_text
 
 IGNORE = -100
 
@@ -21,7 +21,8 @@ class LanguageModelTask(Task):
     Logs ``train/loss``; ``val/loss``, ``val/ppl``, ``val/bpt`` (bits per token, bits per
     character for a character model) and ``val/acc`` (accuracy on the supervised
     positions, the recall metric of MQAR). With a ``decode`` function (ids -> text), a
-    sample from the model's prompt is logged as text at the end of each validation.
+    sample from the model's prompt is logged as text at the end of each validation (the
+    last ten are kept in ``samples``).
 
     Args:
         sample_tokens: tokens to generate for the logged sample (0: none).
@@ -66,10 +67,8 @@ class LanguageModelTask(Task):
         if self.decode is not None and self.sample_tokens > 0 and hasattr(self.model, "generate"):
             prompt = torch.zeros(1, 1, dtype=torch.long, device=self.device)
             ids = self.model.generate(prompt, self.sample_tokens, temperature=1.0, top_k=40)
-            self.samples.append(self.decode(ids[0].tolist()))
-            for logger in self.loggers:
-                if hasattr(logger.experiment, "add_text"):  # tensorboard
-                    logger.experiment.add_text("val/sample", self.samples[-1], self.global_step)
+            self.samples = [*self.samples[-9:], self.decode(ids[0].tolist())]
+            log_text(self, "val/sample", self.samples[-1])
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss, correct, total = self.step(batch)

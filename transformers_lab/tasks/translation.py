@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.text import BLEUScore
 
-from transformers_lab.tasks.base import Task
+from transformers_lab.tasks.base import Task, log_text
 
 
 class TranslationTask(Task):
@@ -80,6 +80,9 @@ class TranslationTask(Task):
 
     def on_validation_epoch_end(self) -> None:
         self._log_bleu("val")
+        if self.samples:
+            text = "\n".join(f"{hyp}  ||  {ref}" for hyp, ref in self.samples)
+            log_text(self, "val/translations", text)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, batch_idx, "test")

@@ -1,0 +1,215 @@
+"""From a composed config to Lightning objects: data, model, task, callbacks, loggers.
+
+The data flows one way: the data module is built first and tells the model what it
+needs (``model_kwargs()``: vocabulary, context, image geometry); the model is built with
+the kernel factory; the task wraps the model; the trainer gets callbacks and loggers.
+Whatever is wrong with the combination is reported here as a ``ConfigError``: one line
+that names the fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ProgressBar
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+# the sections of a run's config that rebuild its model; stored in every checkpoint
+MODEL_SECTIONS = ("model", "data", "task")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says what to change."""
+
+
+def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
+    """``instantiate`` with the error of the target itself, not Hydra's wrapping of it."""
+    try:
+        return instantiate(config, **kwargs)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError):
+            raise ConfigError(f"{what}: {cause}") from cause
+        raise ConfigError(f"{what}: {exc}") from exc
+
+
+def target_class(config: DictConfig) -> type:
+    """The class (or function) a config's ``_target_`` names."""
+    module, _, name = str(config._target_).rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_datamodule(config: DictConfig) -> L.LightningDataModule:
+    return call(config, "data")
+
+
+def option(name: str) -> str:
+    """The group option chosen for ``name`` in the running Hydra app, else ``name``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return f"{name}={HydraConfig.get().runtime.choices.get(name, '?')}"
+    return name
+
+
+def data_compatible_models(provided: set[str]) -> list[str]:
+    """The model options in ``conf/model`` whose class takes every key in ``provided``."""
+    names = []
+    for path in sorted(CONF_DIR.glob("model/*.yaml")):
+        try:
+            params = inspect.signature(target_class(OmegaConf.load(path))).parameters
+        except (AttributeError, ImportError, ValueError):  # pragma: no cover - broken file
+            continue
+        if provided <= set(params):
+            names.append(path.stem)
+    return names
+
+
+# data keys where the model may hold more than the data needs (spare positions or ids)
+AT_LEAST = {"block_size", "max_len", "vocab_size", "src_vocab_size", "tgt_vocab_size"}
+
+
+def model_kwargs(config: DictConfig, datamodule: Any) -> dict[str, Any]:
+    """The data module's ``model_kwargs()`` merged into the model config.
+
+    A key the model config leaves null comes from the data. A key set in both must agree:
+    positions and vocabulary may be larger in the model (``block_size``, ``max_len``,
+    vocab sizes), everything else (image size, classes, special ids) must be equal. A key
+    the model class does not take means the model and the data do not fit together.
+    """
+    provided = dict(datamodule.model_kwargs()) if hasattr(datamodule, "model_kwargs") else {}
+    cls = target_class(config)
+    params = inspect.signature(cls).parameters
+    unknown = sorted(set(provided) - set(params))
+    if unknown:
+        fits = data_compatible_models(set(provided))
+        hint = f"use model={' or model='.join(fits)}" if fits else "pick another model"
+        raise ConfigError(
+            f"{option('model')} ({cls.__name__}) cannot take {option('data')}: the data "
+            f"provides {', '.join(provided)} but {cls.__name__} has no "
+            f"{', '.join(unknown)}; {hint}, or choose data that {cls.__name__} takes"
+        )
+    merged = {}
+    for key, value in provided.items():
+        mine = config.get(key)
+        if mine is None:
+            merged[key] = value
+        elif key in AT_LEAST and mine < value:
+            raise ConfigError(
+                f"model.{key}={mine} is smaller than the data's {key}={value}: the model "
+                f"would meet {'positions' if key in ('block_size', 'max_len') else 'ids'} it "
+                f"has no embedding for; set model.{key}={value} (or null to take the data's) "
+                f"or make the data smaller"
+            )
+        elif key not in AT_LEAST and mine != value:
+            raise ConfigError(
+                f"model.{key}={mine} does not match the data's {key}={value}; set "
+                f"model.{key}=null to take it from the data"
+            )
+    return merged
+
+
+def build_model(config: DictConfig, datamodule: Any) -> torch.nn.Module:
+    """The model of ``config`` sized for ``datamodule``."""
+    return call(config, "model", **model_kwargs(config, datamodule))
+
+
+def build_task(config: DictConfig, model: torch.nn.Module, datamodule: Any = None) -> Any:
+    """The LightningModule of ``config`` around ``model``; a data module with a ``decode``
+    (ids -> text) lets the task log samples."""
+    task = call(config, "task", model=model)
+    decode = getattr(datamodule, "decode", None)
+    if decode is not None and hasattr(task, "decode"):
+        task.decode = decode
+    return task
+
+
+def build_callbacks(
+    config: DictConfig | None, with_logger: bool = True, progress_bar: bool = True
+) -> list[Callback]:
+    """The callbacks of the ``callbacks`` group (null entries are switched off); the
+    learning-rate monitor is left out without a logger, the bar when the trainer has none."""
+    callbacks = []
+    for name, node in (config or {}).items():
+        if node is None:
+            continue
+        callback = call(node, f"callbacks.{name}")
+        if isinstance(callback, LearningRateMonitor) and not with_logger:
+            log.info("no logger: the learning-rate monitor is left out")
+        elif not (isinstance(callback, ProgressBar) and not progress_bar):
+            callbacks.append(callback)
+    return callbacks
+
+
+def build_loggers(config: DictConfig | None) -> list[Logger]:
+    """The loggers of the ``logger`` group (null entries are switched off)."""
+    return [
+        call(node, f"logger.{name}") for name, node in (config or {}).items() if node is not None
+    ]
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A Lightning checkpoint as a dict, with a clear error when the file is not there."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"no checkpoint at {path}; give ckpt_path=<run dir>/checkpoints/last.ckpt (or "
+            f"best) of a finished run"
+        )
+    # our checkpoints hold configs and tokenizer tables besides tensors
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
+    """The dotted keys where two plain config containers differ."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for key in sorted(set(saved) | set(current), key=str):
+            out += differences(saved.get(key), current.get(key), f"{prefix}{key}.")
+        return out
+    return [] if saved == current else [f"{prefix[:-1]}: {saved!r} -> {current!r}"]
+
+
+def check_checkpoint(checkpoint: dict[str, Any], task: torch.nn.Module, path: Any) -> None:
+    """Refuse, in one line, a checkpoint whose weights do not fit ``task``'s model."""
+    own = task.state_dict()
+    saved = checkpoint.get("state_dict", {})
+    mismatched = [
+        key
+        for key in sorted(set(own) | set(saved))
+        if key not in own or key not in saved or own[key].shape != saved[key].shape
+    ]
+    if not mismatched:
+        return
+    config = getattr(task, "run_config", None) or {}
+    changed = differences(
+        (checkpoint.get("tlab_config") or {}).get("model", {}), config.get("model", {})
+    )
+    what = "; ".join(changed[:6]) if changed else f"{len(mismatched)} tensors ({mismatched[0]})"
+    raise ConfigError(
+        f"checkpoint {path} was saved from a different model config ({what}); use the "
+        f"model options it was trained with, or drop ckpt_path to start afresh"
+    )
+
+
+def resolved_sections(config: DictConfig, keys: tuple[str, ...] = MODEL_SECTIONS) -> dict:
+    """Plain, resolved copies of the config sections that rebuild a run's model."""
+    return {k: OmegaConf.to_container(config[k], resolve=True) for k in keys if k in config}
+
+
+def metrics_dict(metrics: dict[str, Any]) -> dict[str, float]:
+    """Tensor metrics as plain floats, sorted by name."""
+    return {k: float(v) for k, v in sorted(metrics.items())}
