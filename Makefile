@@ -4,8 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
+ARGS ?=
 
-.PHONY: help install test test-fast lint format bench clean
+.PHONY: help install train test test-fast lint format bench bench-training clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -17,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
+
+train: install  ## the default experiment (ViT on digits, offline, ~1 min); ARGS="experiment=baby_gpt ..."
+	$(VENV)/bin/tlab-train $(ARGS)
 
 test: install  ## run the whole test suite (what CI runs)
 	WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)
@@ -34,6 +38,9 @@ format: install  ## apply ruff's fixes and formatting
 
 bench: install  ## benchmark the attention kernels (BENCH_ARGS="--n 1024 2048 ...")
 	$(PY) -m transformers_lab.bench.kernels $(BENCH_ARGS)
+
+bench-training: install  ## framework overhead: tlab-train against a bare PyTorch loop (BENCH_ARGS=...)
+	$(PY) -m transformers_lab.bench.training $(BENCH_ARGS)
 
 clean:  ## remove caches and benchmark outputs (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache bench_out build *.egg-info

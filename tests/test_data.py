@@ -4,11 +4,9 @@ and the real data sets when TLAB_DATA_DIR holds them."""
 from __future__ import annotations
 
 import base64
-import gzip
 import hashlib
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -40,13 +38,10 @@ from transformers_lab.data.text import Windows
 from transformers_lab.data.tokenizers import GPT2_PATTERN
 from transformers_lab.data.translation import BucketBatchSampler, read_iwslt_train, read_iwslt_xml
 
+from fake_data import PAIRS, TEXT, sha256, write_idx, write_multi30k, write_text_root
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 REAL = Path(os.environ.get("TLAB_DATA_DIR", "/nonexistent"))
-TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # ---------------------------------------------------------------- downloads
@@ -204,14 +199,6 @@ def test_windows_shift_targets_and_respect_the_stride():
         Windows(torch.arange(5), 8)
 
 
-def write_text_root(tmp_path: Path, monkeypatch) -> Path:
-    path = tmp_path / "shakespeare" / "input.txt"
-    path.parent.mkdir(parents=True)
-    path.write_text(TEXT)
-    monkeypatch.setattr(ShakespeareCharDataModule, "sha256", sha256(path))
-    return tmp_path
-
-
 def test_shakespeare_char_module_on_a_few_lines(tmp_path, monkeypatch):
     root = write_text_root(tmp_path, monkeypatch)
     dm = ShakespeareCharDataModule(root=str(root), block_size=16, batch_size=4, train_samples=8)
@@ -259,15 +246,6 @@ def test_shakespeare_bpe_module_with_a_local_encoding(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- images
 
 
-def write_idx(path: Path, array: np.ndarray) -> None:
-    """An IDX file (the MNIST format): magic, dimensions, then uint8 data; gzip'd and raw."""
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    raw = header + array.astype(np.uint8).tobytes()
-    path.with_suffix("").write_bytes(raw)  # what torchvision reads
-    with gzip.open(path, "wb") as f:
-        f.write(raw)
-
-
 @pytest.mark.parametrize("module", [MNISTDataModule, FashionMNISTDataModule])
 def test_mnist_modules_on_idx_files_the_test_writes(tmp_path, monkeypatch, module):
     raw = tmp_path / module.folder / "raw"
@@ -298,19 +276,6 @@ def test_digits_module_offline():
 
 
 # ---------------------------------------------------------------- translation
-
-PAIRS = [("A man rides a horse.", "Ein Mann reitet ein Pferd."), ("Two dogs.", "Zwei Hunde.")]
-
-
-def write_multi30k(root: Path, monkeypatch) -> None:
-    folder = root / "multi30k"
-    folder.mkdir(parents=True)
-    for split in ("train", "val", "test_2016_flickr"):
-        for lang, side in (("en", 0), ("de", 1)):
-            path = folder / f"{split}.{lang}.gz"
-            with gzip.open(path, "wt", encoding="utf-8") as f:
-                f.writelines(pair[side] + "\n" for pair in PAIRS * 3)
-            monkeypatch.setitem(translation_module.MULTI30K_FILES, path.name, sha256(path))
 
 
 @pytest.mark.parametrize(("src_lang", "tgt_lang"), [("en", "de"), ("de", "en")])

@@ -391,3 +391,31 @@ def test_positional_encodings():
     assert torch.equal(PositionalEncoding("none", 8, 16)(x), x)
     learned = PositionalEncoding("learned", 8, 16)
     assert learned(x).shape == x.shape and learned.embedding.weight.requires_grad
+
+
+def test_patch_stride_and_padding_set_the_grid():
+    """5x5 patches on 28x28 MNIST: padding 1 gives a 6x6 grid, stride 1 overlapping 24x24."""
+    from transformers_lab.nn import PatchEmbedding
+
+    images = torch.randn(2, 1, 28, 28)
+    padded = PatchEmbedding(28, 5, 1, 8, stride=5, padding=1)
+    assert padded.num_patches == 36 and padded(images).shape == (2, 36, 8)
+    # the first patch sees the zero border: the conv over the padded image's corner
+    corner = torch.nn.functional.pad(images, (1, 1, 1, 1))[:, :, :5, :5]
+    expected = torch.einsum("bchw,dchw->bd", corner, padded.proj.weight) + padded.proj.bias
+    torch.testing.assert_close(padded(images)[:, 0], expected)
+    overlapping = PatchEmbedding(28, 5, 1, 8, stride=1)
+    assert overlapping.num_patches == 24 * 24
+    vit = ViT(
+        image_size=28,
+        patch_size=5,
+        patch_stride=5,
+        patch_padding=1,
+        d_model=15,
+        n_head=5,
+        n_layer=1,
+        mlp_ratio=1.6,
+    )
+    assert vit(images).shape == (2, 10)
+    with pytest.raises(ValueError, match=r"= 23 is not a non-negative multiple of the stride 5"):
+        PatchEmbedding(28, 5, 1, 8, stride=5)

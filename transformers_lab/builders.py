@@ -46,6 +46,25 @@ def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
         raise ConfigError(f"{what}: {exc}") from exc
 
 
+def compose_config(name: str, overrides: list[str], output_dir: str | Path) -> DictConfig:
+    """The config that ``tlab-<name> <overrides>`` would run, writing into ``output_dir``,
+    for running the entry points from Python (benchmarks, notebooks, tests). Hydra's own
+    interpolations (``${hydra:...}``) resolve as in a real run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    output_dir = Path(output_dir)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(name, overrides=list(overrides), return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(output_dir)
+        cfg.hydra.runtime.cwd = str(output_dir.parent)
+        cfg.hydra.job.num = 0
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
 def target_class(config: DictConfig) -> type:
     """The class (or function) a config's ``_target_`` names."""
     module, _, name = str(config._target_).rpartition(".")

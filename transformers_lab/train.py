@@ -87,15 +87,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
         if cfg.get("train", True):
             trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         metrics = metrics_dict(trainer.callback_metrics)
-        best = checkpoint_path(trainer, "best_model_path")
+        # read before testing: loading the best checkpoint restores the callback's state
+        checkpoints = {k: checkpoint_path(trainer, f"{k}_model_path") for k in ("best", "last")}
         if cfg.get("test") and is_overridden("test_dataloader", datamodule):
-            if best is None:
+            if checkpoints["best"] is None:
                 log.warning("no best checkpoint saved: testing the weights in memory")
-            tested = trainer.test(task, datamodule=datamodule, ckpt_path=best)
+            tested = trainer.test(task, datamodule=datamodule, ckpt_path=checkpoints["best"])
             metrics.update(metrics_dict(tested[0] if tested else {}))
     finally:
         finish_wandb(trainer)
-    report(metrics, trainer)
+    report(metrics, checkpoints)
     return metrics
 
 
@@ -106,12 +107,12 @@ def checkpoint_path(trainer: L.Trainer, which: str) -> str | None:
     return path or None
 
 
-def report(metrics: dict[str, float], trainer: L.Trainer) -> None:
+def report(metrics: dict[str, float], checkpoints: dict[str, str | None]) -> None:
     print("final metrics:", flush=True)
     for name, value in metrics.items():
         print(f"  {name}: {value:.6g}")
-    print(f"best checkpoint: {checkpoint_path(trainer, 'best_model_path')}")
-    print(f"last checkpoint: {checkpoint_path(trainer, 'last_model_path')}", flush=True)
+    print(f"best checkpoint: {checkpoints['best']}")
+    print(f"last checkpoint: {checkpoints['last']}", flush=True)
 
 
 def objective(cfg: DictConfig, metrics: dict[str, float]) -> float | None:

@@ -28,6 +28,8 @@ class EncoderClassifier(nn.Module):
         num_classes: classes of the head.
         vocab_size, max_len: token input; ``max_len`` is the positions table.
         image_size, patch_size, in_channels: patch input (square images).
+        patch_stride, patch_padding: the patch convolution's stride (None: the patch size,
+            non-overlapping patches) and zero padding of the image border.
         d_model, n_layer, n_head, mlp_ratio, dropout, act, bias, norm_first: as in GPT.
         pos_encoding: sinusoidal, learned, fourier or none.
         pool: ``cls`` (a learned class token, prepended), ``mean`` (average over the
@@ -45,6 +47,8 @@ class EncoderClassifier(nn.Module):
         max_len: int = 512,
         image_size: int | None = None,
         patch_size: int | None = None,
+        patch_stride: int | None = None,
+        patch_padding: int = 0,
         in_channels: int = 1,
         d_model: int = 64,
         n_layer: int = 2,
@@ -76,7 +80,9 @@ class EncoderClassifier(nn.Module):
         if vocab_size is not None:
             self.embedding: nn.Module = TokenEmbedding(vocab_size, d_model)
         else:
-            self.embedding = PatchEmbedding(image_size, patch_size, in_channels, d_model)
+            self.embedding = PatchEmbedding(
+                image_size, patch_size, in_channels, d_model, patch_stride, patch_padding
+            )
             max_len = self.embedding.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d_model)) if pool == "cls" else None
         self.pos = PositionalEncoding(pos_encoding, d_model, max_len + (pool == "cls"))
@@ -146,6 +152,8 @@ class ViT(EncoderClassifier):
         patch_size: int = 4,
         in_channels: int = 1,
         num_classes: int = 10,
+        patch_stride: int | None = None,
+        patch_padding: int = 0,
         d_model: int = 64,
         n_layer: int = 4,
         n_head: int = 4,
@@ -163,6 +171,8 @@ class ViT(EncoderClassifier):
             num_classes,
             image_size=image_size,
             patch_size=patch_size,
+            patch_stride=patch_stride,
+            patch_padding=patch_padding,
             in_channels=in_channels,
             d_model=d_model,
             n_layer=n_layer,

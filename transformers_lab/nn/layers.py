@@ -141,23 +141,42 @@ class TokenEmbedding(nn.Embedding):
 
 
 class PatchEmbedding(nn.Module):
-    """Cuts an image into non-overlapping patches and embeds each with one convolution.
+    """Cuts an image into patches and embeds each with one convolution.
 
-    (B, C, H, W) -> (B, (H / P) * (W / P), d_model), patches in row-major order.
+    (B, C, H, W) -> (B, G * G, d_model), patches in row-major order, where the grid side
+    is G = (image_size + 2 * padding - patch_size) / stride + 1. The default stride is the
+    patch size (non-overlapping patches, G = image_size / patch_size); a smaller stride
+    gives overlapping patches, ``padding`` zero-pads the border first.
     """
 
-    def __init__(self, image_size: int, patch_size: int, in_channels: int, d_model: int) -> None:
+    def __init__(
+        self,
+        image_size: int,
+        patch_size: int,
+        in_channels: int,
+        d_model: int,
+        stride: int | None = None,
+        padding: int = 0,
+    ) -> None:
         super().__init__()
-        if image_size % patch_size:
+        stride = patch_size if stride is None else stride
+        if stride < 1 or padding < 0:
+            raise ValueError(f"need patch stride >= 1 and padding >= 0, got {stride}, {padding}")
+        span = image_size + 2 * padding - patch_size
+        if span < 0 or span % stride:
             raise ValueError(
-                f"image_size={image_size} does not fit the patch grid: it is not a multiple "
-                f"of patch_size={patch_size}; choose a patch size that divides the image size"
+                f"image_size={image_size} does not fit the patch grid: image_size + 2 * "
+                f"padding ({2 * padding}) - patch_size ({patch_size}) = {span} is not a "
+                f"non-negative multiple of the stride {stride}; choose a patch size, stride "
+                "or padding that tiles the image"
             )
         self.image_size = image_size
         self.patch_size = patch_size
         self.in_channels = in_channels
-        self.num_patches = (image_size // patch_size) ** 2
-        self.proj = nn.Conv2d(in_channels, d_model, kernel_size=patch_size, stride=patch_size)
+        self.num_patches = (span // stride + 1) ** 2
+        self.proj = nn.Conv2d(
+            in_channels, d_model, kernel_size=patch_size, stride=stride, padding=padding
+        )
 
     def forward(self, images: Tensor) -> Tensor:
         if images.dim() != 4 or images.shape[1] != self.in_channels:

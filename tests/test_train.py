@@ -1,0 +1,429 @@
+"""The training pipeline: the real configs composed as tlab-train composes them, runs of
+tlab-train, tlab-eval and tlab-sample, resume, logging, and one-line errors."""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformers_lab.attention import KERNELS
+from transformers_lab.builders import (
+    CONF_DIR,
+    ConfigError,
+    build_datamodule,
+    build_model,
+    compose_config,
+)
+from transformers_lab.cli import check_overrides
+from transformers_lab.eval import evaluate
+from transformers_lab.sample import sample
+from transformers_lab.train import train
+
+from fake_data import fake_data_root
+
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+# a small ViT on digits: a real fit in about a second
+SMALL = [
+    "logger=csv",
+    "model.d_model=32",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+
+
+compose_run = compose_config
+
+
+@pytest.fixture
+def data_root(tmp_path, monkeypatch) -> Path:
+    monkeypatch.delenv("TLAB_ROOT", raising=False)
+    return fake_data_root(tmp_path / "data", monkeypatch)
+
+
+def run_train(tmp_path: Path, overrides: list[str], name: str = "run") -> dict[str, float]:
+    return train(compose_run("train", overrides, tmp_path / name))
+
+
+def read_csv_metrics(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------------ experiments
+
+
+@pytest.mark.parametrize("experiment", [None, *EXPERIMENTS])
+def test_every_experiment_composes_and_runs_a_fast_dev_run(experiment, data_root, tmp_path):
+    overrides = ["debug=fdr", "data.batch_size=4", "trainer.enable_progress_bar=false"]
+    if experiment is not None:
+        overrides.append(f"experiment={experiment}")
+    cfg = compose_run("train", overrides, tmp_path / "run")
+    metrics = train(cfg)
+    assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert "train/loss" in metrics and cfg.monitor.metric in metrics
+
+
+def test_the_experiments_are_the_promised_ones():
+    expected = {"baby_gpt", "gpt_shakespeare", "vit_mnist", "vit_mnist_fastmax", "mqar"}
+    assert expected | {"transformer_multi30k"} <= set(EXPERIMENTS)
+
+
+def test_baby_gpt_is_nanogpts_cpu_config(tmp_path):
+    cfg = compose_run("train", ["experiment=baby_gpt"], tmp_path / "run")
+    m, d, o, s, t = cfg.model, cfg.data, cfg.optimizer, cfg.scheduler, cfg.trainer
+    assert (m.n_layer, m.n_head, m.d_model, m.dropout, m.bias) == (4, 4, 128, 0.0, False)
+    assert (d.block_size, d.batch_size) == (64, 12)
+    assert (o.lr, list(o.betas), o.weight_decay) == (1e-3, [0.9, 0.99], 0.1)
+    assert (s.warmup_steps, s.max_steps, s.min_lr_ratio) == (100, 2000, 0.1)
+    assert (t.max_steps, t.gradient_clip_val) == (2000, 1.0)
+
+
+def test_vit_mnist_fastmax_is_the_notebooks_model(tmp_path, data_root):
+    cfg = compose_run("train", ["experiment=vit_mnist_fastmax"], tmp_path / "run")
+    dm = build_datamodule(cfg.data)
+    model = build_model(cfg.model, dm)
+    kernels = [m for m in model.modules() if isinstance(m, tuple(KERNELS.values()))]
+    assert len(kernels) == 3 and all(isinstance(k, KERNELS["fastmax"]) for k in kernels)
+    assert all(k.p == 2 for k in kernels)
+    assert model.embedding.proj.kernel_size == (5, 5) and model.embedding.num_patches == 36
+    mlp_widths = {m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert 24 in mlp_widths  # MLP width 24 = 1.6 * 15
+    assert (len(model.blocks), cfg.model.d_model, cfg.model.n_head) == (3, 15, 5)
+    assert (cfg.data.batch_size, cfg.optimizer.lr, cfg.trainer.max_epochs) == (32, 1e-3, 2)
+
+
+# ------------------------------------------------------------------ attention and models
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("model", ["gpt", "vit", "encoder", "transformer"])
+def test_attention_override_changes_the_kernel_in_the_built_model(
+    kernel, model, tmp_path, data_root
+):
+    data = {"gpt": "mqar", "vit": "digits", "encoder": "digits", "transformer": "multi30k"}
+    cfg = compose_run(
+        "train", [f"model={model}", f"attention={kernel}", f"data={data[model]}"], tmp_path / "r"
+    )
+    built = build_model(cfg.model, build_datamodule(cfg.data))
+    found = {type(m) for m in built.modules() if isinstance(m, tuple(KERNELS.values()))}
+    assert found == {KERNELS[kernel]}
+
+
+def test_kernel_options_reach_every_layer(tmp_path, data_root):
+    overrides = ["model=gpt", "data=mqar", "attention=fastmax", "attention.p=1"]
+    overrides += ["attention.normalize=true", "attention.scale=0.5"]
+    cfg = compose_run("train", overrides, tmp_path / "r")
+    built = build_model(cfg.model, build_datamodule(cfg.data))
+    kernels = [m for m in built.modules() if isinstance(m, KERNELS["fastmax"])]
+    assert len(kernels) == cfg.model.n_layer and all(k.p == 1 for k in kernels)
+
+
+# ------------------------------------------------------------------ runs, eval, resume
+
+
+def test_a_run_prints_its_dir_metrics_and_checkpoints(tmp_path, capsys):
+    # monitor.mode=min keeps the worst epoch as "best": the first, before last.ckpt existed
+    metrics = run_train(tmp_path, [*SMALL, "trainer.max_epochs=2", "monitor.mode=min"])
+    out = capsys.readouterr().out
+    run_dir = tmp_path / "run"
+    assert out.startswith(f"run dir: {run_dir}")
+    assert "final metrics:" in out and f"val/acc: {metrics['val/acc']:.6g}" in out
+    assert f"best checkpoint: {run_dir / 'checkpoints' / 'best.ckpt'}" in out
+    assert f"last checkpoint: {run_dir / 'checkpoints' / 'last.ckpt'}" in out
+    assert {"val/acc", "val/acc_best", "test/acc", "test/loss"} <= set(metrics)
+    # the composed config, the metrics and the hyperparameters with the parameter count
+    assert (run_dir / "csv" / "metrics.csv").is_file()
+    hparams = (run_dir / "csv" / "hparams.yaml").read_text()
+    assert "model/params:" in hparams and "d_model: 32" in hparams
+
+
+def test_train_then_eval_reproduces_the_validation_metric(tmp_path):
+    run_train(tmp_path, [*SMALL, "trainer.max_epochs=3"])
+    best = tmp_path / "run" / "checkpoints" / "best.ckpt"
+    saved = torch.load(best, map_location="cpu", weights_only=False)
+    callback = next(v for k, v in saved["callbacks"].items() if "ModelCheckpoint" in k)
+    logged = float(callback["best_model_score"])
+    for split in ("val", "test"):
+        cfg = compose_run(
+            "eval",
+            [f"ckpt_path={best}", f"split={split}", "logger=csv"],
+            tmp_path / f"eval-{split}",
+        )
+        metrics = evaluate(cfg)
+        assert f"{split}/acc" in metrics
+    cfg = compose_run("eval", [f"ckpt_path={best}", "logger=csv"], tmp_path / "eval")
+    assert evaluate(cfg)["val/acc"] == pytest.approx(logged, abs=1e-6)
+
+
+def test_resume_from_last_continues_the_global_step_and_the_schedule(tmp_path):
+    limit = [*SMALL, "trainer.limit_train_batches=3", "test=false"]
+    run_train(tmp_path, [*limit, "trainer.max_epochs=2"], "first")
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    first = torch.load(last, map_location="cpu", weights_only=False)
+    assert first["global_step"] == 6
+    run_train(tmp_path, [*limit, "trainer.max_epochs=4", f"ckpt_path={last}"], "resumed")
+    resumed = torch.load(
+        tmp_path / "resumed" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False
+    )
+    assert resumed["global_step"] == 12 and resumed["epoch"] == 3
+    # the schedule went on from step 6, it did not restart its warm-up
+    assert resumed["lr_schedulers"][0]["last_epoch"] == 12
+    # the optimizer's moments were restored, not rebuilt: Adam's step count goes on
+    steps = {float(s["step"]) for s in resumed["optimizer_states"][0]["state"].values()}
+    assert steps == {12.0}
+    logged = [int(r["step"]) for r in read_csv_metrics(tmp_path / "resumed") if r["train/loss"]]
+    assert logged and min(logged) >= 6
+
+
+def test_a_checkpoint_of_another_model_config_is_refused_in_one_line(tmp_path):
+    run_train(tmp_path, [*SMALL, "trainer.max_epochs=1", "test=false"])
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    with pytest.raises(ConfigError, match=r"different model config \(d_model: 32 -> 48"):
+        run_train(tmp_path, [*SMALL, "model.d_model=48", f"ckpt_path={last}"], "other")
+    with pytest.raises(ConfigError, match="no checkpoint at"):
+        run_train(tmp_path, [*SMALL, f"ckpt_path={tmp_path / 'nope.ckpt'}"], "missing")
+
+
+def test_sample_generates_from_a_gpt_checkpoint(tmp_path, data_root, capsys):
+    overrides = [
+        "logger=csv",
+        "model=gpt",
+        "data=shakespeare_char",
+        "data.block_size=16",
+        "data.train_samples=64",
+        "model.n_layer=1",
+        "model.d_model=16",
+        "model.n_head=2",
+        "trainer.max_epochs=1",
+        "task.sample_tokens=8",
+        "trainer.enable_progress_bar=false",
+    ]
+    metrics = run_train(tmp_path, overrides)
+    assert {"val/ppl", "val/bpt", "val/acc"} <= set(metrics)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    cfg = compose_run(
+        "sample",
+        [f"ckpt_path={last}", "prompt=Before", "num_samples=2", "max_new_tokens=12"],
+        tmp_path / "sample",
+    )
+    texts = sample(cfg)
+    assert len(texts) == 2 and all(t.startswith("Before") and len(t) == 6 + 12 for t in texts)
+    assert texts[0] in capsys.readouterr().out
+
+
+def test_sample_refuses_a_checkpoint_that_is_not_a_language_model(tmp_path):
+    run_train(tmp_path, [*SMALL, "trainer.max_epochs=1", "test=false"])
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    cfg = compose_run("sample", [f"ckpt_path={last}"], tmp_path / "sample")
+    with pytest.raises(ConfigError, match="text tokenizer"):
+        sample(cfg)
+
+
+# ------------------------------------------------------------------ wandb
+
+
+class Listener:
+    """A TCP server on 127.0.0.1 that counts the connections made to it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
+
+
+def test_wandb_without_an_account_logs_offline_into_the_run_dir(tmp_path, monkeypatch):
+    """No API key, no netrc, no WANDB_MODE: the run goes offline by itself. wandb's server
+    is pointed at a local listener, which must see no connection."""
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    listener = Listener()
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{listener.port}")
+    try:
+        metrics = run_train(tmp_path, [*SMALL, "logger=wandb", "trainer.max_epochs=2", "tags=[t1]"])
+    finally:
+        listener.close()
+    assert listener.connections == 0
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    records = read_wandb_run(next(runs[0].glob("*.wandb")))
+    assert records["history"] and "val/acc" in records["summary"]
+    assert records["summary"]["val/acc"] == pytest.approx(metrics["val/acc"])
+    run = records["run"]
+    assert (run.project, run.job_type, list(run.tags)) == ("transformers_lab", "train", ["t1"])
+    assert run.run_group == "vit-softmax-digits"
+    assert "model/params" in records["config"]
+    assert records["exit"], "the run was not finished (wandb.finish)"
+    import wandb
+
+    assert wandb.run is None
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf records of a ``.wandb`` run file: a 7-byte header, then a log of
+    32 KiB blocks whose chunks (7-byte header: crc, length, type) make up the records."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos = path.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B", f"{path} is not a wandb run file"
+    records, pending = [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def item_key(item) -> str:
+    return item.key or "/".join(item.nested_key)
+
+
+def item_value(item):
+    import json
+
+    oneof = item.DESCRIPTOR.oneofs[0].name if item.DESCRIPTOR.oneofs else None
+    kind = item.WhichOneof(oneof) if oneof else None
+    if kind and kind != "value_json":
+        return getattr(item, kind)
+    return json.loads(item.value_json) if item.value_json else None
+
+
+def read_wandb_run(path: Path) -> dict:
+    """Run info, config keys, history rows, summary and whether the run exited."""
+    out: dict = {"history": [], "summary": {}, "config": set(), "run": None, "exit": False}
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            out["run"] = record.run
+        elif kind == "config":
+            out["config"] |= {item_key(item) for item in record.config.update}
+        elif kind == "history":
+            out["history"].append({item_key(i): item_value(i) for i in record.history.item})
+        elif kind == "summary":
+            out["summary"] |= {item_key(i): item_value(i) for i in record.summary.update}
+        elif kind == "exit":
+            out["exit"] = True
+    return out
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_an_unknown_group_option_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as err:
+        check_overrides(["attention=fastmx"])
+    assert str(err.value) == (
+        "unknown attention 'fastmx'; valid options are: additive, cosine, dot, fastmax, "
+        "softmax (conf/attention/)"
+    )
+    with pytest.raises(ConfigError, match="unknown experiment 'nope'; valid options are: baby"):
+        check_overrides(["model=gpt", "experiment=nope"])
+    check_overrides(["attention=softmax,fastmax", "attention.p=2", "+experiment=mqar"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["model=vit", "data=shakespeare_char"],
+            r"model=vit \(ViT\) cannot take "
+            r"data=shakespeare_char.*no block_size, vocab_size; use model=gpt",
+        ),
+        (
+            ["model=gpt", "data=digits"],
+            r"model=gpt \(GPT\) cannot take data=digits.*"
+            r"use model=encoder or model=vit",
+        ),
+        (
+            ["model=gpt", "data=mqar", "model.block_size=32"],
+            r"model.block_size=32 is smaller than the data's block_size=64",
+        ),
+        (["model=vit", "model.patch_size=3"], r"image_size=8 does not fit the patch grid"),
+        (
+            ["model=gpt", "data=mqar", "model.d_model=50", "model.n_head=4"],
+            r"d_model=50.*n_head=4|50.*4",
+        ),
+    ],
+)
+def test_a_model_that_does_not_fit_its_data_is_one_clear_error(
+    overrides, message, tmp_path, data_root
+):
+    with pytest.raises(ConfigError, match=message):
+        run_train(tmp_path, [*overrides, "logger=csv"])
+
+
+def tlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "TLAB_ROOT": str(cwd)}
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_command_line_reports_mistakes_in_one_line(tmp_path):
+    """Through the real entry points: exit code 2 and one ``error:`` line, no traceback."""
+    cases = [
+        (["transformers_lab.train", "attention=fastmx"], "unknown attention 'fastmx'"),
+        (["transformers_lab.train", "model=vit", "data=mqar"], "cannot take data=mqar"),
+        (["transformers_lab.eval", f"ckpt_path={tmp_path}/x.ckpt"], "no checkpoint at"),
+    ]
+    for args, message in cases:
+        proc = tlab(*args, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_default_run_learns_offline(tmp_path):
+    """`tlab-train` with no arguments: ViT on digits, no download, well above chance."""
+    proc = tlab(
+        "transformers_lab.train", "logger=csv", "trainer.enable_progress_bar=false", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracy = float(proc.stdout.split("test/acc: ")[1].split()[0])
+    assert accuracy > 0.9
