@@ -128,6 +128,48 @@ def test_kernel_options_reach_every_layer(tmp_path, data_root):
     assert len(kernels) == cfg.model.n_layer and all(k.p == 1 for k in kernels)
 
 
+@pytest.mark.parametrize("group", ["trainer", "logger", "callbacks", "optimizer", "scheduler"])
+def test_every_option_of_the_plain_groups_composes(group, tmp_path):
+    """Each option composes, and its keys are arguments of what it instantiates."""
+    import inspect
+
+    from transformers_lab.builders import target_class
+
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        cfg = compose_run("train", [f"{group}={path.stem}"], tmp_path / "r")
+        node = cfg.get(group)
+        nodes = [] if node is None else [node] if "_target_" in node else list(node.values())
+        for sub in nodes:
+            params = inspect.signature(target_class(sub)).parameters
+            if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                continue
+            unknown = {k for k in sub if not k.startswith("_")} - set(params)
+            assert not unknown, f"conf/{group}/{path.name}: {unknown}"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["logger=many"],  # csv, wandb (offline here) and tensorboard together
+        ["logger=none", "callbacks=none"],
+        ["callbacks=early_stopping", "callbacks.early_stopping.patience=1"],
+        ["scheduler=none", "optimizer=sgd", "trainer.accumulate_grad_batches=2"],
+        ["optimizer=adam", "scheduler=noam", "trainer.gradient_clip_val=0.5"],
+    ],
+    ids=["all-loggers", "bare", "early-stopping", "sgd-accumulate", "noam-clip"],
+)
+def test_logger_callback_and_optimizer_options_train(overrides, tmp_path):
+    small = [o for o in SMALL if not o.startswith("logger=")]
+    metrics = run_train(tmp_path, [*small, "trainer.max_epochs=2", "test=false", *overrides])
+    assert "val/acc" in metrics
+    run_dir = tmp_path / "run"
+    if "logger=many" in overrides:
+        assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+        assert (run_dir / "csv" / "metrics.csv").is_file() and (run_dir / "wandb").is_dir()
+    if "callbacks=none" in overrides:
+        assert not (run_dir / "checkpoints").exists()
+
+
 # ------------------------------------------------------------------ runs, eval, resume
 
 

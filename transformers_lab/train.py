@@ -15,6 +15,7 @@ from typing import Any
 
 import hydra
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
@@ -82,7 +83,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
     )
     trainer = None
     try:
-        trainer = call(cfg.trainer, "trainer", callbacks=callbacks, logger=loggers or False)
+        # without our ModelCheckpoint, Lightning would otherwise add a default one
+        checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+        trainer = call(
+            cfg.trainer,
+            "trainer",
+            callbacks=callbacks,
+            logger=loggers or False,
+            enable_checkpointing=checkpointing,
+        )
         log_hyperparameters(cfg, task, trainer)
         if cfg.get("train", True):
             trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
