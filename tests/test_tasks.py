@@ -49,6 +49,17 @@ def test_language_model_task_learns_copy_and_logs_its_metrics():
     torch.testing.assert_close(metrics["val/ppl"], metrics["val/loss"].exp())
     torch.testing.assert_close(metrics["val/bpt"], metrics["val/loss"] / math.log(2))
     assert metrics["val/acc"] > 0.5  # copying 6 tokens from 7 symbols: chance is 1/7
+    # the metrics are over the supervised tokens of the whole split
+    losses, correct, total = 0.0, 0, 0
+    with torch.no_grad():
+        for x, y in dm.val_dataloader():
+            logits = task.model(x)
+            mask = y != -100
+            losses += torch.nn.functional.cross_entropy(logits[mask], y[mask], reduction="sum")
+            correct += (logits.argmax(-1)[mask] == y[mask]).sum().item()
+            total += mask.sum().item()
+    torch.testing.assert_close(metrics["val/loss"], torch.tensor(losses / total))
+    torch.testing.assert_close(metrics["val/acc"], torch.tensor(correct / total))
 
 
 def test_language_model_task_logs_a_text_sample():
@@ -56,11 +67,18 @@ def test_language_model_task_logs_a_text_sample():
         "sort", vocab_size=6, seq_len=8, train_examples=64, val_examples=16, batch_size=16
     )
     task = LanguageModelTask(
-        GPT(n_layer=1, n_head=1, d_model=8, **dm.model_kwargs()), ADAMW, sample_tokens=5
+        GPT(n_layer=1, n_head=1, d_model=8, **dm.model_kwargs()),
+        ADAMW,
+        sample_tokens=5,
+        sample_every=2,
     )
     task.decode = lambda ids: "".join("abcdef"[i] for i in ids)
-    trainer(max_epochs=1, limit_train_batches=2, num_sanity_val_steps=0).fit(task, dm)
-    assert task.samples and len(task.samples[-1]) == 6  # the prompt token and 5 more
+    trainer(max_epochs=5, limit_train_batches=2, num_sanity_val_steps=1).fit(task, dm)
+    # five validations, a sample at the 2nd and 4th; the sanity check generates nothing
+    assert task.validations == 5 and len(task.samples) == 2
+    assert all(len(sample) == 6 for sample in task.samples)  # the prompt token and 5 more
+    with pytest.raises(ValueError, match="sample_every must be >= 1"):
+        LanguageModelTask(task.model, ADAMW, sample_every=0)
 
 
 def test_classification_task_on_digits():

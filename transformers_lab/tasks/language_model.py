@@ -18,14 +18,18 @@ IGNORE = -100
 class LanguageModelTask(Task):
     """Cross-entropy on next tokens; labels of -100 are not supervised.
 
-    Logs ``train/loss``; ``val/loss``, ``val/ppl``, ``val/bpt`` (bits per token, bits per
-    character for a character model) and ``val/acc`` (accuracy on the supervised
-    positions, the recall metric of MQAR). With a ``decode`` function (ids -> text), a
-    sample from the model's prompt is logged as text at the end of each validation (the
-    last ten are kept in ``samples``).
+    Logs ``train/loss`` every step; at the end of each validation (test), ``val/loss``,
+    ``val/ppl``, ``val/bpt`` (bits per token, bits per character for a character model)
+    and ``val/acc`` (accuracy on the supervised positions, the recall metric of MQAR),
+    all over the supervised tokens of the whole split (summed across processes under
+    DDP). With a ``decode`` function (ids -> text), a sample from the model's prompt is
+    logged as text every ``sample_every`` validations (the last ten are kept in
+    ``samples``); the sanity check samples nothing.
 
     Args:
         sample_tokens: tokens to generate for the logged sample (0: none).
+        sample_every: validations between samples (generating one token at a time at
+            batch size 1 is slow next to a validation pass of a small model on a CPU).
     """
 
     def __init__(
@@ -34,44 +38,78 @@ class LanguageModelTask(Task):
         optimizer: Callable[..., Any],
         scheduler: Callable[..., Any] | None = None,
         sample_tokens: int = 200,
+        sample_every: int = 1,
     ) -> None:
         super().__init__(model, optimizer, scheduler)
+        if sample_every < 1:
+            raise ValueError(f"sample_every must be >= 1 validations, got {sample_every}")
         self.sample_tokens = sample_tokens
+        self.sample_every = sample_every
         self.decode: Callable[[list[int]], str] | None = None
         self.samples: list[str] = []
+        self.validations = 0  # finished validations, sanity check excluded
+        self.sums: Tensor | None = None  # summed loss, correct and supervised tokens
 
-    def step(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, y = batch
         logits = self.model(x)  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
-        supervised = y != IGNORE
-        correct = (logits.argmax(-1) == y) & supervised
-        return loss, correct.sum(), supervised.sum()
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE), logits
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss, _, _ = self.step(batch)
+        loss, _ = self.loss(batch)  # the loss alone: accuracy is an evaluation metric
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def accumulate(self, batch: tuple[Tensor, Tensor]) -> None:
+        loss, logits = self.loss(batch)
+        y = batch[1]
+        supervised = y != IGNORE
+        total = supervised.sum()
+        correct = ((logits.argmax(-1) == y) & supervised).sum()
+        step = torch.stack([loss.detach() * total, correct, total]).to(self.sums.dtype)
+        self.sums += step
+
+    def log_sums(self, stage: str) -> None:
+        """Log the split's metrics from the summed loss, correct and supervised tokens."""
+        loss_sum, correct, total = self.trainer.strategy.reduce(self.sums, reduce_op="sum")
+        total = total.clamp_min(1)
+        loss = (loss_sum / total).float()
+        self.log(f"{stage}/loss", loss, prog_bar=stage == "val")
+        self.log(f"{stage}/acc", (correct / total).float())
+        self.log(f"{stage}/ppl", loss.exp())
+        self.log(f"{stage}/bpt", loss / math.log(2))
+
+    def reset_sums(self) -> None:
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self.sums = torch.zeros(3, dtype=dtype, device=self.device)
+
+    def on_validation_epoch_start(self) -> None:
+        self.reset_sums()
+
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss, correct, total = self.step(batch)
-        n = batch[0].shape[0]
-        self.log("val/loss", loss, prog_bar=True, batch_size=n)
-        self.log("val/acc", correct.float() / total.clamp_min(1), batch_size=n)
+        self.accumulate(batch)
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.trainer.callback_metrics.get("val/loss")
-        if loss is not None:
-            self.log("val/ppl", torch.exp(loss))
-            self.log("val/bpt", loss / math.log(2))
-        if self.decode is not None and self.sample_tokens > 0 and hasattr(self.model, "generate"):
+        self.log_sums("val")
+        if self.trainer.sanity_checking:
+            return
+        self.validations += 1
+        if (
+            self.decode is not None
+            and self.sample_tokens > 0
+            and hasattr(self.model, "generate")
+            and self.validations % self.sample_every == 0
+        ):
             prompt = torch.zeros(1, 1, dtype=torch.long, device=self.device)
             ids = self.model.generate(prompt, self.sample_tokens, temperature=1.0, top_k=40)
             self.samples = [*self.samples[-9:], self.decode(ids[0].tolist())]
             log_text(self, "val/sample", self.samples[-1])
 
+    def on_test_epoch_start(self) -> None:
+        self.reset_sums()
+
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss, correct, total = self.step(batch)
-        n = batch[0].shape[0]
-        self.log("test/loss", loss, batch_size=n)
-        self.log("test/acc", correct.float() / total.clamp_min(1), batch_size=n)
+        self.accumulate(batch)
+
+    def on_test_epoch_end(self) -> None:
+        self.log_sums("test")
