@@ -137,3 +137,22 @@ def test_optimizer_groups_and_schedules():
     assert factors[0] < factors[1] and factors[2] == pytest.approx(factors[1] / 2)
     with pytest.raises(ValueError, match="max_steps=5 must exceed warmup_steps=10"):
         warmup_cosine(opt2, 10, 5)
+
+
+def test_sampling_at_validation_does_not_change_training():
+    """The sample has a generator of its own: the shuffles and the weights do not move."""
+
+    def fit(sample_tokens: int) -> list[torch.Tensor]:
+        L.seed_everything(0)
+        dm = SyntheticDataModule(
+            "sort", vocab_size=6, seq_len=8, train_examples=64, val_examples=16, batch_size=16
+        )
+        model = GPT(n_layer=1, n_head=1, d_model=8, dropout=0.1, **dm.model_kwargs())
+        task = LanguageModelTask(model, ADAMW, sample_tokens=sample_tokens)
+        task.decode = lambda ids: "".join("abcdef"[i] for i in ids)
+        trainer(max_epochs=3, num_sanity_val_steps=0).fit(task, dm)
+        assert len(task.samples) == (3 if sample_tokens else 0)
+        return [p.detach().clone() for p in model.parameters()]
+
+    for with_samples, without in zip(fit(20), fit(0), strict=True):
+        torch.testing.assert_close(with_samples, without)

@@ -12,7 +12,9 @@ weight-decay groups, warm-up + cosine by hand, gradient clipping, a full validat
 every ``val_check_interval`` steps and at the end). The framework side is ``train()`` as
 ``tlab-train`` runs it, with the CSV logger, checkpoints, the learning-rate monitor and
 no progress bar (``--framework-overrides`` changes that). The two alternate, so drift in
-the machine's speed hits both. Reports go to ``--out`` as CSV and markdown.
+the machine's speed hits both. Besides wall time, the process's CPU time (user + system)
+is reported: on a shared machine it moves less with the neighbours' load. Reports go to
+``--out`` as CSV and markdown.
 """
 
 from __future__ import annotations
@@ -136,33 +138,47 @@ def main(argv: Sequence[str] | None = None) -> int:
             if repeat % 2:
                 sides.reverse()
             for name, run, overrides in sides:
+                cpu = time.process_time()
                 seconds, val_loss = run(overrides, args.steps, Path(tmp) / f"{name}{repeat}")
+                cpu = time.process_time() - cpu
                 rows.append(
-                    {"side": name, "repeat": repeat, "seconds": seconds, "val_loss": val_loss}
+                    {
+                        "side": name,
+                        "repeat": repeat,
+                        "seconds": seconds,
+                        "cpu_seconds": cpu,
+                        "val_loss": val_loss,
+                    }
                 )
                 print(
-                    f"{name:5s} run {repeat}: {seconds:8.1f} s, val/loss {val_loss:.4f}", flush=True
+                    f"{name:5s} run {repeat}: {seconds:8.1f} s wall, {cpu:8.1f} s CPU, "
+                    f"val/loss {val_loss:.4f}",
+                    flush=True,
                 )
     with open(out / "training.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    median = {
-        s: statistics.median(r["seconds"] for r in rows if r["side"] == s) for s in ("bare", "tlab")
-    }
-    ratio = median["tlab"] / median["bare"]
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["side"] == side)
+
+    ratio = median("tlab", "seconds") / median("bare", "seconds")
+    cpu_ratio = median("tlab", "cpu_seconds") / median("bare", "cpu_seconds")
     lines = [
         f"experiment={args.experiment}, {args.steps} steps, {args.repeats} run(s) each, "
         f"{torch.get_num_threads()} threads",
         "",
-        "| side | median s | last val/loss |",
-        "|---|---|---|",
+        "| side | median wall s | median CPU s | last val/loss |",
+        "|---|---|---|---|",
         *(
-            f"| {s} | {median[s]:.1f} | {[r for r in rows if r['side'] == s][-1]['val_loss']:.4f} |"
+            f"| {s} | {median(s, 'seconds'):.1f} | {median(s, 'cpu_seconds'):.1f} | "
+            f"{[r for r in rows if r['side'] == s][-1]['val_loss']:.4f} |"
             for s in ("bare", "tlab")
         ),
         "",
         f"framework / bare wall time: {ratio:.3f}",
+        f"framework / bare CPU time: {cpu_ratio:.3f}",
     ]
     (out / "training.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

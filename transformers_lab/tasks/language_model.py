@@ -100,8 +100,12 @@ class LanguageModelTask(Task):
             and hasattr(self.model, "generate")
             and self.validations % self.sample_every == 0
         ):
+            # a generator of its own: sampling must not move the training's random stream
+            generator = torch.Generator(self.device).manual_seed(self.validations)
             prompt = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-            ids = self.model.generate(prompt, self.sample_tokens, temperature=1.0, top_k=40)
+            ids = self.model.generate(
+                prompt, self.sample_tokens, temperature=1.0, top_k=40, generator=generator
+            )
             self.samples = [*self.samples[-9:], self.decode(ids[0].tolist())]
             log_text(self, "val/sample", self.samples[-1])
 
