@@ -112,6 +112,14 @@ def test_translation_task_logs_loss_and_bleu(tmp_path, monkeypatch):
     assert {"train/loss", "val/loss", "val/bleu"} <= set(t.callback_metrics)
     assert 0 <= t.callback_metrics["val/bleu"] <= 100
     assert task.samples and all(isinstance(h, str) for h, _ in task.samples)
+    # the test BLEU decodes every test batch unless told otherwise
+    calls = []
+    translate = model.translate
+    model.translate = lambda *a, **k: calls.append(1) or translate(*a, **k)
+    t.test(task, dm, verbose=False)
+    assert len(calls) == len(dm.test_dataloader()) > 1 and "test/bleu" in t.callback_metrics
+    task.test_bleu_batches, calls[:] = 0, []
+    assert "test/bleu" not in t.test(task, dm, verbose=False)[0] and not calls
 
 
 def test_optimizer_groups_and_schedules():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,9 @@ class TranslationTask(Task):
 
     Args:
         label_smoothing: epsilon of the smoothed targets (0.1 in Vaswani et al.).
-        bleu_batches: validation batches decoded for BLEU (0: none).
+        bleu_batches: validation batches decoded for BLEU at each validation (0: none).
+        test_bleu_batches: test batches decoded for BLEU (None: all of them, so
+            ``test/bleu`` is the BLEU of the whole test set; 0: none).
         max_decode_len: longest translation produced for BLEU.
         beam_size: 1 for greedy, more for beam search.
     """
@@ -36,9 +39,11 @@ class TranslationTask(Task):
         bleu_batches: int = 4,
         max_decode_len: int = 64,
         beam_size: int = 1,
+        test_bleu_batches: int | None = None,
     ) -> None:
         super().__init__(model, optimizer, scheduler)
         self.label_smoothing, self.bleu_batches = label_smoothing, bleu_batches
+        self.test_bleu_batches = test_bleu_batches
         self.max_decode_len, self.beam_size = max_decode_len, beam_size
         self.decode: Callable[[list[int]], str] | None = None
         self.bleu = {"val": BLEUScore(), "test": BLEUScore()}
@@ -61,7 +66,7 @@ class TranslationTask(Task):
     def _evaluate(self, batch: tuple[Tensor, Tensor], batch_idx: int, stage: str) -> None:
         src, tgt = batch
         self.log(f"{stage}/loss", self.loss(src, tgt), prog_bar=True, batch_size=len(src))
-        if self.decode is None or batch_idx >= self.bleu_batches:
+        if self.decode is None or batch_idx >= self.decoded_batches(stage):
             return
         out = self.model.translate(src, max_len=self.max_decode_len, beam_size=self.beam_size)
         hyps = [self.decode(row.tolist()) for row in out]
@@ -70,8 +75,13 @@ class TranslationTask(Task):
         if batch_idx == 0:
             self.samples = list(zip(hyps[:3], (r[0] for r in refs[:3]), strict=True))
 
+    def decoded_batches(self, stage: str) -> float:
+        if stage == "test" and self.test_bleu_batches is None:
+            return math.inf
+        return self.bleu_batches if stage == "val" else self.test_bleu_batches
+
     def _log_bleu(self, stage: str) -> None:
-        if self.decode is not None and self.bleu_batches > 0:
+        if self.decode is not None and self.decoded_batches(stage) > 0:
             self.log(f"{stage}/bleu", 100 * self.bleu[stage].compute())
             self.bleu[stage].reset()
 
