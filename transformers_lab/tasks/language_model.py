@@ -101,7 +101,7 @@ class LanguageModelTask(Task):
             and self.validations % self.sample_every == 0
         ):
             # a generator of its own: sampling must not move the training's random stream
-            generator = torch.Generator(self.device).manual_seed(self.validations)
+            generator = torch.Generator(self.device).manual_seed(self.global_step)
             prompt = torch.zeros(1, 1, dtype=torch.long, device=self.device)
             ids = self.model.generate(
                 prompt, self.sample_tokens, temperature=1.0, top_k=40, generator=generator
