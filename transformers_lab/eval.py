@@ -30,7 +30,7 @@ from transformers_lab.builders import (
     metrics_dict,
 )
 from transformers_lab.cli import run_hydra, user_errors
-from transformers_lab.train import finish_wandb, prepare
+from transformers_lab.train import finish_wandb, prepare, print_metrics
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         f"checkpoint: {cfg.ckpt_path} (epoch {checkpoint.get('epoch')}, "
         f"step {checkpoint.get('global_step')})"
     )
-    print("final metrics:")
-    for name, value in metrics.items():
-        print(f"  {name}: {value:.6g}")
+    print_metrics(metrics)
     return metrics
 
 

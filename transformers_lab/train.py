@@ -116,10 +116,15 @@ def checkpoint_path(trainer: L.Trainer, which: str) -> str | None:
     return path or None
 
 
-def report(metrics: dict[str, float], checkpoints: dict[str, str | None]) -> None:
+def print_metrics(metrics: dict[str, float]) -> None:
+    """The run's last lines: its final metrics, one per line."""
     print("final metrics:", flush=True)
     for name, value in metrics.items():
         print(f"  {name}: {value:.6g}")
+
+
+def report(metrics: dict[str, float], checkpoints: dict[str, str | None]) -> None:
+    print_metrics(metrics)
     print(f"best checkpoint: {checkpoints['best']}")
     print(f"last checkpoint: {checkpoints['last']}", flush=True)
 
