@@ -27,6 +27,7 @@ from transformers_lab.data import (
     SyntheticDataModule,
     TiktokenTokenizer,
     TranslationDataModule,
+    WordTokenizer,
     copy_or_sort,
     download,
     ensure_file,
@@ -35,7 +36,7 @@ from transformers_lab.data import (
 )
 from transformers_lab.data import translation as translation_module
 from transformers_lab.data.text import Windows
-from transformers_lab.data.tokenizers import GPT2_PATTERN
+from transformers_lab.data.tokenizers import GPT2_PATTERN, split_pieces
 from transformers_lab.data.translation import BucketBatchSampler, read_iwslt_train, read_iwslt_xml
 
 from fake_data import PAIRS, TEXT, sha256, write_idx, write_multi30k, write_text_root
@@ -137,6 +138,34 @@ def test_char_tokenizer_round_trip_and_specials(tmp_path):
     assert special.decode(ids) == "Speak"
     with pytest.raises(ValueError, match="'#' is not in the vocabulary"):
         tok.encode("#")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [TEXT, "  two  spaces\tand a tab\n", "snake_case x2 ² 3.5%, «quotes» naïve Straße!", ""],
+)
+def test_pieces_cover_every_character(text):
+    assert "".join(split_pieces(text)) == text
+
+
+def test_word_tokenizer_keeps_frequent_words_and_spells_out_the_rest():
+    texts = ["A man rides a horse.", "A man walks.", "The man rides."]
+    tok = WordTokenizer.from_texts(texts, min_freq=2, specials=True)
+    words = {tok.itos[i] for i in tok.encode("A man rides.")}
+    assert {"A", " man", " rides", "."} <= words  # each seen twice or more: one token each
+    assert " horse" not in tok.stoi and " walks" not in tok.stoi  # seen once
+    assert len(tok.encode(" horse")) == len(" horse")  # spelled out in characters
+    for text in ["A horse rides a man.", "The horse. A man walks"]:
+        assert tok.decode(tok.encode(text)) == text  # no <unk>: nothing is lost
+    ids = [tok.special_id("<bos>"), *tok.encode("A man"), tok.special_id("<eos>")]
+    assert tok.decode(ids) == "A man"
+    with pytest.raises(ValueError, match="'#' is not in the vocabulary"):
+        tok.encode("A #")
+    with pytest.raises(ValueError, match="min_freq must be >= 1"):
+        WordTokenizer.from_texts(texts, min_freq=0)
+    meta = tok.state_dict()
+    restored = WordTokenizer(meta["words"], meta["chars"], specials=True)
+    assert restored.itos == tok.itos and meta["kind"] == "word"
 
 
 def tiny_ranks() -> dict[bytes, int]:
@@ -300,6 +329,24 @@ def test_translation_module_on_gzipped_parallel_lines(tmp_path, monkeypatch, src
     assert dm.decode(src[0].tolist()) == PAIRS[0][side]
     # padding fills the shorter pair of the batch
     assert (src[1] == kwargs["pad_id"]).any() and (src[1] == kwargs["eos_id"]).sum() == 1
+
+
+def test_translation_module_with_the_word_tokenizer(tmp_path, monkeypatch):
+    write_multi30k(tmp_path, monkeypatch)
+    dm = TranslationDataModule(root=str(tmp_path), tokenizer="word", min_freq=2, download=False)
+    dm.setup()
+    src, tgt = next(iter(dm.val_dataloader()))
+    assert dm.decode(tgt[0, 1:].tolist()) == PAIRS[0][1]
+    # every word of the tiny corpus repeats, so each is one token: a sentence is a few ids
+    assert (src[0] != dm.pad_id).sum() == len(split_pieces(PAIRS[0][0])) + 1  # + EOS
+    # the vocabulary travels in checkpoints; a module built for characters adopts it
+    other = TranslationDataModule(root=str(tmp_path), tokenizer="char", download=False)
+    other.load_state_dict(dm.state_dict())
+    other.setup()
+    assert other.tokenizer.itos == dm.tokenizer.itos
+    assert other.sets["val"].src == dm.sets["val"].src
+    with pytest.raises(ValueError, match="valid ones are: char, word, tiktoken"):
+        TranslationDataModule(root=str(tmp_path), tokenizer="words")
 
 
 def test_bucketing_groups_similar_lengths_and_covers_every_pair():

@@ -3,7 +3,12 @@
 from transformers_lab.data.download import DataFileError, data_root, ensure_file
 from transformers_lab.data.synthetic import SyntheticDataModule, copy_or_sort, mqar
 from transformers_lab.data.text import ShakespeareBPEDataModule, ShakespeareCharDataModule
-from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer, load_encoding
+from transformers_lab.data.tokenizers import (
+    CharTokenizer,
+    TiktokenTokenizer,
+    WordTokenizer,
+    load_encoding,
+)
 from transformers_lab.data.translation import TranslationDataModule
 from transformers_lab.data.vision import DigitsDataModule, FashionMNISTDataModule, MNISTDataModule
 
@@ -18,6 +23,7 @@ __all__ = [
     "SyntheticDataModule",
     "TiktokenTokenizer",
     "TranslationDataModule",
+    "WordTokenizer",
     "copy_or_sort",
     "data_root",
     "ensure_file",

@@ -1,8 +1,11 @@
-"""Tokenizers: characters and tiktoken BPE, with optional special tokens."""
+"""Tokenizers: characters, words with a character fallback, and tiktoken BPE, with optional
+special tokens."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -11,21 +14,14 @@ import tiktoken
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 
 
-class CharTokenizer:
-    """One id per distinct character, sorted; optional <pad>, <bos>, <eos> first.
+class Vocabulary:
+    """A list of string tokens (``itos``) with optional <pad>, <bos>, <eos> first; decoding
+    concatenates the tokens' strings."""
 
-    ``decode(encode(text)) == text`` for any text made of the vocabulary's characters.
-    """
-
-    def __init__(self, chars: Iterable[str], specials: bool = False) -> None:
+    def __init__(self, tokens: Iterable[str], specials: bool = False) -> None:
         self.specials = tuple(SPECIALS) if specials else ()
-        self.chars = sorted(set(chars) - set(self.specials))
-        self.itos = [*self.specials, *self.chars]
+        self.itos = [*self.specials, *tokens]
         self.stoi = {s: i for i, s in enumerate(self.itos)}
-
-    @classmethod
-    def from_text(cls, text: str, specials: bool = False) -> CharTokenizer:
-        return cls(text, specials)
 
     @property
     def vocab_size(self) -> int:
@@ -37,17 +33,34 @@ class CharTokenizer:
             raise ValueError(f"this tokenizer has no {name} token (specials={self.specials})")
         return self.stoi[name]
 
-    def encode(self, text: str) -> list[int]:
+    def char_id(self, char: str) -> int:
         try:
-            return [self.stoi[c] for c in text]
-        except KeyError as exc:
+            return self.stoi[char]
+        except KeyError:
             raise ValueError(
-                f"character {exc.args[0]!r} is not in the vocabulary of {len(self.chars)} "
-                "characters this tokenizer was built on"
+                f"character {char!r} is not in the vocabulary this tokenizer was built on"
             ) from None
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self.itos[i] for i in ids if self.itos[i] not in self.specials)
+
+
+class CharTokenizer(Vocabulary):
+    """One id per distinct character, sorted; optional <pad>, <bos>, <eos> first.
+
+    ``decode(encode(text)) == text`` for any text made of the vocabulary's characters.
+    """
+
+    def __init__(self, chars: Iterable[str], specials: bool = False) -> None:
+        self.chars = sorted(set(chars) - set(SPECIALS))
+        super().__init__(self.chars, specials)
+
+    @classmethod
+    def from_text(cls, text: str, specials: bool = False) -> CharTokenizer:
+        return cls(text, specials)
+
+    def encode(self, text: str) -> list[int]:
+        return [self.char_id(c) for c in text]
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps({"chars": self.chars, "specials": list(self.specials)}))
@@ -59,6 +72,64 @@ class CharTokenizer:
 
     def state_dict(self) -> dict:
         return {"kind": "char", "chars": self.chars, "specials": list(self.specials)}
+
+
+# A word, a number, a run of punctuation or an underscore run, each with its leading space,
+# or whitespace; every character of a text falls in exactly one piece.
+PIECE = re.compile(r" ?[^\W\d_]+| ?\d+| ?[^\w\s]+| ?_+|\s+(?!\S)|\s")
+
+
+def split_pieces(text: str) -> list[str]:
+    """The pieces of ``text``; ``"".join(split_pieces(text)) == text``."""
+    return PIECE.findall(text)
+
+
+class WordTokenizer(Vocabulary):
+    """Frequent words as single tokens, every other word spelled out in characters.
+
+    Text splits into pieces that keep their leading space (``" man"``, ``","``, ``" 2"``).
+    A piece seen at least ``min_freq`` times in the training text is one token; any other
+    is spelled out character by character. There is no <unk>, so ``decode(encode(text))
+    == text`` for any text made of the training characters. On Multi30k with min_freq 5 a
+    sentence is about 15 tokens instead of about 65 characters, from a vocabulary of about
+    7000.
+    """
+
+    def __init__(self, words: Iterable[str], chars: Iterable[str], specials: bool = False):
+        self.chars = sorted(set(chars) - set(SPECIALS))
+        self.words = sorted(set(words) - set(self.chars) - set(SPECIALS))
+        super().__init__([*self.chars, *self.words], specials)
+
+    @classmethod
+    def from_texts(
+        cls, texts: Iterable[str], min_freq: int = 5, specials: bool = False
+    ) -> WordTokenizer:
+        if min_freq < 1:
+            raise ValueError(f"min_freq must be >= 1, got {min_freq}")
+        counts: Counter[str] = Counter()
+        chars: set[str] = set()
+        for text in texts:
+            counts.update(split_pieces(text))
+            chars.update(text)
+        return cls([w for w, n in counts.items() if n >= min_freq], chars, specials)
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for piece in split_pieces(text):
+            i = self.stoi.get(piece)
+            if i is not None and piece not in self.specials:
+                ids.append(i)
+            else:
+                ids += [self.char_id(c) for c in piece]
+        return ids
+
+    def state_dict(self) -> dict:
+        return {
+            "kind": "word",
+            "words": self.words,
+            "chars": self.chars,
+            "specials": list(self.specials),
+        }
 
 
 GPT2_PATTERN = (
