@@ -94,7 +94,7 @@ def test_classification_task_on_digits():
     assert result["test/acc"] > 0.5
 
 
-def test_translation_task_logs_loss_and_bleu(tmp_path, monkeypatch):
+def test_translation_task_logs_loss_bleu_and_translations(tmp_path, monkeypatch, caplog):
     from test_data import write_multi30k
 
     from transformers_lab.data import TranslationDataModule
@@ -108,16 +108,23 @@ def test_translation_task_logs_loss_and_bleu(tmp_path, monkeypatch):
     task = TranslationTask(model, ADAMW, bleu_batches=1, max_decode_len=10)
     task.decode = dm.decode
     t = trainer(max_steps=3, num_sanity_val_steps=0, limit_val_batches=1)
+    caplog.set_level("INFO", logger="transformers_lab.tasks.base")
     t.fit(task, dm)
     assert {"train/loss", "val/loss", "val/bleu"} <= set(t.callback_metrics)
     assert 0 <= t.callback_metrics["val/bleu"] <= 100
-    assert task.samples and all(isinstance(h, str) for h, _ in task.samples)
+    # a few translations with their sources and references go to the run's log
+    (text,) = [r.getMessage() for r in caplog.records if "val/translations" in r.getMessage()]
+    from fake_data import PAIRS
+
+    assert f"source:      {PAIRS[0][0]}" in text and f"reference:   {PAIRS[0][1]}" in text
+    assert text.count("translation: ") == 3
     # the test BLEU decodes every test batch unless told otherwise
     calls = []
     translate = model.translate
     model.translate = lambda *a, **k: calls.append(1) or translate(*a, **k)
     t.test(task, dm, verbose=False)
     assert len(calls) == len(dm.test_dataloader()) > 1 and "test/bleu" in t.callback_metrics
+    assert any("test/translations" in r.getMessage() for r in caplog.records)
     task.test_bleu_batches, calls[:] = 0, []
     assert "test/bleu" not in t.test(task, dm, verbose=False)[0] and not calls
 

@@ -47,7 +47,7 @@ class TranslationTask(Task):
         self.max_decode_len, self.beam_size = max_decode_len, beam_size
         self.decode: Callable[[list[int]], str] | None = None
         self.bleu = {"val": BLEUScore(), "test": BLEUScore()}
-        self.samples: list[tuple[str, str]] = []
+        self.samples: list[tuple[str, str, str]] = []  # (source, translation, reference)
 
     def loss(self, src: Tensor, tgt: Tensor) -> Tensor:
         logits = self.model(src, tgt[:, :-1])  # predict tgt[:, 1:] from BOS ... last-but-one
@@ -73,7 +73,8 @@ class TranslationTask(Task):
         refs = [[self.decode(row[1:].tolist())] for row in tgt]
         self.bleu[stage].update(hyps, refs)
         if batch_idx == 0:
-            self.samples = list(zip(hyps[:3], (r[0] for r in refs[:3]), strict=True))
+            sources = [self.decode(row.tolist()) for row in src[:3]]
+            self.samples = list(zip(sources, hyps, (r[0] for r in refs), strict=False))
 
     def decoded_batches(self, stage: str) -> float:
         if stage == "test" and self.test_bleu_batches is None:
@@ -90,12 +91,21 @@ class TranslationTask(Task):
 
     def on_validation_epoch_end(self) -> None:
         self._log_bleu("val")
-        if self.samples:
-            text = "\n".join(f"{hyp}  ||  {ref}" for hyp, ref in self.samples)
-            log_text(self, "val/translations", text)
+        self._log_samples("val")
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, batch_idx, "test")
 
     def on_test_epoch_end(self) -> None:
         self._log_bleu("test")
+        self._log_samples("test")
+
+    def _log_samples(self, stage: str) -> None:
+        """The first translations of the stage's first batch, with source and reference."""
+        if self.samples:
+            text = "\n\n".join(
+                f"source:      {src}\ntranslation: {hyp}\nreference:   {ref}"
+                for src, hyp, ref in self.samples
+            )
+            log_text(self, f"{stage}/translations", text)
+            self.samples = []
