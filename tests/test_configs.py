@@ -15,8 +15,24 @@ from transformers_lab.attention import KERNELS, AttentionKernel
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
-def test_there_is_one_config_per_kernel():
-    assert sorted(p.stem for p in (CONF / "attention").glob("*.yaml")) == sorted(KERNELS)
+VARIANTS = {"fastmax_p1": ("fastmax", {"p": 1}), "fastmax_p2": ("fastmax", {"p": 2})}
+
+
+def test_there_is_one_config_per_kernel_and_the_variants_are_known():
+    options = {p.stem for p in (CONF / "attention").glob("*.yaml")}
+    assert options == set(KERNELS) | set(VARIANTS)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_kernel_variant_composes_into_its_kernel_with_its_settings(tmp_path, variant):
+    (tmp_path / "attention").symlink_to(CONF / "attention")
+    (tmp_path / "probe.yaml").write_text("defaults:\n  - attention: softmax\n  - _self_\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        cfg = compose("probe", overrides=[f"attention={variant}"])
+    name, settings = VARIANTS[variant]
+    kernel = instantiate(cfg.attention)(head_dim=4, num_heads=2)
+    assert isinstance(kernel, KERNELS[name])
+    assert all(getattr(kernel, key) == value for key, value in settings.items())
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))

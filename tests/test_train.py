@@ -395,7 +395,7 @@ def test_an_unknown_group_option_lists_the_valid_ones():
         check_overrides(["attention=fastmx"])
     assert str(err.value) == (
         "unknown attention 'fastmx'; valid options are: additive, cosine, dot, fastmax, "
-        "softmax (conf/attention/)"
+        "fastmax_p1, fastmax_p2, softmax (conf/attention/)"
     )
     with pytest.raises(ConfigError, match="unknown experiment 'nope'; valid options are: baby"):
         check_overrides(["model=gpt", "experiment=nope"])

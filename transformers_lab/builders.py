@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,27 @@ MODEL_SECTIONS = ("model", "data", "task")
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message says what to change."""
+
+
+# resolvers the configs use (registered on import: every entry point imports this module)
+
+
+def optuna_direction(mode: str) -> str:
+    """``${optuna_direction:${monitor.mode}}``: min/max as Optuna's minimize/maximize."""
+    directions = {"min": "minimize", "max": "maximize"}
+    if mode not in directions:
+        raise ConfigError(f"monitor.mode must be min or max, got {mode!r}")
+    return directions[mode]
+
+
+def run_id() -> str:
+    """``${run_id:}``: 6 random hex digits, drawn once per config (the resolver is cached),
+    so two runs that start in the same microsecond still get different run dirs."""
+    return secrets.token_hex(3)
+
+
+OmegaConf.register_new_resolver("optuna_direction", optuna_direction, replace=True)
+OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
 
 
 def call(config: DictConfig, what: str, **kwargs: Any) -> Any:

@@ -4,22 +4,37 @@ tlab-train                                        # ViT on digits, offline, ~1 m
 tlab-train experiment=baby_gpt                    # nanoGPT's CPU run on Tiny Shakespeare
 tlab-train model=gpt data=mqar attention=fastmax attention.p=2
 tlab-train ckpt_path=logs/train/runs/<time>/checkpoints/last.ckpt   # resume
+tlab-train sweep=attention_kernels experiment=mqar   # a multirun, summarised at its end
 python -m transformers_lab.train --help
+
+Every run records its outcome in ``<run dir>/result.json`` (see ``analysis.summary``).
+In a multirun a failed job is recorded there and the sweep goes on (``fail_fast=true``
+stops it); ``skip_finished=true`` with ``hydra.sweep.dir=<old sweep>`` skips the jobs that
+already finished.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from transformers_lab.analysis.summary import read_result, write_result
 from transformers_lab.builders import (
     CONF_DIR,
     build_callbacks,
@@ -62,9 +77,24 @@ def finish_wandb(trainer: L.Trainer | None) -> None:
             wandb.finish()
 
 
+@dataclass
+class RunResult:
+    metrics: dict[str, float]  # final metrics: validation, then test
+    best: float | None  # the monitored metric's best value (the best checkpoint's score)
+    num_params: int
+    checkpoints: dict[str, str | None]  # best and last
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit and test as ``cfg`` says; return the final metrics (validation, then test)."""
+    return fit_and_test(cfg).metrics
+
+
+def fit_and_test(cfg: DictConfig) -> RunResult:
+    """Fit and test as ``cfg`` says."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
+    if cfg.get("cpu_threads"):
+        torch.set_num_threads(int(cfg.cpu_threads))
     L.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg.data)
     prepare(datamodule)
@@ -75,6 +105,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("ckpt_path"):
         check_checkpoint(load_checkpoint(cfg.ckpt_path), task, cfg.ckpt_path)
 
+    name_wandb_run(cfg)
     loggers = build_loggers(cfg.get("logger"))
     callbacks = build_callbacks(
         cfg.get("callbacks"),
@@ -98,6 +129,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         metrics = metrics_dict(trainer.callback_metrics)
         # read before testing: loading the best checkpoint restores the callback's state
         checkpoints = {k: checkpoint_path(trainer, f"{k}_model_path") for k in ("best", "last")}
+        best = best_score(trainer)
         if cfg.get("test") and is_overridden("test_dataloader", datamodule):
             if checkpoints["best"] is None:
                 log.warning("no best checkpoint saved: testing the weights in memory")
@@ -106,7 +138,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     finally:
         finish_wandb(trainer)
     report(metrics, checkpoints)
-    return metrics
+    return RunResult(metrics, best, task.num_params, checkpoints)
 
 
 def checkpoint_path(trainer: L.Trainer, which: str) -> str | None:
@@ -114,6 +146,12 @@ def checkpoint_path(trainer: L.Trainer, which: str) -> str | None:
     callback = trainer.checkpoint_callback
     path = getattr(callback, which, "") if callback is not None else ""
     return path or None
+
+
+def best_score(trainer: L.Trainer) -> float | None:
+    """The best value of the monitored metric, as the checkpoint callback saw it."""
+    score = getattr(trainer.checkpoint_callback, "best_model_score", None)
+    return None if score is None else float(score)
 
 
 def print_metrics(metrics: dict[str, float]) -> None:
@@ -134,10 +172,119 @@ def objective(cfg: DictConfig, metrics: dict[str, float]) -> float | None:
     return metrics.get(cfg.monitor.metric)
 
 
+# ---------------------------------------------------------------- jobs of a sweep
+
+RUN_CONTROL = ("skip_finished", "fail_fast")  # overrides that do not change what a job is
+
+
+def hydra_config() -> DictConfig | None:
+    """Hydra's config of this run, or None when ``train`` was called without Hydra."""
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def in_multirun() -> bool:
+    hydra_cfg = hydra_config()
+    return hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
+
+
+def job_overrides() -> list[str]:
+    """This job's overrides (the command line's, or the sweeper's for this job)."""
+    hydra_cfg = hydra_config()
+    return list(hydra_cfg.overrides.task) if hydra_cfg is not None else []
+
+
+def what_it_runs(overrides: list[str]) -> list[str]:
+    return sorted(o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in RUN_CONTROL)
+
+
+def swept_keys(sweep_dir: Path) -> set[str]:
+    """The keys a multirun sweeps: its sweeper's ``params`` and the command line's sweep
+    overrides (``attention=softmax,dot``), read from the sweep's ``multirun.yaml``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    keys = set((hydra_config().sweeper.get("params") or {}).keys())
+    path = sweep_dir / "multirun.yaml"
+    if path.is_file():
+        master = [str(o) for o in OmegaConf.load(path).hydra.overrides.task]
+        parsed = OverridesParser.create().parse_overrides(master)
+        keys |= {o.key_or_group for o in parsed if o.is_sweep_override()}
+    return keys
+
+
+def name_wandb_run(cfg: DictConfig) -> None:
+    """Fill the wandb logger's group and job_type left null: in a multirun, one group
+    for the whole sweep (its directory's name) and a job_type per swept choice, seeds
+    aside; otherwise the run name and the task name."""
+    node = (cfg.get("logger") or {}).get("wandb")
+    if node is None:
+        return
+    group, job_type = cfg.run_name, cfg.task_name
+    if in_multirun():
+        sweep_dir = Path(cfg.paths.output_dir).parent
+        group = f"{cfg.task_name}-{sweep_dir.name}"
+        swept = swept_keys(sweep_dir) - {"seed"}
+        choice = [o for o in job_overrides() if o.split("=", 1)[0].lstrip("+~") in swept]
+        job_type = " ".join(choice)[:64] or cfg.task_name
+    with open_dict(node):
+        node.group = node.get("group") or group
+        node.job_type = node.get("job_type") or job_type
+
+
+def run_job(cfg: DictConfig) -> float | None:
+    """Train as ``cfg`` says and record the outcome in ``<run dir>/result.json``.
+
+    In a multirun, a job that raises is recorded as failed and the sweep goes on, unless
+    ``fail_fast=true``. With ``skip_finished=true`` a job whose run dir already holds a
+    finished record of the same overrides is not run again.
+    """
+    out = Path(cfg.paths.output_dir)
+    overrides = job_overrides()
+    if cfg.get("skip_finished"):
+        done = read_result(out)
+        if done and done.get("status") == "ok":
+            if what_it_runs(done.get("overrides", [])) == what_it_runs(overrides):
+                print(f"run dir: {out}\nskipped: finished before (skip_finished=true)", flush=True)
+                return done.get("objective")
+            log.warning("%s holds a finished job with other overrides: running again", out)
+    record: dict[str, Any] = {
+        "overrides": overrides,
+        "run_dir": str(out),
+        "monitor": {"metric": cfg.monitor.metric, "mode": cfg.monitor.mode, "best": None},
+    }
+    start = time.perf_counter()
+    try:
+        result = fit_and_test(cfg)
+    except Exception as exc:
+        record.update(
+            status="failed",
+            error=f"{type(exc).__name__}: {exc}",
+            time_s=round(time.perf_counter() - start, 2),
+        )
+        write_result(out, record)
+        if not in_multirun() or cfg.get("fail_fast"):
+            raise
+        log.exception("job failed; the sweep goes on (fail_fast=true would stop it)")
+        print(f"job failed: {record['error']} (recorded in {out}/result.json)", file=sys.stderr)
+        return math.nan  # a failed trial to an Optuna sweeper, not the end of the study
+    value = objective(cfg, result.metrics)
+    record["monitor"]["best"] = result.best
+    record.update(
+        status="ok",
+        metrics=result.metrics,
+        objective=value,
+        params=result.num_params,
+        time_s=round(time.perf_counter() - start, 2),
+        checkpoints=result.checkpoints,
+        error=None,
+    )
+    write_result(out, record)
+    return value
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
     with user_errors():
-        return objective(cfg, train(cfg))
+        return run_job(cfg)
 
 
 def main() -> None:

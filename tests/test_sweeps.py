@@ -1,0 +1,245 @@
+"""Multiruns through the real entry point: per-job records, the summary written at the end
+of a sweep and rebuilt by tlab-summarize, failures that do not stop a sweep, resumed
+sweeps, Optuna, and one directory per job."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from transformers_lab.analysis import summary as summary_module
+from transformers_lab.analysis.summary import RESULT_FILE, SUMMARY_FILES, summarize
+
+TINY = [
+    "experiment=mqar",
+    "trainer.max_epochs=1",
+    "data.train_examples=128",
+    "data.val_examples=32",
+    "trainer.enable_progress_bar=false",
+]
+
+
+def tlab_train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "TLAB_ROOT": str(cwd)}
+    env.pop("WANDB_API_KEY", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformers_lab.train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return proc
+
+
+def sweep_dir_of(root: Path) -> Path:
+    (found,) = list((root / "logs" / "train" / "multiruns").iterdir())
+    return found
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def last_val_acc(run_dir: Path) -> float:
+    rows = [r for r in read_csv(run_dir / "csv" / "metrics.csv") if r.get("val/acc")]
+    return float(rows[-1]["val/acc"])
+
+
+@pytest.fixture(scope="module")
+def kernel_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """2 kernels x 2 seeds, with csv and (offline) wandb loggers."""
+    root = tmp_path_factory.mktemp("kernels")
+    proc = tlab_train("-m", "attention=softmax,fastmax_p1", "seed=0,1", *TINY, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep_dir_of(root), proc
+
+
+@pytest.fixture(scope="module")
+def failing_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """model.n_head=3 cannot split d_model=64: that job fails, the other runs."""
+    root = tmp_path_factory.mktemp("failing")
+    proc = tlab_train("-m", "model.n_head=3,2", *TINY, "logger=csv", cwd=root)
+    return sweep_dir_of(root), proc
+
+
+def test_a_kernel_sweep_writes_a_summary_with_one_row_per_job(kernel_sweep):
+    sweep, proc = kernel_sweep
+    for name in SUMMARY_FILES:
+        assert (sweep / name).stat().st_size > 0, name
+    rows = read_csv(sweep / "summary.csv")
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
+    assert {r["status"] for r in rows} == {"ok"}
+    for row in rows:
+        job = sweep / row["job"]
+        saved = [str(o) for o in OmegaConf.load(job / ".hydra" / "overrides.yaml")]
+        assert row["overrides"] == " ".join(saved)
+        assert float(row["val/acc"]) == pytest.approx(last_val_acc(job), rel=1e-5)
+        assert float(row["best val/acc"]) >= float(row["val/acc"]) - 1e-9
+        assert int(row["params"]) > 0 and float(row["time_s"]) > 0
+    # the grouped view: one line per kernel, mean +- std over its two seeds
+    md = (sweep / "summary.md").read_text()
+    for kernel in ("softmax", "fastmax_p1"):
+        accs = [float(r["val/acc"]) for r in rows if f"attention={kernel}" in r["overrides"]]
+        mean = sum(accs) / 2
+        line = next(x for x in md.splitlines() if x.startswith(f"| attention={kernel} |"))
+        assert "| 2/2 |" in line and f"{mean:.4g} ±" in line
+    # ... and the same table ends the command's output
+    assert "| attention=softmax | 2/2 |" in proc.stdout
+    assert f"summary: {sweep / 'summary.md'}" in proc.stdout
+
+
+def test_each_job_of_a_sweep_is_its_own_wandb_run_in_one_group(kernel_sweep):
+    from test_train import read_wandb_run
+
+    sweep, _ = kernel_sweep
+    runs = []
+    for job in sorted(p for p in sweep.iterdir() if p.name.isdigit()):
+        (run_file,) = list(job.glob("wandb/offline-run-*/*.wandb"))
+        runs.append(read_wandb_run(run_file))
+    assert all(r["exit"] for r in runs), "every job's wandb run is finished"
+    assert len({r["run"].run_id for r in runs}) == 4
+    assert {r["run"].run_group for r in runs} == {f"train-{sweep.name}"}
+    job_types = sorted(r["run"].job_type for r in runs)
+    assert job_types == ["attention=fastmax_p1"] * 2 + ["attention=softmax"] * 2
+
+
+def test_tlab_summarize_reproduces_the_sweep_summary_and_is_idempotent(kernel_sweep, tmp_path):
+    sweep, _ = kernel_sweep
+    copy = tmp_path / sweep.name
+    shutil.copytree(sweep, copy)
+    written = {name: (copy / name).read_bytes() for name in SUMMARY_FILES}
+    for name in SUMMARY_FILES:
+        (copy / name).unlink()
+    for _ in range(2):
+        assert summary_module.main([str(copy)]) == 0
+        for name in ("summary.csv", "summary.md"):
+            assert (copy / name).read_bytes() == written[name], name
+        assert (copy / "summary.png").stat().st_size > 0
+
+
+def test_tlab_summarize_on_a_partial_sweep_and_after_jobs_were_added(kernel_sweep, tmp_path):
+    sweep, _ = kernel_sweep
+    copy = tmp_path / sweep.name
+    shutil.copytree(sweep, copy)
+    (copy / "1" / RESULT_FILE).unlink()  # a job killed before it could record its end
+    shutil.copytree(copy / "3", copy / "4")  # a job added later
+    summary = summarize(copy)
+    rows = {r["job"]: r for r in summary["jobs"]}
+    assert sorted(rows) == ["0", "1", "2", "3", "4"]
+    assert rows["1"]["status"] == "incomplete"
+    assert rows["1"]["val/acc"] == pytest.approx(last_val_acc(copy / "1"), rel=1e-5)
+    assert [r["status"] for k, r in rows.items() if k != "1"] == ["ok"] * 4
+    assert len(read_csv(copy / "summary.csv")) == 5
+
+
+def test_tlab_summarize_says_what_is_wrong_with_its_argument(tmp_path, capsys):
+    assert summary_module.main([str(tmp_path / "nope")]) == 2
+    assert "no sweep directory" in capsys.readouterr().err
+    assert summary_module.main([str(tmp_path)]) == 2
+    assert "no job directories" in capsys.readouterr().err
+
+
+def test_a_failed_job_is_recorded_and_the_sweep_goes_on(failing_sweep):
+    sweep, proc = failing_sweep
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_csv(sweep / "summary.csv")
+    status = {r["overrides"].split()[0]: r for r in rows}
+    assert status["model.n_head=3"]["status"] == "failed"
+    assert "d_model=64 must be divisible by num_heads=3" in status["model.n_head=3"]["error"]
+    assert (
+        status["model.n_head=2"]["status"] == "ok"
+        and float(status["model.n_head=2"]["val/acc"]) >= 0
+    )
+    record = json.loads((sweep / "0" / RESULT_FILE).read_text())
+    assert record["status"] == "failed" and "ConfigError" in record["error"]
+    assert "model.n_head=3" in (sweep / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_fail_fast_stops_the_sweep_at_the_first_failure(tmp_path):
+    proc = tlab_train("-m", "model.n_head=3,2", *TINY, "logger=csv", "fail_fast=true", cwd=tmp_path)
+    assert proc.returncode != 0
+    sweep = sweep_dir_of(tmp_path)
+    assert json.loads((sweep / "0" / RESULT_FILE).read_text())["status"] == "failed"
+    assert not (sweep / "1").exists()
+
+
+@pytest.mark.slow
+def test_a_resumed_sweep_skips_the_jobs_that_finished(failing_sweep, tmp_path):
+    sweep, _ = failing_sweep
+    copy = tmp_path / "logs" / "train" / "multiruns" / sweep.name
+    shutil.copytree(sweep, copy)
+    finished = (copy / "1" / RESULT_FILE).read_text()
+    args = ["-m", "model.n_head=3,2", *TINY, "logger=csv", f"hydra.sweep.dir={copy}"]
+    proc = tlab_train(*args, "skip_finished=true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("skipped: finished before") == 1  # job 1; job 0 failed: rerun
+    assert (copy / "1" / RESULT_FILE).read_text() == finished
+    assert json.loads((copy / "0" / RESULT_FILE).read_text())["status"] == "failed"
+    assert [r["status"] for r in read_csv(copy / "summary.csv")] == ["failed", "ok"]
+
+
+def test_runs_started_at_the_same_moment_get_their_own_directories(monkeypatch, tmp_path):
+    """Hydra's clock frozen to one instant: the run and sweep dirs still differ."""
+    import datetime as real
+
+    import hydra.core.utils
+    from hydra import compose, initialize_config_dir
+
+    from transformers_lab.builders import CONF_DIR
+
+    class Frozen(real.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 1, 1)
+
+    monkeypatch.setattr(hydra.core.utils, "datetime", Frozen)
+    monkeypatch.setenv("TLAB_ROOT", str(tmp_path))
+    dirs = []
+    for _ in range(2):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", return_hydra_config=True)
+        assert cfg.hydra.run.dir == cfg.hydra.run.dir  # stable within a run
+        dirs.append((cfg.hydra.run.dir, cfg.hydra.sweep.dir))
+    (run_a, sweep_a), (run_b, sweep_b) = dirs
+    assert "runs/2026-01-01_00-00-00_000000-" in run_a
+    assert run_a != run_b and sweep_a != sweep_b
+
+
+@pytest.mark.slow
+def test_parallel_jobs_through_joblib_get_their_own_directories(tmp_path):
+    proc = tlab_train("-m", "launcher=joblib", "seed=0,1", *TINY, "logger=csv", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = sweep_dir_of(tmp_path)
+    records = [json.loads((sweep / j / RESULT_FILE).read_text()) for j in ("0", "1")]
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    assert records[0]["run_dir"] != records[1]["run_dir"]
+    assert len(read_csv(sweep / "summary.csv")) == 2
+
+
+@pytest.mark.slow
+def test_an_optuna_sweep_of_3_trials_reports_the_best_value(tmp_path):
+    proc = tlab_train(
+        "sweep=lr_optuna", "hydra.sweeper.n_trials=3", *TINY, "logger=csv", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = sweep_dir_of(tmp_path)
+    best = OmegaConf.load(sweep / "optimization_results.yaml")
+    rows = read_csv(sweep / "summary.csv")
+    assert len(rows) == 3 and {r["status"] for r in rows} == {"ok"}
+    values = [float(r["val/acc"]) for r in rows]  # mqar monitors val/acc, maximised
+    assert best.best_value == pytest.approx(max(values), rel=1e-5)
+    lrs = {float(r["overrides"].split("optimizer.lr=")[1].split()[0]) for r in rows}
+    assert len(lrs) == 3 and all(1e-4 <= lr <= 1e-2 for lr in lrs)
+    assert "optimizer.lr" in best.best_params
