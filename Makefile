@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install train test test-fast lint format bench bench-training clean
+.PHONY: help install train ablate test test-fast lint format bench bench-training clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -21,6 +21,9 @@ $(VENV)/.installed: pyproject.toml
 
 train: install  ## the default experiment (ViT on digits, offline, ~1 min); ARGS="experiment=baby_gpt ..."
 	$(VENV)/bin/tlab-train $(ARGS)
+
+ablate: install  ## the kernel ablation on MQAR: 6 kernels x 2 seeds, offline, 2 jobs at a time; prints the table, saves summary.png
+	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=attention_kernels experiment=mqar launcher=joblib trainer.enable_progress_bar=false $(ARGS)
 
 test: install  ## run the whole test suite (what CI runs)
 	WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)

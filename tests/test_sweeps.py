@@ -168,11 +168,20 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(failing_sweep):
 
 @pytest.mark.slow
 def test_fail_fast_stops_the_sweep_at_the_first_failure(tmp_path):
-    proc = tlab_train("-m", "model.n_head=3,2", *TINY, "logger=csv", "fail_fast=true", cwd=tmp_path)
-    assert proc.returncode != 0
-    sweep = sweep_dir_of(tmp_path)
-    assert json.loads((sweep / "0" / RESULT_FILE).read_text())["status"] == "failed"
+    # batch_size=0 fails inside Lightning (not a config check), where Hydra's launcher
+    # would catch it and run the next job
+    args = ["-m", "data.batch_size=0,16", *TINY, "logger=csv"]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    proc = tlab_train(*args, "fail_fast=true", cwd=tmp_path / "a")
+    assert proc.returncode == 1 and "sweep stopped (fail_fast=true)" in proc.stderr
+    sweep = sweep_dir_of(tmp_path / "a")
+    record = json.loads((sweep / "0" / RESULT_FILE).read_text())
+    assert record["status"] == "failed" and "batch_size" in record["error"]
     assert not (sweep / "1").exists()
+    proc = tlab_train(*args, cwd=tmp_path / "b")  # without fail_fast, the sweep goes on
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_csv(sweep_dir_of(tmp_path / "b") / "summary.csv")
+    assert [r["status"] for r in rows] == ["failed", "ok"]
 
 
 @pytest.mark.slow

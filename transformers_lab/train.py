@@ -261,8 +261,15 @@ def run_job(cfg: DictConfig) -> float | None:
             time_s=round(time.perf_counter() - start, 2),
         )
         write_result(out, record)
-        if not in_multirun() or cfg.get("fail_fast"):
+        if not in_multirun():
             raise
+        if cfg.get("fail_fast"):  # Hydra's launchers would run the remaining jobs first
+            log.exception("job failed; fail_fast=true stops the sweep")
+            print(
+                f"error: job failed, sweep stopped (fail_fast=true): {record['error']}",
+                file=sys.stderr,
+            )
+            raise SystemExit(1) from exc
         log.exception("job failed; the sweep goes on (fail_fast=true would stop it)")
         print(f"job failed: {record['error']} (recorded in {out}/result.json)", file=sys.stderr)
         return math.nan  # a failed trial to an Optuna sweeper, not the end of the study
@@ -278,6 +285,9 @@ def run_job(cfg: DictConfig) -> float | None:
         error=None,
     )
     write_result(out, record)
+    if value is None and in_multirun():
+        log.warning("%s was never logged: the sweeper gets NaN for this job", cfg.monitor.metric)
+        return math.nan
     return value
 
 

@@ -202,6 +202,7 @@ def group_rows(
                 "std": statistics.stdev(finals) if len(finals) > 1 else 0.0 if finals else None,
                 "best mean": statistics.fmean(bests) if bests else None,
                 "best std": statistics.stdev(bests) if len(bests) > 1 else 0.0 if bests else None,
+                "values": finals,
             }
         )
     return rows
@@ -232,7 +233,7 @@ def pick_metric(records: Sequence[dict[str, Any]], metric: str | None) -> tuple[
 
 
 def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Path) -> None:
-    """Bars: mean of ``metric`` per choice, error bars: std over seeds."""
+    """Bars: mean of ``metric`` per choice; error bars: std over seeds; dots: the seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,6 +248,8 @@ def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Path) 
         capsize=4,
         color="#4c72b0",
     )
+    for i, g in enumerate(shown):  # each seed's value
+        ax.plot([i] * len(g["values"]), g["values"], "o", color="#222222", markersize=3.5)
     ax.set_xticks(range(len(shown)), [g["choice"] for g in shown], rotation=30, ha="right")
     ax.set_ylabel(f"final {metric} (mean ± std)")
     ax.set_title(title, fontsize=9)
