@@ -25,10 +25,11 @@ KERNEL_CONFIGS = [
     ("cosine", {}),
     ("additive", {}),
     ("additive", {"attn_dim": 5, "bias": False}),
-    ("fastmax", {"p": 1}),
-    ("fastmax", {"p": 2}),
-    ("fastmax", {"p": 2, "scale": 2.5, "normalize": False, "chunk_size": 3}),
+    ("fastmax", {"p": 1, "impl": "linear"}),
+    ("fastmax", {"p": 2, "impl": "linear"}),
+    ("fastmax", {"p": 2, "scale": 2.5, "normalize": False, "chunk_size": 3, "impl": "linear"}),
     ("fastmax", {"p": 2, "impl": "quadratic"}),
+    ("fastmax", {"p": 2}),  # auto: quadratic for these short sequences
 ]
 CONFIG_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in KERNEL_CONFIGS]
 
@@ -261,7 +262,7 @@ def test_dropout_acts_in_training_only(name):
 
 
 def test_fastmax_dropout_drops_whole_keys_identically_in_every_path():
-    linear = make("fastmax", dropout=0.3).train()
+    linear = make("fastmax", dropout=0.3, impl="linear").train()
     quad = make("fastmax", dropout=0.3, impl="quadratic").train()
     q, k, v = qkv(7, 7)
     for causal in (False, True):
@@ -335,6 +336,24 @@ def test_unsupported_p_and_negative_p1_are_refused():
         FastmaxAttention(head_dim=D, num_heads=H, p=1, scale=2.0)
     with pytest.raises(ValueError, match="unknown impl"):
         FastmaxAttention(head_dim=D, num_heads=H, impl="cuda")
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_fastmax_auto_takes_the_cheaper_exact_path(p, monkeypatch):
+    from transformers_lab.attention import fastmax as fm
+
+    kernel = make("fastmax", p=p)  # impl=auto
+    dim = fm.feature_dim(D, p)
+    assert kernel.path(dim) == "quadratic" and kernel.path(dim + 1) == "linear"
+    taken = []
+    for name in ("quadratic", "chunked_causal"):
+        real = getattr(fm, name)
+        monkeypatch.setattr(fm, name, lambda *a, _f=real, _n=name: taken.append(_n) or _f(*a))
+    linear = make("fastmax", p=p, impl="linear")
+    for n in (dim, dim + 1):
+        q, k, v = qkv(n, n)
+        torch.testing.assert_close(kernel(q, k, v, causal=True), linear(q, k, v, causal=True))
+    assert taken == ["quadratic", "chunked_causal", "chunked_causal", "chunked_causal"]
 
 
 def test_fastmax_p1_weights_are_never_negative():

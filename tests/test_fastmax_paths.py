@@ -13,7 +13,9 @@ TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-10}, torch.float32: {"rtol": 1e
 
 
 def inputs(nq, nk, dtype, p, padded):
-    kernel = FastmaxAttention(head_dim=D, num_heads=H, p=p, scale=0.9 if p == 1 else 1.7)
+    kernel = FastmaxAttention(
+        head_dim=D, num_heads=H, impl="linear", p=p, scale=0.9 if p == 1 else 1.7
+    )
     q = torch.randn(B, H, nq, D, dtype=torch.float64)
     k = torch.randn(B, H, nk, D, dtype=torch.float64)
     v = torch.randn(B, H, nk, DV, dtype=torch.float64)
@@ -86,7 +88,7 @@ def test_feature_map_factorises_the_polynomial(p):
 
 
 def test_module_decode_prefill_then_steps_matches_forward():
-    kernel = FastmaxAttention(head_dim=D, num_heads=H, chunk_size=4)
+    kernel = FastmaxAttention(head_dim=D, num_heads=H, chunk_size=4, impl="linear")
     q, k, v = (torch.randn(B, H, 19, n, dtype=torch.float64) for n in (D, D, DV))
     full = kernel(q, k, v, causal=True)
     out, state = kernel.decode(q[:, :, :10], k[:, :, :10], v[:, :, :10])
@@ -102,7 +104,7 @@ def test_module_decode_prefill_then_steps_matches_forward():
 
 
 def test_decode_with_padding_matches_forward_with_padding():
-    kernel = FastmaxAttention(head_dim=D, num_heads=H)
+    kernel = FastmaxAttention(head_dim=D, num_heads=H, impl="linear")
     q, k, v = (torch.randn(B, H, 8, n, dtype=torch.float64) for n in (D, D, DV))
     mask = torch.zeros(B, 8, dtype=torch.bool)
     mask[0, :3] = True
@@ -141,7 +143,7 @@ def test_chunked_never_builds_the_prefix_sum_of_outer_products():
 
 
 def test_float32_states_under_autocast():
-    kernel = FastmaxAttention(head_dim=D, num_heads=H)
+    kernel = FastmaxAttention(head_dim=D, num_heads=H, impl="linear")
     q, k, v = (torch.randn(B, H, 12, n) for n in (D, D, DV))
     expected = kernel(q, k, v, causal=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -154,7 +156,7 @@ def test_float32_states_under_autocast():
 
 def test_normalisation_uses_each_token_alone():
     """Scaling one key changes no other token's normalised key (no max over the sequence)."""
-    kernel = FastmaxAttention(head_dim=D, num_heads=H)
+    kernel = FastmaxAttention(head_dim=D, num_heads=H, impl="linear")
     q, k, v = (torch.randn(B, H, 6, n, dtype=torch.float64) for n in (D, D, DV))
     _, ks, _ = kernel.prepare(q, k, v, None)
     k2 = k.clone()
@@ -201,7 +203,7 @@ def test_chunked_backward_passes_gradcheck_across_chunks(p, nq, nk):
 def test_double_backward_is_refused_not_wrong():
     """The hand-written backward passes are first-order only: asking for a second order
     raises instead of returning silently wrong numbers."""
-    kernel = FastmaxAttention(head_dim=D, num_heads=H)
+    kernel = FastmaxAttention(head_dim=D, num_heads=H, impl="linear")
     q, k, v = (torch.randn(1, H, 6, n, requires_grad=True) for n in (D, D, DV))
     for causal in (False, True):
         out = kernel(q, k, v, causal=causal)

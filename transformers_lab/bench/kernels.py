@@ -63,8 +63,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "dot": ("dot", {}),
     "cosine": ("cosine", {}),
     "additive": ("additive", {}),
-    "fastmax_p1": ("fastmax", {"p": 1}),
-    "fastmax_p2": ("fastmax", {"p": 2}),
+    "fastmax_p1": ("fastmax", {"p": 1, "impl": "linear"}),
+    "fastmax_p2": ("fastmax", {"p": 2, "impl": "linear"}),
     "fastmax_p2_quadratic": ("fastmax", {"p": 2, "impl": "quadratic"}),
 }
 # Variants that build an N x N matrix with extra width; skipped above --quadratic-max-n.
