@@ -244,7 +244,8 @@ def run_job(cfg: DictConfig) -> float | None:
         if done and done.get("status") == "ok":
             if what_it_runs(done.get("overrides", [])) == what_it_runs(overrides):
                 print(f"run dir: {out}\nskipped: finished before (skip_finished=true)", flush=True)
-                return done.get("objective")
+                value = done.get("objective")
+                return math.nan if value is None else value
             log.warning("%s holds a finished job with other overrides: running again", out)
     record: dict[str, Any] = {
         "overrides": overrides,
