@@ -75,8 +75,13 @@ def failing_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 
 def test_a_kernel_sweep_writes_a_summary_with_one_row_per_job(kernel_sweep):
     sweep, proc = kernel_sweep
+    umask = os.umask(0)
+    os.umask(umask)
     for name in SUMMARY_FILES:
         assert (sweep / name).stat().st_size > 0, name
+        # written through temporary files, but as readable as any other file
+        assert (sweep / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+    assert (sweep / "0" / RESULT_FILE).stat().st_mode & 0o777 == 0o666 & ~umask
     rows = read_csv(sweep / "summary.csv")
     assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
     assert {r["status"] for r in rows} == {"ok"}

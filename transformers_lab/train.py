@@ -34,7 +34,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from transformers_lab.analysis.summary import read_result, write_result
+from transformers_lab.analysis.summary import SEED_KEYS, read_result, write_result
 from transformers_lab.builders import (
     CONF_DIR,
     build_callbacks,
@@ -222,7 +222,7 @@ def name_wandb_run(cfg: DictConfig) -> None:
     if in_multirun():
         sweep_dir = Path(cfg.paths.output_dir).parent
         group = f"{cfg.task_name}-{sweep_dir.name}"
-        swept = swept_keys(sweep_dir) - {"seed"}
+        swept = swept_keys(sweep_dir) - set(SEED_KEYS)
         choice = [o for o in job_overrides() if o.split("=", 1)[0].lstrip("+~") in swept]
         job_type = " ".join(choice)[:64] or cfg.task_name
     with open_dict(node):

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from transformers_lab.data.download import move_into_place
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ def atomic_write(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.replace(tmp, path)
+        move_into_place(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -77,8 +79,6 @@ def read_overrides(run_dir: Path) -> list[str]:
     path = run_dir / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return []
-    from omegaconf import OmegaConf
-
     return [str(o) for o in OmegaConf.load(path)]
 
 
@@ -290,7 +290,7 @@ def summarize(
         key=lambda g: (g["mean"] is None, -(g["mean"] or 0) if mode == "max" else g["mean"] or 0)
     )
 
-    columns = list(rows[0]) if rows else ["job", "overrides", "status", metric]
+    columns = list(rows[0])
     table = io.StringIO(newline="")
     writer = csv.DictWriter(table, fieldnames=columns)
     writer.writeheader()
@@ -354,6 +354,25 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"job {r['job']} {r['status']}: {r['overrides']} {r['error']}".rstrip())
 
 
+class SweepSummary(Callback):
+    """Hydra callback (``hydra.callbacks.summary``): when a multirun ends, write its
+    summary files and print the grouped table. A failure here never loses the jobs'
+    results: ``tlab-summarize <sweep dir>`` rebuilds the summary from them."""
+
+    def __init__(self, metric: str | None = None, mode: str | None = None) -> None:
+        self.metric, self.mode = metric, mode
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            summary = summarize(sweep_dir, self.metric, self.mode)
+        except Exception as exc:  # the sweep itself succeeded; say how to retry
+            log.warning("no summary for %s (%s); run: tlab-summarize %s", sweep_dir, exc, sweep_dir)
+            return
+        print_summary(summary)
+        print(f"summary: {sweep_dir / 'summary.md'} (plot: summary.png)", flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tlab-summarize",
@@ -376,22 +395,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-class SweepSummary(Callback):
-    """Hydra callback (``hydra.callbacks.summary``): when a multirun ends, write its
-    summary files and print the grouped table. A failure here never loses the jobs'
-    results: ``tlab-summarize <sweep dir>`` rebuilds the summary from them."""
-
-    def __init__(self, metric: str | None = None, mode: str | None = None) -> None:
-        self.metric, self.mode = metric, mode
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        try:
-            summary = summarize(sweep_dir, self.metric, self.mode)
-        except Exception as exc:  # the sweep itself succeeded; say how to retry
-            log.warning("no summary for %s (%s); run: tlab-summarize %s", sweep_dir, exc, sweep_dir)
-            return
-        print_summary(summary)
-        print(f"summary: {sweep_dir / 'summary.md'} (plot: summary.png)", flush=True)

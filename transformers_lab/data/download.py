@@ -86,10 +86,16 @@ def ensure_file(path: Path, url: str, checksum: str, *, download: bool = True) -
                 f"the download of {url} fails its checksum: {algorithm} {actual}, expected "
                 f"{expected}; nothing was written to {path}"
             )
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it normal permissions
-        os.replace(tmp, path)
+        move_into_place(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def move_into_place(tmp: str | Path, path: str | Path) -> None:
+    """Rename a finished temporary file onto ``path`` (atomic on one file system), with
+    the permissions a plain ``open()`` would have given it: ``mkstemp`` makes it private."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)

@@ -90,9 +90,9 @@ class WordTokenizer(Vocabulary):
     Text splits into pieces that keep their leading space (``" man"``, ``","``, ``" 2"``).
     A piece seen at least ``min_freq`` times in the training text is one token; any other
     is spelled out character by character. There is no <unk>, so ``decode(encode(text))
-    == text`` for any text made of the training characters. On Multi30k with min_freq 5 a
-    sentence is about 15 tokens instead of about 65 characters, from a vocabulary of about
-    7000.
+    == text`` for any text made of the training characters. On Multi30k with min_freq 5
+    (a shared vocabulary of 7217) an English sentence is 16 tokens on average instead of
+    61 characters, a German one 20 instead of 71.
     """
 
     def __init__(self, words: Iterable[str], chars: Iterable[str], specials: bool = False):
