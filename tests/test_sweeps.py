@@ -257,3 +257,26 @@ def test_an_optuna_sweep_of_3_trials_reports_the_best_value(tmp_path):
     lrs = {float(r["overrides"].split("optimizer.lr=")[1].split()[0]) for r in rows}
     assert len(lrs) == 3 and all(1e-4 <= lr <= 1e-2 for lr in lrs)
     assert "optimizer.lr" in best.best_params
+
+
+@pytest.mark.parametrize(
+    ("preset", "target"),
+    [
+        ("launcher=slurm", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
+        ("launcher=joblib", "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"),
+    ],
+)
+def test_launcher_presets_select_their_plugin(preset, target, monkeypatch, tmp_path):
+    """The plugins are installed with the project and the presets compose into them (a
+    SLURM cluster itself cannot be reached from the tests)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.plugins import Plugins
+
+    from transformers_lab.builders import CONF_DIR
+
+    monkeypatch.setenv("TLAB_ROOT", str(tmp_path))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", [preset, "sweep=attention_kernels"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_ == target
+    assert cfg.hydra.mode.name == "MULTIRUN"
+    assert target.rsplit(".", 1)[1] in {p.__name__ for p in Plugins.instance().discover()}
