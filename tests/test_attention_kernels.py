@@ -240,7 +240,7 @@ def test_additive_chunks_respect_the_budget_and_change_nothing():
     assert big.chunk_rows(B, 13, torch.float64) >= 11  # one chunk
     assert small.chunk_rows(B, 13, torch.float64) == 1  # eleven chunks
     # a budget of several rows: the chunk is the most rows that fit
-    per_row = 4 * B * H * 13 * big.attn_dim * 8  # bytes of one query row, fwd + bwd
+    per_row = 2 * B * H * 13 * big.attn_dim * 8  # bytes of one query row: 2 live copies
     mid = make("additive", memory_budget_mb=3.5 * per_row / 2**20)
     assert mid.chunk_rows(B, 13, torch.float64) == 3
     out_big = big(q, k, v, causal=True)
@@ -249,6 +249,25 @@ def test_additive_chunks_respect_the_budget_and_change_nothing():
     (gq_small,) = torch.autograd.grad(out_small.sum(), q)
     torch.testing.assert_close(out_small, out_big)
     torch.testing.assert_close(gq_small, gq_big)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_additive_gradients_of_inputs_and_parameters_match_the_formula(bias):
+    # the chunks' hand-written backward against autograd through the textbook formula,
+    # over several chunks (a tiny budget) and with padding
+    kernel = make("additive", memory_budget_mb=1e-3, bias=bias)
+    q, k, v = qkv(5, 6, requires_grad=True)
+    mask = padding(6)
+    params = list(kernel.parameters())
+    out = kernel(q, k, v, causal=True, key_padding_mask=mask)
+    reference = naive_weights(kernel, q, k, True, mask) @ v
+    torch.testing.assert_close(out, reference)
+    weights = torch.randn_like(out)  # a loss that weighs every output differently
+    got = torch.autograd.grad((out * weights).sum(), [q, k, v, *params])
+    want = torch.autograd.grad((reference * weights).sum(), [q, k, v, *params])
+    names = ["q", "k", "v", *dict(kernel.named_parameters())]
+    for name, a, b in zip(names, got, want, strict=True):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 @pytest.mark.parametrize("name", ["softmax", "dot", "cosine", "additive", "fastmax"])
