@@ -65,6 +65,18 @@ def restore(cfg: DictConfig) -> tuple[dict[str, Any], L.LightningDataModule, Any
     return checkpoint, datamodule, task
 
 
+def load_task(
+    ckpt_path: str | Any, data: dict[str, Any] | None = None
+) -> tuple[Any, L.LightningDataModule]:
+    """A checkpoint's task in eval mode, weights loaded (``task.model`` is the network),
+    and its data module set up with the tokenizer it was trained with; for notebooks and
+    scripts. ``data`` overrides entries of the saved data config (e.g. ``batch_size``)."""
+    config = OmegaConf.create({"ckpt_path": str(ckpt_path), "data": data or {}})
+    _, datamodule, task = restore(config)
+    datamodule.setup("fit")
+    return task.eval(), datamodule
+
+
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """The metrics of ``cfg.ckpt_path`` on ``cfg.split``."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)

@@ -501,46 +501,9 @@ def markdown_report(rows: Sequence[Row]) -> str:
 
 def plot(rows: Sequence[Row], path: Path) -> None:
     """Time and extra peak memory against N, log-log; solid causal, dashed non-causal."""
-    import matplotlib
+    from transformers_lab.analysis.plots import plot_kernel_benchmark
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colours = plt.get_cmap("tab10")
-    for index, variant in enumerate(VARIANTS):
-        for causal, style in ((True, "-"), (False, "--")):
-            series = sorted(
-                (r["n"], r["time_ms"], r["peak_mib"])
-                for r in rows
-                if r["variant"] == variant and r["causal"] == causal and is_ok(r)
-            )
-            if not series:
-                continue
-            label = f"{variant} ({'causal' if causal else 'non-causal'})"
-            n, t, m = zip(*series, strict=True)
-            kw = {"color": colours(index), "linestyle": style, "marker": "o", "label": label}
-            ax_time.plot(n, t, **kw)
-            positive = [(x, y) for x, y in zip(n, m, strict=True) if y > 0]  # log axis
-            if positive:
-                ax_mem.plot(*zip(*positive, strict=True), **kw)
-    panels = (
-        (ax_time, "forward + backward time", "time (ms)"),
-        (ax_mem, "extra peak memory", "memory (MiB)"),
-    )
-    for ax, title, ylabel in panels:
-        ax.set_title(title)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    handles, labels = ax_time.get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    plot_kernel_benchmark([r for r in rows if is_ok(r)]).savefig(path, dpi=120, bbox_inches="tight")
 
 
 def write_reports(rows: Sequence[Row], out_dir: Path | str) -> dict[str, Path]:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from transformers_lab.analysis.attention import Example
 from transformers_lab.nn import weight_decay_groups
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,11 @@ class Task(L.LightningModule):
                 length["warmup_steps"],
             )
         return length
+
+    def example(self, batch: Any, index: int = 0) -> Example:
+        """Example ``index`` of a batch as the task feeds it to the model, with labels for
+        the axes of its attention maps (see ``analysis.attention``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define example()")
 
     def on_fit_start(self) -> None:
         for logger in self.loggers:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformers_lab.analysis.attention import Example, patch_labels, token_labels
 from transformers_lab.tasks.base import Task
 
 
@@ -26,6 +27,19 @@ class ClassificationTask(Task):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self.step(batch, "train")
+
+    def example(self, batch: tuple[Tensor, Tensor], index: int = 0) -> Example:
+        x, y = batch
+        caption = f"example {index}, label {int(y[index])}"
+        if x.dim() == 4:  # an image (C, H, W): the model sees [cls] + patches
+            patches = getattr(getattr(self.model, "embedding", None), "num_patches", None)
+            extra = int(getattr(self.model, "cls_token", None) is not None)
+            tokens = patch_labels(patches, patches + extra) if patches else None
+            return Example((x[index : index + 1],), tokens=tokens, image=x[index], caption=caption)
+        decode = getattr(self, "decode", None)
+        return Example(
+            (x[index : index + 1],), tokens=token_labels(x[index].tolist(), decode), caption=caption
+        )
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.step(batch, "val")

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformers_lab.analysis.attention import Example, token_labels
 from transformers_lab.tasks.base import Task, log_text
 
 IGNORE = -100
@@ -59,6 +60,15 @@ class LanguageModelTask(Task):
         loss, _ = self.loss(batch)  # the loss alone: accuracy is an evaluation metric
         self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def example(self, batch: tuple[Tensor, Tensor], index: int = 0) -> Example:
+        x, y = batch
+        supervised = int((y[index] != IGNORE).sum())
+        return Example(
+            inputs=(x[index : index + 1],),
+            tokens=token_labels(x[index].tolist(), self.decode),
+            caption=f"example {index}: {x.shape[1]} tokens, {supervised} supervised",
+        )
 
     def accumulate(self, batch: tuple[Tensor, Tensor]) -> None:
         loss, logits = self.loss(batch)

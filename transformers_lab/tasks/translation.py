@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.text import BLEUScore
 
+from transformers_lab.analysis.attention import Example, token_labels
 from transformers_lab.tasks.base import Task, log_text
 
 
@@ -56,6 +57,22 @@ class TranslationTask(Task):
             tgt[:, 1:].flatten(),
             ignore_index=self.model.pad_id,
             label_smoothing=self.label_smoothing,
+        )
+
+    def example(self, batch: tuple[Tensor, Tensor], index: int = 0) -> Example:
+        """Source and teacher-forced target of one pair, padding cut off."""
+        src, tgt = batch
+        pad = self.model.pad_id
+        src = src[index, : int((src[index] != pad).sum())]
+        tgt = tgt[index, : int((tgt[index] != pad).sum())][:-1]  # BOS ... last-but-one
+        caption = f"example {index}: {len(src)} source, {len(tgt)} target tokens"
+        if self.decode is not None:
+            caption = f"{self.decode(src.tolist())} -> {self.decode(tgt.tolist())}"
+        return Example(
+            inputs=(src[None], tgt[None]),
+            source=token_labels(src.tolist(), self.decode),
+            target=token_labels(tgt.tolist(), self.decode),
+            caption=caption,
         )
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:

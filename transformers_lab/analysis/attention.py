@@ -1,0 +1,260 @@
+"""Attention maps: capture the weights of every layer and head for one input, and draw them.
+
+    with AttentionCapture(model) as capture:
+        model(x)
+    capture.maps["blocks.0.attn"]          # (B, H, Nq, Nk), rows sum to 1
+    fig = plot_attention_maps(capture.maps, tokens=["a", "b", ...])
+
+The capture hooks the attention *kernels*: before each kernel call it reads the per-head
+q and k the kernel receives and asks the kernel for ``weights(q, k, ...)``, the explicit
+matrix with the same masks. So it works for every kernel, fastmax included (whose forward
+never builds the matrix), and for self- and cross-attention alike. The hooks go away when
+the ``with`` block ends, even on an error.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from transformers_lab.attention import AttentionKernel
+
+
+@dataclass
+class AttentionRecord:
+    """One kernel call: the layer (the attention module's name), its weights on the CPU,
+    (B, H, Nq, Nk), and whether the call was causal."""
+
+    layer: str
+    weights: Tensor
+    causal: bool
+
+
+def _layer_name(kernel_name: str) -> str:
+    """``blocks.0.attn.kernel`` -> ``blocks.0.attn``: maps are named after the attention
+    module, which is what the model's printout shows."""
+    return kernel_name.removesuffix(".kernel") or kernel_name
+
+
+class AttentionCapture:
+    """Context manager recording the attention weights of a model's kernel calls.
+
+    Args:
+        model: any module holding ``AttentionKernel``s (GPT, ViT, Transformer, ...).
+        layers: keep only the layers whose name matches one of these regular expressions
+            (``re.search``), e.g. ``["decoder.*cross"]``; None keeps all.
+        max_batch: keep at most this many examples of each batch (memory: a map is
+            B·H·Nq·Nk floats).
+
+    ``records`` lists the calls in order; ``maps`` gives each layer's weights from its
+    last call. A kernel that is called but never through ``forward`` (fastmax's
+    recurrent ``decode``) is not seen: capture a full forward pass.
+    """
+
+    def __init__(
+        self, model: nn.Module, layers: Sequence[str] | None = None, max_batch: int | None = None
+    ) -> None:
+        self.model = model
+        self.patterns = [re.compile(p) for p in layers] if layers is not None else None
+        self.max_batch = max_batch
+        self.records: list[AttentionRecord] = []
+        self._handles: list[Any] = []
+        self.kernels = {
+            _layer_name(name): module
+            for name, module in model.named_modules()
+            if isinstance(module, AttentionKernel) and self._wanted(_layer_name(name))
+        }
+        if not self.kernels:
+            found = [
+                _layer_name(n) for n, m in model.named_modules() if isinstance(m, AttentionKernel)
+            ]
+            if not found:
+                raise ValueError(
+                    f"{type(model).__name__} has no attention kernel to capture "
+                    "(no transformers_lab.attention.AttentionKernel submodule)"
+                )
+            raise ValueError(f"no attention layer matches {layers}; the layers are: {found}")
+
+    def _wanted(self, layer: str) -> bool:
+        return self.patterns is None or any(p.search(layer) for p in self.patterns)
+
+    def _hook(self, layer: str):
+        def hook(kernel: AttentionKernel, args: tuple, kwargs: dict) -> None:
+            q, k = args[0], args[1]
+            mask = kwargs.get("key_padding_mask")
+            causal = bool(kwargs.get("causal", False))
+            if self.max_batch is not None:
+                q, k = q[: self.max_batch], k[: self.max_batch]
+                mask = None if mask is None else mask[: self.max_batch]
+            with torch.no_grad():
+                weights = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
+            self.records.append(AttentionRecord(layer, weights.detach().float().cpu(), causal))
+
+        return hook
+
+    def __enter__(self) -> AttentionCapture:
+        self.records = []
+        for layer, kernel in self.kernels.items():
+            handle = kernel.register_forward_pre_hook(self._hook(layer), with_kwargs=True)
+            self._handles.append(handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove the hooks (``__exit__`` does it; call it when not using ``with``)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def maps(self) -> dict[str, Tensor]:
+        """Layer name -> weights (B, H, Nq, Nk) of its last call, in model order."""
+        last = {r.layer: r.weights for r in self.records}
+        return {layer: last[layer] for layer in self.kernels if layer in last}
+
+
+@torch.no_grad()
+def attention_maps(model: nn.Module, *inputs: Any, **kwargs: Any) -> dict[str, Tensor]:
+    """Run ``model(*inputs)`` in eval mode and return its attention maps (see
+    ``AttentionCapture``; ``kwargs`` go to it). The model's train/eval mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        with AttentionCapture(model, **kwargs) as capture:
+            model(*inputs)
+    finally:
+        model.train(was_training)
+    return capture.maps
+
+
+@dataclass
+class Example:
+    """One input ready for inspection: ``model(*inputs)`` runs it (batch of one), and the
+    labels name its positions for the axes of a map: ``tokens`` for a decoder-only or
+    encoder-only model, ``source``/``target`` for an encoder-decoder. ``image`` is the
+    input image (C, H, W) when there is one; ``caption`` says what the example is."""
+
+    inputs: tuple[Tensor, ...]
+    tokens: list[str] | None = None
+    source: list[str] | None = None
+    target: list[str] | None = None
+    image: Tensor | None = None
+    caption: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def axis_labels(self, layer: str, nq: int, nk: int) -> tuple[list[str] | None, ...]:
+        """(query labels, key labels) of a layer's map: encoder layers attend over the
+        source, decoder self-attention over the target, cross-attention from the target
+        to the source. Labels that do not match the map's size are dropped."""
+        if "cross" in layer:
+            queries, keys = self.target, self.source
+        elif "decoder" in layer:
+            queries = keys = self.target
+        elif "encoder" in layer and self.source is not None:
+            queries = keys = self.source
+        else:
+            queries = keys = self.tokens
+        return (
+            queries if queries is not None and len(queries) == nq else None,
+            keys if keys is not None and len(keys) == nk else None,
+        )
+
+
+def token_labels(ids: Sequence[int], decode: Any = None) -> list[str]:
+    """Printable labels of token ids: each decoded alone when ``decode`` (ids -> text) is
+    given, with whitespace made visible; the id otherwise (or when it decodes to nothing)."""
+    labels = []
+    for i in ids:
+        text = decode([int(i)]) if decode is not None else ""
+        text = text.replace("\n", "\\n").replace("\t", "\\t").replace(" ", "\u2423")
+        labels.append(text if text else str(int(i)))
+    return labels
+
+
+def patch_labels(num_patches: int, num_tokens: int) -> list[str]:
+    """Labels of a ViT's tokens: ``cls`` for the extra leading ones, then ``p0, p1, ...``."""
+    extra = num_tokens - num_patches
+    return ["cls"] * extra + [f"p{i}" for i in range(num_patches)]
+
+
+def plot_attention(
+    weights: Tensor,
+    queries: Sequence[str] | None = None,
+    keys: Sequence[str] | None = None,
+    *,
+    ax: Any = None,
+    title: str = "",
+    max_labels: int = 48,
+) -> Any:
+    """Heatmap of one map (Nq, Nk): queries down, keys across, colour from 0 to the
+    row maximum over the map. Tick labels are drawn when there are at most
+    ``max_labels`` of them. Returns the matplotlib Axes."""
+    from matplotlib.figure import Figure
+
+    if weights.dim() != 2:
+        raise ValueError(f"plot_attention takes one (Nq, Nk) map, got shape {tuple(weights.shape)}")
+    if ax is None:
+        ax = Figure(figsize=(4, 4)).subplots()
+    w = weights.detach().float().cpu().numpy()
+    ax.imshow(w, cmap="viridis", vmin=0.0, vmax=max(float(w.max()), 1e-12), aspect="auto")
+    for labels, set_ticks, set_labels, n in (
+        (queries, ax.set_yticks, ax.set_yticklabels, w.shape[0]),
+        (keys, ax.set_xticks, ax.set_xticklabels, w.shape[1]),
+    ):
+        if labels is not None and len(labels) == n and n <= max_labels:
+            set_ticks(range(n))
+            set_labels(labels, fontsize=6, rotation=90 if set_ticks == ax.set_xticks else 0)
+        else:
+            set_ticks([])
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    if title:
+        ax.set_title(title, fontsize=8)
+    return ax
+
+
+def plot_attention_maps(
+    maps: dict[str, Tensor],
+    example: Example | None = None,
+    *,
+    index: int = 0,
+    heads: Sequence[int] | None = None,
+    max_heads: int = 8,
+    cell: float = 2.6,
+    title: str = "",
+) -> Any:
+    """A grid of maps: one row per layer, one column per head, for example ``index`` of
+    the batch. ``example`` names the axes. Returns a matplotlib ``Figure`` (not tied to
+    pyplot: save it with ``fig.savefig``; a notebook shows it when it is a cell's value)."""
+    from matplotlib.figure import Figure
+
+    if not maps:
+        raise ValueError("no attention maps to plot (did the model run inside the capture?)")
+    num_heads = max(w.shape[1] for w in maps.values())
+    heads = list(heads) if heads is not None else list(range(min(num_heads, max_heads)))
+    fig = Figure(figsize=(cell * len(heads) + 0.5, cell * len(maps) + 0.6))
+    axes = fig.subplots(len(maps), len(heads), squeeze=False)
+    for row, (layer, weights) in enumerate(maps.items()):
+        nq, nk = weights.shape[-2:]
+        queries, keys = example.axis_labels(layer, nq, nk) if example else (None, None)
+        for col, head in enumerate(heads):
+            ax = axes[row][col]
+            if head >= weights.shape[1]:
+                ax.axis("off")
+                continue
+            plot_attention(weights[index, head], queries, keys, ax=ax, title=f"{layer} h{head}")
+            if col:
+                ax.set_ylabel("")
+            if row < len(maps) - 1:
+                ax.set_xlabel("")
+    if title or (example and example.caption):
+        fig.suptitle(title or example.caption, fontsize=9)
+    fig.tight_layout()
+    return fig
