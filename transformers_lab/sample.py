@@ -2,9 +2,13 @@
 
 tlab-sample ckpt_path=logs/train/runs/<time>/checkpoints/last.ckpt prompt="ROMEO:"
 tlab-sample ckpt_path=... num_samples=5 temperature=1.0 top_k=null top_p=0.9
+tlab-sample ckpt_path=... stream=false     # print each sample once it is complete
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import hydra
 import lightning as L
@@ -23,14 +27,29 @@ from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.eval import saved_run
 
 
-def load_generator(cfg: DictConfig) -> tuple[torch.nn.Module, L.LightningDataModule]:
-    """The GPT of the checkpoint (weights loaded) and the data module with its tokenizer."""
-    checkpoint = load_checkpoint(cfg.ckpt_path)
-    run = saved_run(checkpoint, cfg.ckpt_path, cfg.get("data"))
+def checkpoint_data(checkpoint: dict[str, Any], run: DictConfig) -> L.LightningDataModule:
+    """The data module of a saved run, with the tokenizer state the checkpoint holds."""
     datamodule = build_datamodule(run.data)
     state = checkpoint.get(type(datamodule).__qualname__)
     if state:
         datamodule.load_state_dict(state)
+    return datamodule
+
+
+def load_weights(model: torch.nn.Module, checkpoint: dict[str, Any], path: Any) -> torch.nn.Module:
+    """``model`` with the checkpoint's weights, in eval mode."""
+    wrapper = torch.nn.Module()
+    wrapper.model = model  # the task's parameter names are "model.*"
+    check_checkpoint(checkpoint, wrapper, path)
+    wrapper.load_state_dict(checkpoint["state_dict"])
+    return model.eval()
+
+
+def load_generator(cfg: DictConfig) -> tuple[torch.nn.Module, L.LightningDataModule]:
+    """The GPT of the checkpoint (weights loaded) and the data module with its tokenizer."""
+    checkpoint = load_checkpoint(cfg.ckpt_path)
+    run = saved_run(checkpoint, cfg.ckpt_path, cfg.get("data"))
+    datamodule = checkpoint_data(checkpoint, run)
     if not hasattr(datamodule, "encode") or not hasattr(datamodule, "decode"):
         raise ConfigError(
             f"the checkpoint's data ({type(datamodule).__name__}) has no text tokenizer to "
@@ -38,20 +57,52 @@ def load_generator(cfg: DictConfig) -> tuple[torch.nn.Module, L.LightningDataMod
             f"shakespeare_bpe)"
         )
     model = build_model(run.model, datamodule)
-    if not hasattr(model, "generate"):
+    if not hasattr(model, "stream"):
         raise ConfigError(
             f"tlab-sample needs a GPT checkpoint; {cfg.ckpt_path} holds a {type(model).__name__}"
         )
-    wrapper = torch.nn.Module()
-    wrapper.model = model  # the task's parameter names are "model.*"
-    check_checkpoint(checkpoint, wrapper, cfg.ckpt_path)
-    wrapper.load_state_dict(checkpoint["state_dict"])
-    return model.eval(), datamodule
+    return load_weights(model, checkpoint, cfg.ckpt_path), datamodule
+
+
+# what a decoder writes for bytes that do not (yet) make a whole UTF-8 character
+REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    """The text of a growing token sequence, handed out piece by piece.
+
+    Each ``push`` decodes the whole sequence so far and returns the text that is new since
+    the last piece. A byte-level BPE token may hold only part of a multi-byte character,
+    which decodes to U+FFFD until the rest arrives; such a tail is held back, so no
+    piece ever shows a broken character. ``finish`` hands out what is left, and the
+    pieces then add up to ``decode(ids)``. This relies on the decoder being prefix-stable
+    (more tokens never change the text of the whole characters before them), as the
+    char, word and tiktoken decoders are.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""  # the pieces handed out so far
+
+    def push(self, ids: Sequence[int]) -> str:
+        """The new text that ``ids``, appended to the sequence, complete."""
+        self.ids += ids
+        piece = self.decode(self.ids)[len(self.text) :].rstrip(REPLACEMENT)
+        self.text += piece
+        return piece
+
+    def finish(self) -> str:
+        """The rest of the text: the held-back tail (U+FFFD if it never completed)."""
+        piece = self.decode(self.ids)[len(self.text) :]
+        self.text += piece
+        return piece
 
 
 @torch.no_grad()
 def sample(cfg: DictConfig) -> list[str]:
-    """``cfg.num_samples`` continuations of ``cfg.prompt``, printed and returned."""
+    """``cfg.num_samples`` continuations of ``cfg.prompt``, printed and returned; with
+    ``cfg.stream`` each is printed as its tokens are drawn."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
     L.seed_everything(cfg.seed)
     model, datamodule = load_generator(cfg)
@@ -60,18 +111,25 @@ def sample(cfg: DictConfig) -> list[str]:
     if not ids:
         raise ConfigError("the prompt encodes to no tokens; give prompt=<some text>")
     prompt = torch.tensor([ids], dtype=torch.long, device=cfg.device)
+    options = {
+        "temperature": cfg.temperature,
+        "top_k": cfg.top_k,
+        "top_p": cfg.top_p,
+        "use_cache": cfg.use_cache,
+    }
     texts = []
     for _ in range(cfg.num_samples):
-        out = model.generate(
-            prompt,
-            cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            use_cache=cfg.use_cache,
-        )
-        texts.append(datamodule.decode(out[0].tolist()))
-        print(texts[-1])
+        if cfg.stream:
+            pieces = TextStream(datamodule.decode)
+            print(pieces.push(ids), end="", flush=True)
+            for next_id in model.stream(prompt, cfg.max_new_tokens, **options):
+                print(pieces.push(next_id.tolist()), end="", flush=True)
+            print(pieces.finish())
+            texts.append(pieces.text)
+        else:
+            out = model.generate(prompt, cfg.max_new_tokens, **options)
+            texts.append(datamodule.decode(out[0].tolist()))
+            print(texts[-1])
         print("-" * 40, flush=True)
     return texts
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -122,7 +123,7 @@ class GPT(nn.Module):
         return self.lm_head(self.norm(x)), new_cache
 
     @torch.no_grad()
-    def generate(
+    def stream(
         self,
         idx: Tensor,
         max_new_tokens: int,
@@ -131,8 +132,9 @@ class GPT(nn.Module):
         top_p: float | None = None,
         use_cache: bool = True,
         generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """Extend idx (B, T) by ``max_new_tokens`` sampled tokens (``temperature=0``: greedy).
+    ) -> Iterator[Tensor]:
+        """Sample ``max_new_tokens`` tokens after idx (B, T), yielding each step's ids (B,)
+        as soon as they are drawn (``temperature=0``: greedy).
 
         With ``use_cache`` each new token costs one cached step; without it the whole
         context is recomputed every step. Past ``block_size`` the context slides: the
@@ -150,6 +152,22 @@ class GPT(nn.Module):
                 context = idx[:, -self.block_size :]
                 logits, cache = self.forward_cached(context)
                 cached = context.shape[1]
-            next_id = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+            next_id = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
             idx = torch.cat([idx, next_id[:, None]], dim=1)
-        return idx
+            yield next_id
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """idx (B, T) extended by ``max_new_tokens`` sampled tokens: (B, T + max_new_tokens).
+        The sampling is ``stream``'s, with the same arguments."""
+        tokens = self.stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator)
+        return torch.cat([idx, *(next_id[:, None] for next_id in tokens)], dim=1)

@@ -1,0 +1,315 @@
+"""Seeing inside: tlab-sample's streamed output (GPT.stream) and tlab-translate, on tiny
+checkpoints trained for a few steps on the fake data."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_data import tiny_encoding, tiny_ranks, write_ranks
+
+import transformers_lab.sample as sample_module
+from transformers_lab.builders import compose_config
+from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer
+from transformers_lab.models import GPT, Transformer
+from transformers_lab.models.common import sample_next
+from transformers_lab.sample import TextStream, sample
+from transformers_lab.train import train
+from transformers_lab.translate import main as translate_main
+from transformers_lab.translate import translate
+
+from fake_data import PAIRS, TEXT, write_multi30k, write_text_root
+
+QUIET = [
+    "logger=none",
+    "callbacks.lr_monitor=null",
+    "test=false",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.limit_val_batches=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+TINY_GPT = ["model=gpt", "model.n_layer=1", "model.d_model=16", "model.n_head=2"]
+TINY_GPT += ["data.block_size=16", "data.train_samples=32", "task.sample_tokens=0"]
+TINY_GPT += ["trainer.max_steps=2"]
+# a tiny Transformer on word tokens learns the two fake pairs by heart in 30 steps
+TINY_TRANSFORMER = [
+    "model=transformer",
+    "data=multi30k",
+    "data.tokenizer=word",
+    "data.min_freq=1",
+    "data.max_len=32",
+    "data.batch_size=8",
+    "data.bucket=0",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.n_encoder_layers=1",
+    "model.n_decoder_layers=1",
+    "model.dropout=0",
+    "task.bleu_batches=0",
+    "optimizer.lr=3e-3",
+    "scheduler.warmup_steps=5",
+    "trainer.max_steps=30",
+]
+SOURCES = [en for en, _ in PAIRS]
+TARGETS = [de for _, de in PAIRS]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    """Fake Tiny Shakespeare and Multi30k, and a tiny tiktoken ranks file, for the module."""
+    root = tmp_path_factory.mktemp("data")
+    with pytest.MonkeyPatch.context() as mp:
+        write_text_root(root, mp, TEXT * 3)
+        write_multi30k(root, mp, repeat=4)
+        write_ranks(tiny_ranks(), root / "tiny.tiktoken")
+        mp.setenv("TLAB_DATA_DIR", str(root))
+        mp.delenv("TLAB_ROOT", raising=False)
+        yield root
+
+
+def trained(data_root: Path, overrides: list[str], name: str) -> Path:
+    run_dir = data_root.parent / name
+    train(compose_config("train", [*QUIET, *overrides], run_dir))
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="module")
+def gpt_ckpt(data_root) -> Path:
+    return trained(data_root, [*TINY_GPT, "data=shakespeare_char"], "gpt_char")
+
+
+@pytest.fixture(scope="module")
+def bpe_gpt_ckpt(data_root) -> Path:
+    bpe = ["data=shakespeare_bpe", "data.encoding=tiny", f"data.bpe_file={data_root}/tiny.tiktoken"]
+    return trained(data_root, [*TINY_GPT, *bpe], "gpt_bpe")
+
+
+@pytest.fixture(scope="module")
+def transformer_ckpt(data_root) -> Path:
+    return trained(data_root, TINY_TRANSFORMER, "transformer")
+
+
+# ------------------------------------------------------------------ GPT.stream
+
+
+def tiny_gpt() -> GPT:
+    return GPT(23, block_size=8, n_layer=2, n_head=2, d_model=16).eval()
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_stream_yields_max_new_tokens_and_generate_is_built_on_it(use_cache):
+    model, prompt = tiny_gpt(), torch.randint(0, 23, (2, 3))
+    options = {"temperature": 0.9, "top_k": 10, "use_cache": use_cache}
+    gen = torch.Generator().manual_seed(1)
+    tokens = list(model.stream(prompt, 12, generator=gen, **options))
+    assert len(tokens) == 12 and all(t.shape == (2,) for t in tokens)
+    # past block_size (3 + 12 > 8): the window slides in both
+    out = model.generate(prompt, 12, generator=torch.Generator().manual_seed(1), **options)
+    assert out.shape == (2, 15) and torch.equal(out[:, :3], prompt)
+    assert torch.equal(out[:, 3:], torch.stack(tokens, dim=1))
+    assert list(model.stream(prompt, 0)) == [] and torch.equal(model.generate(prompt, 0), prompt)
+
+
+def test_generate_samples_as_the_plain_sliding_window_loop():
+    """generate's draws are those of the loop it always was: the last block_size tokens,
+    full forward, ``sample_next`` with the same generator."""
+    model, prompt = tiny_gpt(), torch.randint(0, 23, (2, 4))
+    idx, gen = prompt, torch.Generator().manual_seed(7)
+    for _ in range(10):
+        next_id = sample_next(model(idx[:, -8:])[:, -1], 0.8, None, 0.9, gen)
+        idx = torch.cat([idx, next_id[:, None]], dim=1)
+    out = model.generate(
+        prompt, 10, 0.8, top_p=0.9, use_cache=False, generator=torch.Generator().manual_seed(7)
+    )
+    assert torch.equal(out, idx)
+    greedy = model.generate(prompt, 10, temperature=0)
+    assert torch.equal(greedy, model.generate(prompt, 10, temperature=0, use_cache=False))
+
+
+# ------------------------------------------------------------------ TextStream
+
+
+def test_text_stream_gives_one_character_per_char_token():
+    tok = CharTokenizer("abc \n")
+    pieces = TextStream(tok.decode)
+    assert [pieces.push(tok.encode(c)) for c in "ab c\n"] == list("ab c\n")
+    assert pieces.finish() == "" and pieces.text == "ab c\n"
+
+
+def test_text_stream_never_prints_a_broken_multibyte_character():
+    tok = TiktokenTokenizer(tiny_encoding())  # byte-level: é, ß, 世 span several tokens
+    text = "Grüße, 世界! speak"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.encode("utf-8")) - 8  # mostly single bytes
+    pieces = TextStream(tok.decode)
+    out = [pieces.push([i]) for i in ids]
+    assert "" in out  # the first bytes of a character were held back
+    assert all("\ufffd" not in piece for piece in out)
+    assert "".join(out) == text and pieces.finish() == ""
+    # a sequence that stops inside a character ends as its decode does
+    cut = TextStream(tok.decode)
+    shown = "".join(cut.push([i]) for i in ids[: ids.index(tok.encode("世")[0]) + 1])
+    assert shown == "Grüße, " and cut.finish() == "\ufffd"
+    assert cut.text == tok.decode(ids[: ids.index(tok.encode("世")[0]) + 1])
+
+
+# ------------------------------------------------------------------ tlab-sample stream
+
+
+def sample_run(ckpt: Path, out: Path, *overrides: str) -> list[str]:
+    return sample(compose_config("sample", [f"ckpt_path={ckpt}", *overrides], out))
+
+
+def printed(monkeypatch) -> list[tuple[str, dict]]:
+    """What ``sample`` prints: each call's text and options, printed as usual too."""
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append((" ".join(map(str, args)), kwargs))
+        print(*args, **kwargs)
+
+    monkeypatch.setattr(sample_module, "print", record, raising=False)
+    return calls
+
+
+def without_run_dir(out: str) -> str:
+    return "\n".join(line for line in out.splitlines() if not line.startswith("run dir:"))
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_sample_streams_each_token_and_prints_what_non_streaming_returns(
+    gpt_ckpt, tmp_path, capsys, monkeypatch, use_cache
+):
+    options = ["prompt=Before", "num_samples=2", "max_new_tokens=20", f"use_cache={use_cache}"]
+    whole = sample_run(gpt_ckpt, tmp_path / "whole", *options, "stream=false")
+    whole_out = capsys.readouterr().out
+    calls = printed(monkeypatch)
+    streamed = sample_run(gpt_ckpt, tmp_path / "streamed", *options)  # stream: true, the default
+    assert streamed == whole and len(whole) == 2 and whole[0] != whole[1]
+    assert without_run_dir(capsys.readouterr().out) == without_run_dir(whole_out)
+    # the prompt, then one flushed piece per token: a character each with the char tokenizer
+    pieces = [text for text, kwargs in calls if kwargs.get("end") == ""]
+    assert all(kwargs.get("flush") for _, kwargs in calls if kwargs.get("end") == "")
+    first = pieces[: 1 + 20]
+    assert first[0] == "Before" and all(len(piece) == 1 for piece in first[1:])
+    assert "".join(first) == whole[0] and len(whole[0]) == len("Before") + 20
+
+
+def test_sample_streams_bpe_text_with_multibyte_characters(bpe_gpt_ckpt, tmp_path, capsys):
+    options = ["prompt='Grüße 世界'", "num_samples=1", "max_new_tokens=24", "temperature=1.0"]
+    whole = sample_run(bpe_gpt_ckpt, tmp_path / "whole", *options, "stream=false")
+    whole_out = capsys.readouterr().out
+    streamed = sample_run(bpe_gpt_ckpt, tmp_path / "streamed", *options, "stream=true")
+    assert streamed == whole and whole[0].startswith("Grüße 世界")
+    assert without_run_dir(capsys.readouterr().out) == without_run_dir(whole_out)
+
+
+# ------------------------------------------------------------------ tlab-translate
+
+
+def translate_run(ckpt: Path, out: Path, *overrides: str) -> list[str]:
+    return translate(compose_config("translate", [f"ckpt_path={ckpt}", *overrides], out))
+
+
+@pytest.mark.parametrize("decode", ["decode=greedy", "decode=beam"])
+def test_translate_text_prints_and_returns_one_translation_per_sentence(
+    transformer_ckpt, tmp_path, capsys, decode
+):
+    texts = translate_run(transformer_ckpt, tmp_path, f"text={SOURCES}", decode, "max_len=16")
+    assert texts == TARGETS  # the tiny model learnt the two pairs
+    out = capsys.readouterr().out
+    assert out.startswith(f"run dir: {tmp_path}\n")
+    assert f"{SOURCES[0]} -> {TARGETS[0]}\n" in out and f"{SOURCES[1]} -> {TARGETS[1]}\n" in out
+    single = translate_run(transformer_ckpt, tmp_path / "one", f"text={SOURCES[1]}", decode)
+    assert single == TARGETS[1:]
+
+
+def test_translate_reads_input_file_and_stdin(transformer_ckpt, tmp_path, monkeypatch):
+    sentences = [SOURCES[1], "A dog rides two horses.", SOURCES[0]]
+    expected = translate_run(transformer_ckpt, tmp_path / "text", f"text={sentences}")
+    assert len(expected) == 3 and expected[0] == TARGETS[1] and expected[2] == TARGETS[0]
+    path = tmp_path / "sentences.txt"
+    path.write_text("".join(f"{s}\n" for s in sentences))
+    for size in (1, 2):
+        from_file = translate_run(
+            transformer_ckpt, tmp_path / f"file{size}", f"input_file={path}", f"batch_size={size}"
+        )
+        assert from_file == expected
+    monkeypatch.setattr(
+        sys, "stdin", io.StringIO(f"{sentences[0]}\n\n{sentences[1]}\n{sentences[2]}")
+    )
+    assert translate_run(transformer_ckpt, tmp_path / "stdin") == expected
+
+
+def test_beam_search_of_one_beam_translates_as_greedy(transformer_ckpt, tmp_path, monkeypatch):
+    sentences = ["A dog rides two horses.", "Two men.", "A horse, a man and dogs.", *SOURCES]
+    greedy = translate_run(transformer_ckpt, tmp_path / "greedy", f"text={sentences}")
+    searches = []
+    search = Transformer.beam_search
+
+    def counted(self, *args, **kwargs):
+        searches.append(args)
+        return search(self, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "beam_search", counted)
+    beam = translate_run(
+        transformer_ckpt, tmp_path / "beam", f"text={sentences}", "decode=beam", "beam_size=1"
+    )
+    assert beam == greedy and len(beam) == len(sentences)
+    assert searches and searches[0][1] == 1  # beam search ran (src, beam_size=1, ...)
+
+
+def test_translate_main_reads_stdin_line_by_line(transformer_ckpt, tmp_path, monkeypatch, capsys):
+    """The entry point as a shell runs it, with sentences piped in."""
+    argv = ["tlab-translate", f"ckpt_path={transformer_ckpt}", f"hydra.run.dir={tmp_path / 'run'}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{SOURCES[0]}\n{SOURCES[1]}\n"))
+    translate_main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"run dir: {tmp_path / 'run'}"
+    assert [line for line in lines if " -> " in line] == [f"{s} -> {t}" for s, t in PAIRS]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["ckpt_path=GPT"], "tlab-translate needs an encoder-decoder Transformer checkpoint"),
+        (["decode=sample"], "unknown decode=sample; valid ones are: greedy, beam"),
+        (["decode=beam", "beam_size=0"], "beam_size=0: beam search keeps at least one beam"),
+        (["input_file=MISSING"], "input_file MISSING does not exist"),
+        (["input_file=BLANK_LINE"], "line 2 of BLANK_LINE is empty"),
+        (["text=''"], "text is empty; give a sentence to translate"),
+        (['text=["Two dogs.","  "]'], r"text[1] is empty"),
+        (["text='§§§'"], "'§§§' encodes to no tokens"),
+        (["ckpt_path=MISSING"], "no checkpoint at MISSING"),
+    ],
+)
+def test_bad_translate_input_is_one_line_and_exit_code_2(
+    overrides, message, transformer_ckpt, gpt_ckpt, tmp_path, monkeypatch, capsys
+):
+    blank = tmp_path / "blank.txt"
+    blank.write_text("Two dogs.\n\nA man.\n")
+    names = {"GPT": str(gpt_ckpt), "MISSING": str(tmp_path / "missing"), "BLANK_LINE": str(blank)}
+
+    def fill(text: str) -> str:
+        for name, value in names.items():
+            text = text.replace(name, value)
+        return text
+
+    args = [*map(fill, overrides), f"hydra.run.dir={tmp_path}/r"]
+    if not any(arg.startswith("ckpt_path=") for arg in args):
+        args.insert(0, f"ckpt_path={transformer_ckpt}")
+    monkeypatch.setattr(sys, "argv", ["tlab-translate", *args])
+    with pytest.raises(SystemExit) as exit_:
+        translate_main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and fill(message) in errors[0], err
+    assert "Traceback" not in err
+    if overrides == ["ckpt_path=GPT"]:
+        assert "holds a GPT trained on ShakespeareCharDataModule" in errors[0]

@@ -1,0 +1,184 @@
+"""tlab-translate: translate sentences with an encoder-decoder checkpoint of tlab-train.
+
+tlab-translate ckpt_path=logs/train/runs/<time>/checkpoints/best.ckpt text="A man rides a horse."
+tlab-translate ckpt_path=... input_file=sentences.txt decode=beam beam_size=5
+tlab-translate ckpt_path=...        # no text, no input_file: one sentence a line on stdin
+
+The model and its tokenizer come from the checkpoint of a Transformer trained on
+translation data (``tlab-train experiment=transformer_multi30k``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, ListConfig
+
+from transformers_lab.builders import (
+    CONF_DIR,
+    ConfigError,
+    build_model,
+    load_checkpoint,
+    target_class,
+)
+from transformers_lab.cli import run_hydra, user_errors
+from transformers_lab.eval import saved_run
+from transformers_lab.models import Transformer
+from transformers_lab.sample import checkpoint_data, load_weights
+
+log = logging.getLogger(__name__)
+
+DECODERS = ("greedy", "beam")
+
+
+def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule]:
+    """The Transformer of the checkpoint (weights loaded) and its data module, tokenizer
+    restored."""
+    checkpoint = load_checkpoint(cfg.ckpt_path)
+    run = saved_run(checkpoint, cfg.ckpt_path, cfg.get("data"))
+    cls = target_class(run.model)
+    if not (isinstance(cls, type) and issubclass(cls, Transformer)):
+        data = str(run.data.get("_target_", "?")).rpartition(".")[2]
+        hint = "; tlab-sample generates text from it" if hasattr(cls, "stream") else ""
+        raise ConfigError(
+            f"tlab-translate needs an encoder-decoder Transformer checkpoint (tlab-train "
+            f"experiment=transformer_multi30k); {cfg.ckpt_path} holds a {cls.__name__} "
+            f"trained on {data}{hint}"
+        )
+    datamodule = checkpoint_data(checkpoint, run)
+    model = build_model(run.model, datamodule)
+    return load_weights(model, checkpoint, cfg.ckpt_path), datamodule
+
+
+def check_options(cfg: DictConfig) -> None:
+    """Refuse decoding options that cannot work, before the checkpoint is loaded."""
+    if cfg.decode not in DECODERS:
+        raise ConfigError(f"unknown decode={cfg.decode}; valid ones are: {', '.join(DECODERS)}")
+    if cfg.decode == "beam" and cfg.beam_size < 1:
+        raise ConfigError(
+            f"beam_size={cfg.beam_size}: beam search keeps at least one beam; give beam_size >= 1"
+        )
+    if cfg.max_len is not None and cfg.max_len < 1:
+        raise ConfigError(
+            f"max_len={cfg.max_len}: a translation needs at least one token; give max_len >= 1 "
+            f"(or null for the model's longest)"
+        )
+    if cfg.batch_size < 1:
+        raise ConfigError(f"batch_size={cfg.batch_size}; give batch_size >= 1")
+    if cfg.text is not None and cfg.input_file is not None:
+        raise ConfigError("give text=... or input_file=..., not both")
+
+
+def given_sentences(cfg: DictConfig) -> list[str] | None:
+    """The sentences of ``cfg.text`` or ``cfg.input_file`` (None when neither is given),
+    each stripped of surrounding spaces; an empty one is refused, naming where it is."""
+    if cfg.text is not None:
+        texts = list(cfg.text) if isinstance(cfg.text, ListConfig) else [cfg.text]
+        where = ["text"] if len(texts) == 1 else [f"text[{i}]" for i in range(len(texts))]
+    elif cfg.input_file is not None:
+        path = Path(cfg.input_file)
+        if not path.is_file():
+            raise ConfigError(
+                f"input_file {path} does not exist; give a text file with one sentence per line"
+            )
+        texts = path.read_text(encoding="utf-8").splitlines()
+        where = [f"line {i + 1} of {path}" for i in range(len(texts))]
+    else:
+        return None
+    sentences = [str(text).strip() for text in texts]
+    for sentence, name in zip(sentences, where, strict=True):
+        if not sentence:
+            raise ConfigError(f"{name} is empty; give a sentence to translate")
+    if not sentences:
+        raise ConfigError("no sentences to translate: the text list or input_file is empty")
+    return sentences
+
+
+def stdin_sentences() -> Iterator[str]:
+    """Sentences typed or piped on stdin, one a line; blank lines are skipped."""
+    if sys.stdin.isatty():
+        print("one sentence a line; Ctrl-D ends", file=sys.stderr, flush=True)
+    for line in iter(sys.stdin.readline, ""):
+        if line.strip():
+            yield line.strip()
+
+
+def batches(sentences: Iterator[str] | list[str], size: int) -> Iterator[list[str]]:
+    """Consecutive lists of ``size`` sentences (the last may be shorter)."""
+    batch = []
+    for sentence in sentences:
+        batch.append(sentence)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def source_ids(sentences: list[str], datamodule: L.LightningDataModule) -> torch.Tensor:
+    """Source ids (B, S) as the model was trained on them: the tokens, then EOS, then PAD;
+    a sentence longer than the data's ``max_len`` is cut, as in evaluation."""
+    eos = datamodule.tokenizer.special_id("<eos>")
+    longest = datamodule.max_len - 2  # room for BOS and EOS, as in training
+    rows = []
+    for sentence in sentences:
+        ids = datamodule.encode(sentence)
+        if not ids:
+            raise ConfigError(
+                f"{sentence!r} encodes to no tokens: none of its characters are in the "
+                f"checkpoint's vocabulary"
+            )
+        if len(ids) > longest:
+            log.warning(
+                "%r is %d tokens long; translating its first %d", sentence, len(ids), longest
+            )
+        rows.append([*ids[:longest], eos])
+    src = torch.full((len(rows), max(map(len, rows))), datamodule.pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        src[i, : len(row)] = torch.tensor(row)
+    return src
+
+
+@torch.no_grad()
+def translate(cfg: DictConfig) -> list[str]:
+    """Translations of the sentences of ``cfg.text``, ``cfg.input_file`` or stdin, printed as
+    ``source -> translation`` lines and returned."""
+    print(f"run dir: {cfg.paths.output_dir}", flush=True)
+    check_options(cfg)
+    sentences = given_sentences(cfg)
+    L.seed_everything(cfg.seed)
+    model, datamodule = load_translator(cfg)
+    model.to(cfg.device)
+    # stdin is read a sentence at a time, so each is answered as soon as it is typed
+    size = 1 if sentences is None else cfg.batch_size
+    translations = []
+    for batch in batches(stdin_sentences() if sentences is None else sentences, size):
+        src = source_ids(batch, datamodule).to(cfg.device)
+        if cfg.decode == "greedy":
+            out = model.greedy(src, cfg.max_len)
+        else:
+            out = model.beam_search(src, cfg.beam_size, cfg.max_len, cfg.length_penalty)
+        for source, row in zip(batch, out, strict=True):
+            translations.append(datamodule.decode(row.tolist()))
+            print(f"{source} -> {translations[-1]}", flush=True)
+    return translations
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="translate")
+def hydra_main(cfg: DictConfig) -> None:
+    with user_errors():
+        translate(cfg)
+
+
+def main() -> None:
+    run_hydra(hydra_main)
+
+
+if __name__ == "__main__":
+    main()
