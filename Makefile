@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install train ablate test test-fast lint format bench bench-training clean
+.PHONY: help install train ablate test test-fast lint format bench bench-training notebooks clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -44,6 +44,9 @@ bench: install  ## benchmark the attention kernels (BENCH_ARGS="--n 1024 2048 ..
 
 bench-training: install  ## framework overhead: tlab-train against a bare PyTorch loop (BENCH_ARGS=...)
 	$(PY) -m transformers_lab.bench.training $(BENCH_ARGS)
+
+notebooks: install  ## run every notebook top to bottom (what the tests do); outputs are not saved
+	WANDB_MODE=offline $(PY) -m pytest tests/test_notebooks.py $(PYTEST_ARGS)
 
 clean:  ## remove caches and benchmark outputs (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache bench_out build *.egg-info
