@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning as L
+import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -117,6 +118,12 @@ class Task(L.LightningModule):
                 length["warmup_steps"],
             )
         return length
+
+    def zero_sums(self, size: int) -> torch.Tensor:
+        """Zeros to sum a split's metrics into (float64, exact for counts; float32 on MPS,
+        which has no float64); ``trainer.strategy.reduce`` sums them across processes."""
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        return torch.zeros(size, dtype=dtype, device=self.device)
 
     def example(self, batch: Any, index: int = 0) -> Example:
         """Example ``index`` of a batch as the task feeds it to the model, with labels for

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -10,20 +11,32 @@ from transformers_lab.tasks.base import Task
 
 
 class ClassificationTask(Task):
-    """Cross-entropy on class labels; logs ``train/loss``, ``{val,test}/loss`` and
-    ``{val,test}/acc``, and ``val/acc_best``."""
+    """Cross-entropy on class labels; logs ``train/loss`` every step and, over the whole
+    split, ``{val,test}/loss`` and ``{val,test}/acc`` (summed across processes under DDP,
+    so every rank logs the metric of the whole split), and ``val/acc_best``."""
 
     best_acc = 0.0
+    sums: Tensor | None = None  # summed loss, correct and examples of the split so far
 
     def step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
         x, y = batch
         logits = self.model(x)
         loss = F.cross_entropy(logits, y)
-        acc = (logits.argmax(-1) == y).float().mean()
-        self.log(f"{stage}/loss", loss, prog_bar=stage != "test", batch_size=len(y))
-        if stage != "train":
-            self.log(f"{stage}/acc", acc, prog_bar=True, batch_size=len(y))
+        if stage == "train":
+            self.log("train/loss", loss, prog_bar=True, batch_size=len(y))
+        else:
+            correct = (logits.argmax(-1) == y).sum()
+            count = torch.tensor(len(y), device=y.device)
+            self.sums += torch.stack([loss.detach() * len(y), correct, count]).to(self.sums.dtype)
         return loss
+
+    def log_sums(self, stage: str) -> float:
+        loss_sum, correct, total = self.trainer.strategy.reduce(self.sums, reduce_op="sum")
+        total = total.clamp_min(1)
+        acc = (correct / total).float()
+        self.log(f"{stage}/loss", (loss_sum / total).float(), prog_bar=stage != "test")
+        self.log(f"{stage}/acc", acc, prog_bar=True)
+        return float(acc)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self.step(batch, "train")
@@ -41,14 +54,23 @@ class ClassificationTask(Task):
             (x[index : index + 1],), tokens=token_labels(x[index].tolist(), decode), caption=caption
         )
 
+    def on_validation_epoch_start(self) -> None:
+        self.sums = self.zero_sums(3)
+
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.step(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
-        acc = self.trainer.callback_metrics.get("val/acc")
-        if acc is not None and not self.trainer.sanity_checking:
-            self.best_acc = max(self.best_acc, float(acc))
+        acc = self.log_sums("val")
+        if not self.trainer.sanity_checking:
+            self.best_acc = max(self.best_acc, acc)
             self.log("val/acc_best", self.best_acc)
+
+    def on_test_epoch_start(self) -> None:
+        self.sums = self.zero_sums(3)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.step(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self.log_sums("test")

@@ -90,8 +90,7 @@ class LanguageModelTask(Task):
         self.log(f"{stage}/bpt", loss / math.log(2))
 
     def reset_sums(self) -> None:
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self.sums = torch.zeros(3, dtype=dtype, device=self.device)
+        self.sums = self.zero_sums(3)
 
     def on_validation_epoch_start(self) -> None:
         self.reset_sums()
