@@ -82,7 +82,8 @@ class TranslationTask(Task):
 
     def _evaluate(self, batch: tuple[Tensor, Tensor], batch_idx: int, stage: str) -> None:
         src, tgt = batch
-        self.log(f"{stage}/loss", self.loss(src, tgt), prog_bar=True, batch_size=len(src))
+        loss = self.loss(src, tgt)  # averaged over the processes under DDP (BLEU syncs itself)
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=len(src), sync_dist=True)
         if self.decode is None or batch_idx >= self.decoded_batches(stage):
             return
         out = self.model.translate(src, max_len=self.max_decode_len, beam_size=self.beam_size)
