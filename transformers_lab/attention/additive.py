@@ -2,7 +2,7 @@
 
 The score of every (query, key) pair passes through a tanh of width ``attn_dim``, so a
 naive implementation holds a ``(B, H, Nq, Nk, attn_dim)`` tensor. This kernel scores the
-queries in chunks sized to a memory budget and recomputes each chunk's tanh in its own
+queries in chunks sized to a memory budget and recomputes each chunk's activations in its own
 backward pass (``_ChunkScores``, the effect of activation checkpointing without its
 overhead), so the extra memory stays bounded whatever Nq.
 """
