@@ -50,14 +50,21 @@ def saved_run(checkpoint: dict[str, Any], path: Any, data_overrides: Any) -> Dic
     return run
 
 
+def checkpoint_data(checkpoint: dict[str, Any], run: DictConfig) -> L.LightningDataModule:
+    """The data module of a saved run, with the tokenizer state the checkpoint holds
+    (the vocabulary the model was trained with)."""
+    datamodule = build_datamodule(run.data)
+    state = checkpoint.get(type(datamodule).__qualname__)
+    if state:
+        datamodule.load_state_dict(state)
+    return datamodule
+
+
 def restore(cfg: DictConfig) -> tuple[dict[str, Any], L.LightningDataModule, Any]:
     """The checkpoint, its data module (tokenizer restored) and its task, weights loaded."""
     checkpoint = load_checkpoint(cfg.ckpt_path)
     run = saved_run(checkpoint, cfg.ckpt_path, cfg.get("data"))
-    datamodule = build_datamodule(run.data)
-    state = checkpoint.get(type(datamodule).__qualname__)
-    if state:
-        datamodule.load_state_dict(state)  # the vocabulary the model was trained with
+    datamodule = checkpoint_data(checkpoint, run)
     prepare(datamodule)
     task = build_task(run.task, build_model(run.model, datamodule), datamodule)
     check_checkpoint(checkpoint, task, cfg.ckpt_path)

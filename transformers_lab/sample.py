@@ -18,22 +18,12 @@ from omegaconf import DictConfig
 from transformers_lab.builders import (
     CONF_DIR,
     ConfigError,
-    build_datamodule,
     build_model,
     check_checkpoint,
     load_checkpoint,
 )
 from transformers_lab.cli import run_hydra, user_errors
-from transformers_lab.eval import saved_run
-
-
-def checkpoint_data(checkpoint: dict[str, Any], run: DictConfig) -> L.LightningDataModule:
-    """The data module of a saved run, with the tokenizer state the checkpoint holds."""
-    datamodule = build_datamodule(run.data)
-    state = checkpoint.get(type(datamodule).__qualname__)
-    if state:
-        datamodule.load_state_dict(state)
-    return datamodule
+from transformers_lab.eval import checkpoint_data, saved_run
 
 
 def load_weights(model: torch.nn.Module, checkpoint: dict[str, Any], path: Any) -> torch.nn.Module:

@@ -28,9 +28,9 @@ from transformers_lab.builders import (
     target_class,
 )
 from transformers_lab.cli import run_hydra, user_errors
-from transformers_lab.eval import saved_run
+from transformers_lab.eval import checkpoint_data, saved_run
 from transformers_lab.models import Transformer
-from transformers_lab.sample import checkpoint_data, load_weights
+from transformers_lab.sample import load_weights
 
 log = logging.getLogger(__name__)
 

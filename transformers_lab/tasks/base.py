@@ -125,6 +125,13 @@ class Task(L.LightningModule):
         dtype = torch.float32 if self.device.type == "mps" else torch.float64
         return torch.zeros(size, dtype=dtype, device=self.device)
 
+    def split_means(self, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean loss and accuracy of a whole split from its sums (loss x count, correct,
+        count), added up over the processes under DDP."""
+        loss_sum, correct, total = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        total = total.clamp_min(1)
+        return (loss_sum / total).float(), (correct / total).float()
+
     def example(self, batch: Any, index: int = 0) -> Example:
         """Example ``index`` of a batch as the task feeds it to the model, with labels for
         the axes of its attention maps (see ``analysis.attention``)."""

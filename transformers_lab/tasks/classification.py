@@ -31,10 +31,8 @@ class ClassificationTask(Task):
         return loss
 
     def log_sums(self, stage: str) -> float:
-        loss_sum, correct, total = self.trainer.strategy.reduce(self.sums, reduce_op="sum")
-        total = total.clamp_min(1)
-        acc = (correct / total).float()
-        self.log(f"{stage}/loss", (loss_sum / total).float(), prog_bar=stage != "test")
+        loss, acc = self.split_means(self.sums)
+        self.log(f"{stage}/loss", loss, prog_bar=stage != "test")
         self.log(f"{stage}/acc", acc, prog_bar=True)
         return float(acc)
 

@@ -81,11 +81,9 @@ class LanguageModelTask(Task):
 
     def log_sums(self, stage: str) -> None:
         """Log the split's metrics from the summed loss, correct and supervised tokens."""
-        loss_sum, correct, total = self.trainer.strategy.reduce(self.sums, reduce_op="sum")
-        total = total.clamp_min(1)
-        loss = (loss_sum / total).float()
+        loss, acc = self.split_means(self.sums)
         self.log(f"{stage}/loss", loss, prog_bar=stage == "val")
-        self.log(f"{stage}/acc", (correct / total).float())
+        self.log(f"{stage}/acc", acc)
         self.log(f"{stage}/ppl", loss.exp())
         self.log(f"{stage}/bpt", loss / math.log(2))
 
