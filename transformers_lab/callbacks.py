@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities import move_data_to_device
 
-from transformers_lab.analysis.attention import attention_maps, plot_attention_maps
+from transformers_lab.analysis.attention import attention_maps, evaluating, plot_attention_maps
 from transformers_lab.analysis.plots import figure_to_array, plot_predictions
 
 log = logging.getLogger(__name__)
@@ -110,11 +109,8 @@ class ValidationImages(L.Callback):
         self.emit(trainer, "val/attention", figure)
         if self.predictions and example.image is not None:
             images, targets = batch[0][: self.predictions], batch[1][: self.predictions]
-            with torch.no_grad():
-                was_training = pl_module.model.training
-                pl_module.model.eval()
-                predicted = pl_module.model(images).argmax(-1)
-                pl_module.model.train(was_training)
+            with evaluating(pl_module.model) as model:
+                predicted = model(images).argmax(-1)
             self.emit(trainer, "val/predictions", plot_predictions(images, targets, predicted))
 
     def emit(self, trainer: L.Trainer, key: str, figure: Any) -> None:

@@ -15,7 +15,8 @@ the ``with`` block ends, even on an error.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,17 +121,24 @@ class AttentionCapture:
         return {layer: last[layer] for layer in self.kernels if layer in last}
 
 
-@torch.no_grad()
-def attention_maps(model: nn.Module, *inputs: Any, **kwargs: Any) -> dict[str, Tensor]:
-    """Run ``model(*inputs)`` in eval mode and return its attention maps (see
-    ``AttentionCapture``; ``kwargs`` go to it). The model's train/eval mode is restored."""
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """The model in eval mode without gradients inside the block; its train/eval mode
+    is restored after it, also on an error."""
     was_training = model.training
     model.eval()
     try:
-        with AttentionCapture(model, **kwargs) as capture:
-            model(*inputs)
+        with torch.no_grad():
+            yield model
     finally:
         model.train(was_training)
+
+
+def attention_maps(model: nn.Module, *inputs: Any, **kwargs: Any) -> dict[str, Tensor]:
+    """Run ``model(*inputs)`` in eval mode and return its attention maps (see
+    ``AttentionCapture``; ``kwargs`` go to it). The model's train/eval mode is restored."""
+    with evaluating(model), AttentionCapture(model, **kwargs) as capture:
+        model(*inputs)
     return capture.maps
 
 
