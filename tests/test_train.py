@@ -193,7 +193,7 @@ def test_train_then_eval_reproduces_the_validation_metric(tmp_path):
     run_train(tmp_path, [*SMALL, "trainer.max_epochs=3"])
     best = tmp_path / "run" / "checkpoints" / "best.ckpt"
     saved = torch.load(best, map_location="cpu", weights_only=False)
-    callback = next(v for k, v in saved["callbacks"].items() if "ModelCheckpoint" in k)
+    callback = next(v for k, v in saved["callbacks"].items() if k.startswith("Checkpoint"))
     logged = float(callback["best_model_score"])
     for split in ("val", "test"):
         cfg = compose_run(

@@ -31,6 +31,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -49,6 +51,8 @@ from transformers_lab.builders import (
     resolved_sections,
 )
 from transformers_lab.cli import run_hydra, user_errors
+from transformers_lab.safety import Interrupted, RunStopped, interrupted
+from transformers_lab.validation import validate_config
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,29 @@ def prepare(datamodule: L.LightningDataModule) -> None:
     process only: under DDP the others start once the trainer launches them)."""
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         datamodule.prepare_data()
+
+
+def say(*lines: str, file: Any = None) -> None:
+    """Print on the first process only (under DDP every process runs this script)."""
+    if rank_zero_only.rank == 0:
+        print(*lines, sep="\n", file=file or sys.stdout, flush=True)
+
+
+def compile_model(model: torch.nn.Module) -> bool:
+    """``torch.compile`` the model in place (its state dict keeps its keys). When the
+    compiler cannot run here, say so and train in eager mode; a part that fails to
+    compile later runs eagerly too (dynamo's ``suppress_errors``)."""
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(2))
+    except Exception as exc:  # no C++ compiler, an unsupported platform or Python
+        say(
+            f"compile=true: torch.compile is unavailable here ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); training in eager mode"
+        )
+        return False
+    torch._dynamo.config.suppress_errors = True
+    model.compile()
+    return True
 
 
 def log_hyperparameters(cfg: DictConfig, task: Any, trainer: L.Trainer) -> None:
@@ -92,7 +119,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def fit_and_test(cfg: DictConfig) -> RunResult:
     """Fit and test as ``cfg`` says."""
-    print(f"run dir: {cfg.paths.output_dir}", flush=True)
+    say(f"run dir: {cfg.paths.output_dir}")
+    validate_config(cfg)
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     L.seed_everything(cfg.seed, workers=True)
@@ -102,6 +130,8 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
     task = build_task(cfg.task, model, datamodule)
     task.run_config = resolved_sections(cfg)
     log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
+    if cfg.get("compile") and compile_model(model):
+        log.info("model compiled with torch.compile")
     if cfg.get("ckpt_path"):
         check_checkpoint(load_checkpoint(cfg.ckpt_path), task, cfg.ckpt_path)
 
@@ -125,7 +155,10 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
         )
         log_hyperparameters(cfg, task, trainer)
         if cfg.get("train", True):
-            trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            try:
+                trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            except SIGTERMException:  # SIGTERM or Ctrl+C: last.ckpt is saved
+                raise interrupted(trainer) from None
         metrics = metrics_dict(trainer.callback_metrics)
         # read before testing: loading the best checkpoint restores the callback's state
         checkpoints = {k: checkpoint_path(trainer, f"{k}_model_path") for k in ("best", "last")}
@@ -156,15 +189,12 @@ def best_score(trainer: L.Trainer) -> float | None:
 
 def print_metrics(metrics: dict[str, float]) -> None:
     """The run's last lines: its final metrics, one per line."""
-    print("final metrics:", flush=True)
-    for name, value in metrics.items():
-        print(f"  {name}: {value:.6g}")
+    say("final metrics:", *(f"  {name}: {value:.6g}" for name, value in metrics.items()))
 
 
 def report(metrics: dict[str, float], checkpoints: dict[str, str | None]) -> None:
     print_metrics(metrics)
-    print(f"best checkpoint: {checkpoints['best']}")
-    print(f"last checkpoint: {checkpoints['last']}", flush=True)
+    say(f"best checkpoint: {checkpoints['best']}", f"last checkpoint: {checkpoints['last']}")
 
 
 def objective(cfg: DictConfig, metrics: dict[str, float]) -> float | None:
@@ -255,13 +285,13 @@ def run_job(cfg: DictConfig) -> float | None:
     start = time.perf_counter()
     try:
         result = fit_and_test(cfg)
+    except Interrupted as exc:  # stop the sweep too: the user or the scheduler asked for it
+        record.update(status="interrupted", error=str(exc), checkpoints={"last": exc.checkpoint})
+        record_result(out, record, start)
+        raise
     except Exception as exc:
-        record.update(
-            status="failed",
-            error=f"{type(exc).__name__}: {exc}",
-            time_s=round(time.perf_counter() - start, 2),
-        )
-        write_result(out, record)
+        record.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+        record_result(out, record, start)
         if not in_multirun():
             raise
         if cfg.get("fail_fast"):  # Hydra's launchers would run the remaining jobs first
@@ -281,21 +311,31 @@ def run_job(cfg: DictConfig) -> float | None:
         metrics=result.metrics,
         objective=value,
         params=result.num_params,
-        time_s=round(time.perf_counter() - start, 2),
         checkpoints=result.checkpoints,
         error=None,
     )
-    write_result(out, record)
+    record_result(out, record, start)
     if value is None and in_multirun():
         log.warning("%s was never logged: the sweeper gets NaN for this job", cfg.monitor.metric)
         return math.nan
     return value
 
 
+def record_result(out: Path, record: dict[str, Any], start: float) -> None:
+    """Write ``result.json`` with the job's wall time (the first process only)."""
+    record["time_s"] = round(time.perf_counter() - start, 2)
+    if rank_zero_only.rank == 0:
+        write_result(out, record)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
     with user_errors():
-        return run_job(cfg)
+        try:
+            return run_job(cfg)
+        except RunStopped as exc:  # a NaN, or a signal: one line, no traceback
+            say(str(exc) if isinstance(exc, Interrupted) else f"error: {exc}", file=sys.stderr)
+            raise SystemExit(exc.exit_code) from None
 
 
 def main() -> None:

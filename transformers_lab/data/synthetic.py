@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from transformers_lab.safety import ResumableLoader
+
 IGNORE = -100
 TASKS = ("mqar", "copy", "sort")
 
@@ -158,7 +160,7 @@ class SyntheticDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup()
-        return DataLoader(
+        return ResumableLoader(
             self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
         )
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer, load_encoding
+from transformers_lab.safety import ResumableLoader
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class ShakespeareCharDataModule(L.LightningDataModule):
         self.setup()
         windows = Windows(self.train_data, self.block_size)
         sampler = RandomSampler(windows, replacement=True, num_samples=self.train_samples)
-        return DataLoader(
+        return ResumableLoader(
             windows, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers
         )
 

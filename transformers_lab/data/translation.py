@@ -22,6 +22,7 @@ from transformers_lab.data.tokenizers import (
     WordTokenizer,
     load_encoding,
 )
+from transformers_lab.safety import ResumableLoader
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
 MULTI30K_FILES = {
@@ -287,10 +288,10 @@ class TranslationDataModule(L.LightningDataModule):
             batches = BucketBatchSampler(
                 RandomSampler(data), self.batch_size, lengths=lengths, bucket=self.bucket
             )
-            return DataLoader(
+            return ResumableLoader(
                 data, batch_sampler=batches, collate_fn=collate, num_workers=self.num_workers
             )
-        return DataLoader(
+        return (ResumableLoader if train else DataLoader)(
             data,
             batch_size=self.batch_size,
             shuffle=train,

@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, random_split
 
 from transformers_lab.data.download import DataFileError, data_root, ensure_file
+from transformers_lab.safety import ResumableLoader
 
 # Archives and checksums: MNIST by sha256; Fashion-MNIST by the MD5s torchvision pins.
 MNIST_MIRROR = "https://ossci-datasets.s3.amazonaws.com/mnist/"
@@ -51,7 +52,8 @@ class ImageDataModule(L.LightningDataModule):
     def _loader(self, name: str, shuffle: bool = False) -> DataLoader:
         if getattr(self, name) is None:
             self.setup()
-        return DataLoader(
+        loader = ResumableLoader if shuffle else DataLoader  # shuffled: the training split
+        return loader(
             getattr(self, name),
             batch_size=self.batch_size,
             shuffle=shuffle,

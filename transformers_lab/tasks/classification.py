@@ -23,7 +23,7 @@ class ClassificationTask(Task):
         logits = self.model(x)
         loss = F.cross_entropy(logits, y)
         if stage == "train":
-            self.log("train/loss", loss, prog_bar=True, batch_size=len(y))
+            self.log("train/loss", loss, prog_bar=True, batch_size=len(y), sync_dist=True)
         else:
             correct = (logits.argmax(-1) == y).sum()
             count = torch.tensor(len(y), device=y.device)
@@ -32,8 +32,8 @@ class ClassificationTask(Task):
 
     def log_sums(self, stage: str) -> float:
         loss, acc = self.split_means(self.sums)
-        self.log(f"{stage}/loss", loss, prog_bar=stage != "test")
-        self.log(f"{stage}/acc", acc, prog_bar=True)
+        self.log(f"{stage}/loss", loss, prog_bar=stage != "test", sync_dist=True)
+        self.log(f"{stage}/acc", acc, prog_bar=True, sync_dist=True)
         return float(acc)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -62,7 +62,14 @@ class ClassificationTask(Task):
         acc = self.log_sums("val")
         if not self.trainer.sanity_checking:
             self.best_acc = max(self.best_acc, acc)
-            self.log("val/acc_best", self.best_acc)
+            self.log("val/acc_best", self.best_acc, sync_dist=True)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["best_acc"] = self.best_acc  # a resumed run goes on from it
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.best_acc = checkpoint.get("best_acc", self.best_acc)
 
     def on_test_epoch_start(self) -> None:
         self.sums = self.zero_sums(3)

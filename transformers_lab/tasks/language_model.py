@@ -58,7 +58,7 @@ class LanguageModelTask(Task):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, _ = self.loss(batch)  # the loss alone: accuracy is an evaluation metric
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # DDP: all processes' mean
         return loss
 
     def example(self, batch: tuple[Tensor, Tensor], index: int = 0) -> Example:
@@ -82,10 +82,11 @@ class LanguageModelTask(Task):
     def log_sums(self, stage: str) -> None:
         """Log the split's metrics from the summed loss, correct and supervised tokens."""
         loss, acc = self.split_means(self.sums)
-        self.log(f"{stage}/loss", loss, prog_bar=stage == "val")
-        self.log(f"{stage}/acc", acc)
-        self.log(f"{stage}/ppl", loss.exp())
-        self.log(f"{stage}/bpt", loss / math.log(2))
+        # the same on every process (summed over all of them): sync_dist averages equals
+        self.log(f"{stage}/loss", loss, prog_bar=stage == "val", sync_dist=True)
+        self.log(f"{stage}/acc", acc, sync_dist=True)
+        self.log(f"{stage}/ppl", loss.exp(), sync_dist=True)
+        self.log(f"{stage}/bpt", loss / math.log(2), sync_dist=True)
 
     def reset_sums(self) -> None:
         self.sums = self.zero_sums(3)

@@ -77,7 +77,7 @@ class TranslationTask(Task):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self.loss(*batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch[0].shape[0])
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch[0].shape[0], sync_dist=True)
         return loss
 
     def _evaluate(self, batch: tuple[Tensor, Tensor], batch_idx: int, stage: str) -> None:

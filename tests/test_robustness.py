@@ -1,0 +1,224 @@
+"""A run that fails safely (transformers_lab/safety.py): last.ckpt is always the latest
+state and is written atomically; a NaN stops the run with the step and the causes; SIGTERM,
+Ctrl+C and kill -9 lose nothing, and resuming ends exactly where the uninterrupted run
+ends; the same seed gives the same metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from transformers_lab.builders import compose_config
+from transformers_lab.safety import AtomicCheckpointIO, Interrupted, NonFiniteError
+from transformers_lab.train import fit_and_test, main, train
+
+TESTS = Path(__file__).parent
+# a small ViT on digits with dropout (so the random state matters): 10 batches an epoch
+RUN = [
+    "logger=csv",
+    "model.d_model=32",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.dropout=0.1",
+    "data.batch_size=128",
+    "trainer.max_epochs=3",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+STEPS = 30  # 3 epochs of 10 batches
+
+
+class SignalAt(L.Callback):
+    """Send this process a signal after the training batch that reaches ``step``."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+class PoisonAt(L.Callback):
+    """At ``step``, make a weight (so the loss) or a gradient NaN."""
+
+    def __init__(self, step: int, what: str) -> None:
+        self.step, self.what = step, what
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *a) -> None:
+        if trainer.global_step != self.step:
+            return
+        weight = pl_module.model.head.weight
+        if self.what == "weight":
+            with torch.no_grad():
+                weight[0, 0] = float("nan")
+        else:
+            weight.register_hook(lambda grad: grad * float("nan"))
+
+
+def with_callback(name: str, target: type, **kwargs: object) -> list[str]:
+    """Overrides that add a test callback to the run's callbacks."""
+    args = [f"+callbacks.{name}._target_={target.__module__}.{target.__qualname__}"]
+    return args + [f"+callbacks.{name}.{k}={v}" for k, v in kwargs.items()]
+
+
+def run(tmp_path: Path, name: str, *overrides: str) -> dict[str, float]:
+    return train(compose_config("train", [*RUN, *overrides], tmp_path / name))
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def load(checkpoint: Path) -> dict:
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    metrics = run(root, "run")
+    return metrics, weights(root / "run" / "checkpoints" / "last.ckpt")
+
+
+def assert_same_run(metrics, last: Path, uninterrupted) -> None:
+    expected_metrics, expected_weights = uninterrupted
+    assert metrics == expected_metrics
+    got = weights(last)
+    assert got.keys() == expected_weights.keys()
+    assert all(torch.equal(got[k], expected_weights[k]) for k in got)
+
+
+# ------------------------------------------------------------------ reproducibility
+
+
+def test_the_same_seed_gives_the_same_metrics_and_weights(tmp_path, uninterrupted):
+    metrics = run(tmp_path, "again")
+    assert_same_run(metrics, tmp_path / "again" / "checkpoints" / "last.ckpt", uninterrupted)
+    other = run(tmp_path, "other-seed", "seed=1")
+    assert other["val/loss"] != metrics["val/loss"]
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def test_last_checkpoint_is_the_final_state_even_when_the_metric_got_worse(tmp_path):
+    # mode=max on val/loss: the first epoch stays "best" while the loss goes down
+    run(tmp_path, "run", "monitor.metric=val/loss", "monitor.mode=max", "test=false")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert load(checkpoints / "best.ckpt")["global_step"] == 10
+    assert load(checkpoints / "last.ckpt")["global_step"] == STEPS
+
+
+def test_a_checkpoint_write_that_dies_half_way_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": 1, "w": torch.ones(1000)}, path)
+    before = path.read_bytes()
+
+    def dies_half_way(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt  # what a kill during the write would leave
+
+    monkeypatch.setattr(torch, "save", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"step": 2, "w": torch.zeros(1000)}, path)
+    assert path.read_bytes() == before and load(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no partial file left
+
+
+def test_checkpoints_are_renamed_into_place_from_their_own_folder(tmp_path, monkeypatch):
+    renames = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: renames.append((a, b)) or real(a, b))
+    run(tmp_path, "run", "trainer.max_epochs=1", "test=false")
+    assert renames and all(Path(a).parent == Path(b).parent for a, b in renames)
+    assert {Path(b).name for _, b in renames} == {"best.ckpt", "last.ckpt"}
+
+
+# ------------------------------------------------------------------ NaN / Inf
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("weight", "the training loss is nan at global step 15 (epoch 1, batch 5)"),
+        ("grad", "the gradient of model.head.weight is not finite at global step 15"),
+    ],
+)
+def test_a_nan_stops_the_run_at_its_step_and_keeps_the_last_good_checkpoint(
+    tmp_path, what, message
+):
+    with pytest.raises(NonFiniteError) as err:
+        run(tmp_path, "run", *with_callback("poison", PoisonAt, step=15, what=what))
+    text = str(err.value)
+    assert message in text and "\n" not in text
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert f"the last good checkpoint is {last}" in text
+    assert "lower optimizer.lr" in text and "gradient_clip_val" in text
+    saved = load(last)
+    assert saved["global_step"] == 10  # the end of epoch 0, before the NaN
+    assert all(torch.isfinite(t).all() for t in saved["state_dict"].values())
+
+
+def test_the_command_line_reports_a_nan_in_one_line(tmp_path, monkeypatch, capsys):
+    argv = [*RUN, *with_callback("poison", PoisonAt, step=3, what="weight")]
+    monkeypatch.setattr(sys, "argv", ["tlab-train", *argv, f"hydra.run.dir={tmp_path}/run"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 1
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors[-1].startswith("error: the training loss is nan at global step 3")
+    assert "Traceback" not in "".join(errors)
+
+
+# ------------------------------------------------------------------ interruptions
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_saves_last_and_resuming_ends_as_the_uninterrupted_run(
+    tmp_path, uninterrupted, signum, code
+):
+    # step 14 is in the middle of the second epoch: the data order must be replayed
+    cfg = compose_config(
+        "train", [*RUN, *with_callback("signal", SignalAt, step=14, signum=int(signum))],
+        tmp_path / "stopped",
+    )  # fmt: skip
+    with pytest.raises(Interrupted) as err:
+        fit_and_test(cfg)
+    last = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
+    assert err.value.checkpoint == str(last) and err.value.exit_code == code
+    name = signal.Signals(signum).name
+    assert str(err.value) == (
+        f"stopped by {name} at global step 14: saved {last}; resume with tlab-train "
+        f"ckpt_path={last}"
+    )
+    assert load(last)["global_step"] == 14
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    metrics = run(tmp_path, "resumed", f"ckpt_path={last}")
+    assert_same_run(metrics, tmp_path / "resumed" / "checkpoints" / "last.ckpt", uninterrupted)
+
+
+def test_after_kill_9_resuming_from_last_ends_as_the_uninterrupted_run(tmp_path, uninterrupted):
+    """A real process killed with SIGKILL at step 25, after last.ckpt was saved mid-epoch
+    (validation every 4 batches), then resumed from that checkpoint."""
+    every_4 = ["trainer.val_check_interval=4"]
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(TESTS)}
+    killed = [*every_4, *with_callback("kill", SignalAt, step=25, signum=int(signal.SIGKILL))]
+    command = [sys.executable, "-m", "transformers_lab.train", *RUN, *killed]
+    done = subprocess.run(
+        [*command, f"hydra.run.dir={tmp_path / 'killed'}"], env=env, capture_output=True
+    )
+    assert done.returncode == -signal.SIGKILL
+    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    assert load(last)["global_step"] == 24  # the validation at batch 4 of epoch 2
+    expected = run(tmp_path, "uninterrupted", *every_4)
+    expected = (expected, weights(tmp_path / "uninterrupted" / "checkpoints" / "last.ckpt"))
+    metrics = run(tmp_path, "resumed", *every_4, f"ckpt_path={last}")
+    assert_same_run(metrics, tmp_path / "resumed" / "checkpoints" / "last.ckpt", expected)

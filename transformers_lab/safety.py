@@ -1,0 +1,377 @@
+"""A run that fails safely: no lost work, no broken checkpoint, no silent divergence.
+
+- ``Checkpoint``: ModelCheckpoint whose ``last.ckpt`` is always the latest state, which
+  also saves it on SIGTERM (and Ctrl+C), and keeps the best one when a run is resumed
+  into a new run dir.
+- ``AtomicCheckpointIO``: every checkpoint is written to a temporary file next to it and
+  renamed into place, so a kill during a save leaves the previous one whole.
+- ``NonFiniteGuard``: the first NaN or infinity in the loss or a gradient stops the run
+  before the optimizer applies it, with one line that names the step and likely causes.
+- ``StopOnSignal``: SIGINT (Ctrl+C) stops at the next batch boundary like SIGTERM does,
+  so both end in a checkpoint and a clean exit.
+- ``ExactResume`` and ``ResumableLoader``: a checkpoint holds the random generators and
+  the position in the epoch's data order, so a resumed run continues exactly as the
+  uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader
+
+log = logging.getLogger(__name__)
+
+
+class RunStopped(Exception):
+    """A training run stopped on purpose; ``exit_code`` is the process's exit status."""
+
+    exit_code = 1
+
+
+class NonFiniteError(RunStopped):
+    """The loss, a gradient or a weight became NaN or infinite."""
+
+
+class Interrupted(RunStopped):
+    """SIGTERM or SIGINT stopped the run after saving a checkpoint."""
+
+    def __init__(self, message: str, signal_name: str, checkpoint: str | None) -> None:
+        super().__init__(message)
+        self.signal_name, self.checkpoint = signal_name, checkpoint
+        self.exit_code = 128 + getattr(signal, signal_name)  # the shell's convention
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class Checkpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` as a researcher expects it.
+
+    - ``last.ckpt`` is rewritten at every save point. Lightning 2.6 rewrites it only when
+      a top-k checkpoint is saved at the same step, so after a validation that was not a
+      new best it kept an older state and a resume went back in time.
+    - On SIGTERM (and on Ctrl+C, with ``StopOnSignal``) ``last.ckpt`` is saved before the
+      run stops. Other exceptions save nothing: the last good checkpoint stays as it was.
+    - Resumed into a new run dir, the best checkpoints so far are copied there with their
+      scores, so the best is still the best of the whole run (Lightning would forget it).
+    """
+
+    def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+        # Lightning's hooks save last.ckpt when a checkpoint was written at this step
+        self._last_global_step_saved = trainer.global_step
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        if not (isinstance(exception, SIGTERMException) and self.save_last):
+            return
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        if self._last_global_step_saved != trainer.global_step or not self.last_model_path:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        old = state_dict.get("dirpath")
+        if self.dirpath and old and old != self.dirpath:
+            state_dict = self.moved_state(state_dict)
+        super().load_state_dict(state_dict)
+
+    def moved_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with its best checkpoints copied into this callback's dirpath."""
+        moved = {p: str(Path(self.dirpath) / Path(p).name) for p in state["best_k_models"]}
+        moved = {old: new for old, new in moved.items() if Path(old).is_file()}
+        if rank_zero_only.rank == 0 and moved:
+            Path(self.dirpath).mkdir(parents=True, exist_ok=True)
+            for old, new in moved.items():
+                shutil.copy2(old, new)
+        return {
+            **state,
+            "dirpath": self.dirpath,
+            "best_k_models": {moved[p]: s for p, s in state["best_k_models"].items() if p in moved},
+            "best_model_path": moved.get(state["best_model_path"], ""),
+            "kth_best_model_path": moved.get(state["kth_best_model_path"], ""),
+            "last_model_path": "",
+        }
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write each checkpoint to a temporary file in its own folder, flush it to disk and
+    rename it over the target: a rename within a folder is atomic, so a kill at any moment
+    leaves either the old checkpoint or the new one, never a torn file. (Lightning's own
+    writer stages the file in the system's temp dir; moved to another file system, that
+    is a copy over the target, which a kill can leave half-written.)"""
+
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO takes no storage_options")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        try:
+            with open(partial, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- NaN / Inf guard
+
+LIKELY_CAUSES = (
+    "likely causes: a learning rate too high (the largest is {lr}; lower optimizer.lr or "
+    "lengthen the warm-up), no gradient clipping (set trainer.gradient_clip_val=1.0), "
+    "fp16 overflow (use trainer.precision=bf16-mixed or 32-true), or a NaN or inf in the data"
+)
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every entry is finite, in one fused norm: a NaN or inf anywhere makes the
+    norm non-finite (a norm that overflows on huge finite entries is checked entry-wise)."""
+    if not tensors:
+        return True
+    if bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors))):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+class NonFiniteGuard(L.Callback):
+    """Stop at the first NaN or infinity, before it reaches the weights or a checkpoint.
+
+    The loss is checked before every backward pass, the gradients before every optimizer
+    step (after unscaling, before clipping), and the weights before every checkpoint is
+    written. Under DDP every process stops together. With fp16's gradient scaler the
+    gradients are not checked: an infinite gradient there is how the scaler lowers its
+    scale, and the step is skipped.
+
+    Args:
+        check_gradients: also check the gradients (one norm per optimizer step).
+    """
+
+    def __init__(self, check_gradients: bool = True) -> None:
+        self.check_gradients = check_gradients
+
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
+        bad = not bool(torch.isfinite(loss.detach()).all())
+        if trainer.strategy.reduce_boolean_decision(bad, all=False):
+            value = f"{loss.item()}" if bad and loss.numel() == 1 else "not finite"
+            self.stop(trainer, f"the training loss is {value}")
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        if not self.check_gradients or getattr(trainer.precision_plugin, "scaler", None):
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        bad = not all_finite(grads)
+        if trainer.strategy.reduce_boolean_decision(bad, all=False):
+            self.stop(trainer, self.first_bad(pl_module, "grad") if bad else "a gradient")
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict
+    ) -> None:
+        if not all_finite([p.detach() for p in pl_module.parameters()]):
+            self.stop(trainer, self.first_bad(pl_module, "data") + " before a checkpoint")
+
+    @staticmethod
+    def first_bad(pl_module: L.LightningModule, field: str) -> str:
+        """'the gradient of <name> is not finite (and N more)' for grads or weights."""
+        names = [
+            name
+            for name, p in pl_module.named_parameters()
+            if getattr(p, field) is not None and not bool(torch.isfinite(getattr(p, field)).all())
+        ]
+        what = "the gradient of" if field == "grad" else "the weight"
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        return f"{what} {names[0] if names else '?'} is not finite{more}"
+
+    @staticmethod
+    def stop(trainer: L.Trainer, what: str) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        where = (
+            f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, "
+            f"batch {loop.batch_idx})"
+        )
+        last = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was saved yet"
+        lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups]
+        causes = LIKELY_CAUSES.format(lr=f"{max(lrs):.3g}" if lrs else "?")
+        raise NonFiniteError(f"{what} {where}: training stopped; {kept}; {causes}")
+
+
+# ---------------------------------------------------------------- signals
+
+
+class StopOnSignal(L.Callback):
+    """Ctrl+C (SIGINT) stops training at the next batch boundary, as Lightning does for
+    SIGTERM, so ``Checkpoint`` saves ``last.ckpt`` and the entry point exits cleanly. A
+    second Ctrl+C stops at once, without saving. ``received`` names the signal."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.previous: Any = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.received = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self.on_sigint)
+        self.lightning_sigterm = signal.getsignal(signal.SIGTERM)
+
+    def on_sigint(self, signum: int, frame: Any) -> None:
+        handler = self.lightning_sigterm
+        if self.received == "SIGINT" or not callable(handler):
+            raise KeyboardInterrupt
+        self.received = "SIGINT"
+        log.warning("Ctrl+C: saving a checkpoint after this batch (again: stop at once)")
+        handler(signal.SIGTERM, frame)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.previous is not None and signal.getsignal(signal.SIGINT) == self.on_sigint:
+            signal.signal(signal.SIGINT, self.previous)
+        self.previous = None
+
+
+def interrupted(trainer: L.Trainer) -> Interrupted:
+    """The entry point's account of a run stopped by a signal."""
+    by = next((c.received for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
+    name = by or "SIGTERM"
+    last = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
+    saved = f"saved {last}; resume with tlab-train ckpt_path={last}" if last else "nothing saved"
+    message = f"stopped by {name} at global step {trainer.global_step}: {saved}"
+    return Interrupted(message, name, last)
+
+
+# ---------------------------------------------------------------- exact resume
+
+
+def random_states() -> dict[str, Any]:
+    """torch's (CPU and CUDA), numpy's and Python's global random states, as tensors and
+    plain values (a checkpoint stays loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # noqa: NPY002 (seed_everything's)
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "python": random.getstate(),
+    }
+
+
+def set_random_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))  # noqa: NPY002
+    random.setstate(states["python"])
+
+
+def train_loaders(trainer: L.Trainer) -> list[ResumableLoader]:
+    """The trainer's training loaders that can resume mid-epoch."""
+    loaders = trainer.train_dataloader
+    loaders = loaders if isinstance(loaders, list | tuple) else [loaders]
+    return [loader for loader in loaders if isinstance(loader, ResumableLoader)]
+
+
+class ExactResume(L.Callback):
+    """Make a resumed run continue exactly as the uninterrupted one would have.
+
+    Lightning restores the weights, the optimizer, the schedule and the loop counters;
+    this adds, in every checkpoint, the global random states (dropout masks, the next
+    epoch's order) and where each ``ResumableLoader`` was in its epoch's order, and puts
+    them back when training resumes. The loaders' positions are applied at the start of
+    training: Lightning builds the training iterator before it restores the loops (the
+    schedule asks for the number of steps), too early for its own loader states.
+
+    Exact on one process with the data loaded in the main process (``num_workers=0``, the
+    configs' default). Under DDP the checkpoint holds rank 0's random states (every rank
+    starts from the same seed); with worker processes, random augmentations drawn in the
+    workers are not replayed. A checkpoint loaded to validate or test changes nothing.
+    """
+
+    KEY = "exact_resume"
+
+    def __init__(self) -> None:
+        self.positions: list[dict[str, Any]] = []
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict
+    ) -> None:
+        positions = [loader.position() for loader in train_loaders(trainer)]
+        checkpoint[self.KEY] = {"random": random_states(), "loaders": positions}
+
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict
+    ) -> None:
+        state = checkpoint.get(self.KEY)
+        if state is None or trainer.state.fn != "fit":
+            return
+        set_random_states(state["random"])
+        self.positions = state["loaders"]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        positions, self.positions = self.positions, []
+        for loader, position in zip(train_loaders(trainer), positions, strict=False):
+            loader.resume_at(position)
+
+
+class ResumableLoader(DataLoader):
+    """A training DataLoader that a resumed run continues in the middle of an epoch.
+
+    Its ``position()`` is torch's random state from which the epoch's order was drawn and
+    the number of batches handed out (Lightning fetches no batch ahead from a loader with
+    a length, so these are the batches trained on). After ``resume_at(position)`` the
+    next iterator draws the same order again and skips those batches (loaded and
+    dropped), then leaves the global random state as it found it. Without this, Lightning
+    starts a fresh order and the resumed epoch repeats some examples and misses others.
+    The iterator starts its work (and draws) at its first batch: Lightning asks for it
+    right away, and an iterator never asked draws nothing.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.order_state: torch.Tensor | None = None
+        self.served = 0
+        self.resume: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        now = torch.get_rng_state()
+        resume, self.resume = self.resume, None
+        if resume is not None:
+            torch.set_rng_state(resume["order_state"])
+        self.order_state, self.served = torch.get_rng_state(), 0
+        batches = super().__iter__()
+        if resume is not None:
+            for _ in range(resume["batches"]):
+                next(batches)
+            self.served = resume["batches"]
+            torch.set_rng_state(now)
+        for batch in batches:
+            self.served += 1
+            yield batch
+
+    def position(self) -> dict[str, Any]:
+        return {"order_state": self.order_state, "batches": self.served}
+
+    def resume_at(self, position: dict[str, Any]) -> None:
+        if position.get("order_state") is not None and 0 < position["batches"] < len(self):
+            self.resume = position
