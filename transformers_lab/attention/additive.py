@@ -120,11 +120,17 @@ class AdditiveAttention(AttentionKernel):
         return max(1, int(self.memory_budget_mb * 2**20) // per_row)
 
     def scores(self, q: Tensor, k: Tensor) -> Tensor:
-        """Unnormalised scores ``w·tanh(W_q q + W_k k + b)``, shape (B, H, Nq, Nk)."""
-        qa = torch.einsum("bhnd,hda->bhna", q, self.w_q)  # (B, H, Nq, A)
+        """Unnormalised scores ``w·tanh(W_q q + W_k k + b)``, shape (B, H, Nq, Nk), in
+        float32 at least: under autocast the sums over A stay out of bf16 / fp16."""
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            return self._scores(q.to(dtype), k.to(dtype))
+
+    def _scores(self, q: Tensor, k: Tensor) -> Tensor:
+        qa = torch.einsum("bhnd,hda->bhna", q, self.w_q.to(q.dtype))  # (B, H, Nq, A)
         if self.b is not None:
             qa = qa + self.b[:, None, :]
-        ka = torch.einsum("bhnd,hda->bhna", k, self.w_k)  # (B, H, Nk, A)
+        ka = torch.einsum("bhnd,hda->bhna", k, self.w_k.to(k.dtype))  # (B, H, Nk, A)
         rows = self.chunk_rows(q.shape[0], k.shape[2], q.dtype)
         w = self.w.to(qa.dtype)
         chunks = [
@@ -163,4 +169,4 @@ class AdditiveAttention(AttentionKernel):
         self.check_inputs(q, k, v, key_padding_mask)
         attn = self.weights(q, k, causal=causal, key_padding_mask=key_padding_mask)
         attn = nn.functional.dropout(attn, self.dropout, self.training)
-        return attn @ v  # (B, H, Nq, Dv)
+        return attn.to(v.dtype) @ v  # (B, H, Nq, Dv)
