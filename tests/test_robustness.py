@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from transformers_lab.builders import compose_config
-from transformers_lab.safety import AtomicCheckpointIO, Interrupted, NonFiniteError
+from transformers_lab.safety import AtomicCheckpointIO, Checkpoint, Interrupted, NonFiniteError
 from transformers_lab.train import fit_and_test, main, train
 
 TESTS = Path(__file__).parent
@@ -115,6 +115,26 @@ def test_last_checkpoint_is_the_final_state_even_when_the_metric_got_worse(tmp_p
     checkpoints = tmp_path / "run" / "checkpoints"
     assert load(checkpoints / "best.ckpt")["global_step"] == 10
     assert load(checkpoints / "last.ckpt")["global_step"] == STEPS
+
+
+def test_a_run_resumed_into_a_new_dir_keeps_its_best_checkpoint_and_score(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    (old / "best.ckpt").write_bytes(b"the best weights")
+    best = str(old / "best.ckpt")
+    state = {
+        "monitor": "val/acc", "best_model_score": torch.tensor(0.9), "best_model_path": best,
+        "current_score": torch.tensor(0.8), "dirpath": str(old),
+        "best_k_models": {best: torch.tensor(0.9)}, "kth_best_model_path": best,
+        "kth_value": torch.tensor(0.9), "last_model_path": str(old / "last.ckpt"),
+    }  # fmt: skip
+    callback = Checkpoint(dirpath=new, filename="best", monitor="val/acc", mode="max")
+    callback.load_state_dict(state)
+    assert (new / "best.ckpt").read_bytes() == b"the best weights"
+    assert callback.best_model_path == str(new / "best.ckpt")
+    assert callback.best_k_models == {str(new / "best.ckpt"): torch.tensor(0.9)}
+    assert float(callback.best_model_score) == pytest.approx(0.9)
+    assert callback.last_model_path == ""  # the new run writes its own
 
 
 def test_a_checkpoint_write_that_dies_half_way_leaves_the_previous_one_whole(tmp_path, monkeypatch):
