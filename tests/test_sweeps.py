@@ -173,8 +173,8 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(failing_sweep):
 
 @pytest.mark.slow
 def test_fail_fast_stops_the_sweep_at_the_first_failure(tmp_path):
-    # batch_size=0 fails inside Lightning (not a config check), where Hydra's launcher
-    # would catch it and run the next job
+    # batch_size=0 fails inside the job (its config check), where Hydra's launcher would
+    # otherwise go on to the next job
     args = ["-m", "data.batch_size=0,16", *TINY, "logger=csv"]
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     proc = tlab_train(*args, "fail_fast=true", cwd=tmp_path / "a")

@@ -168,6 +168,19 @@ def build_model(config: DictConfig, datamodule: Any) -> torch.nn.Module:
     return call(config, "model", **model_kwargs(config, datamodule))
 
 
+def compile_model(model: torch.nn.Module) -> str | None:
+    """``torch.compile`` the model in place (its state dict keeps its keys); a part that
+    fails to compile later runs eagerly (dynamo's ``suppress_errors``). Returns None, or
+    why the compiler cannot run here (the model is left as it was)."""
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(2))
+    except Exception as exc:  # no C++ compiler, an unsupported platform or Python
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    torch._dynamo.config.suppress_errors = True
+    model.compile()
+    return None
+
+
 def build_task(config: DictConfig, model: torch.nn.Module, datamodule: Any = None) -> Any:
     """The LightningModule of ``config`` around ``model``; a data module with a ``decode``
     (ids -> text) lets the task log samples."""
@@ -202,16 +215,32 @@ def build_loggers(config: DictConfig | None) -> list[Logger]:
     ]
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A Lightning checkpoint as a dict, with a clear error when the file is not there."""
+# what a user should give where a checkpoint is asked for
+GIVE_CHECKPOINT = "give ckpt_path=<run dir>/checkpoints/last.ckpt (or best) of a tlab-train run"
+
+
+def checkpoint_file(path: str | Path) -> Path:
+    """``path`` if a file is there, else a ``ConfigError`` that says what to give."""
     path = Path(path)
     if not path.is_file():
+        raise ConfigError(f"no checkpoint at {path}; {GIVE_CHECKPOINT}")
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A Lightning checkpoint as a dict, with a clear error when the file is not there or
+    is not a checkpoint."""
+    path = checkpoint_file(path)
+    try:  # our checkpoints hold configs and tokenizer tables besides tensors
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # torch.load fails in many ways on a file that is no checkpoint
+        raise ConfigError(f"{path} is not a checkpoint ({exc}); {GIVE_CHECKPOINT}") from exc
+    if not isinstance(checkpoint, dict):
         raise ConfigError(
-            f"no checkpoint at {path}; give ckpt_path=<run dir>/checkpoints/last.ckpt (or "
-            f"best) of a finished run"
+            f"{path} is not a checkpoint (it holds a {type(checkpoint).__name__}); "
+            f"{GIVE_CHECKPOINT}"
         )
-    # our checkpoints hold configs and tokenizer tables besides tensors
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return checkpoint
 
 
 def differences(saved: Any, current: Any, prefix: str = "") -> list[str]:

@@ -1,23 +1,41 @@
-"""What the entry points share: checking group options before Hydra composes, and
-reporting a user's mistake as one line instead of a traceback."""
+"""What the entry points share: checking the command line before Hydra composes (group
+options, the folder of the run dir), and reporting a user's mistake as one line instead
+of a traceback."""
 
 from __future__ import annotations
 
 import contextlib
+import difflib
+import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from hydra.errors import CompactHydraException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
 
 from transformers_lab.builders import CONF_DIR, ConfigError
 from transformers_lab.data import DataFileError
 
 # values that are Hydra sweep functions or special, not option names
 SWEEP_FUNCTION = re.compile(r"^\w+\(.*\)$")
+# flags after which Hydra prints something and exits without creating a run dir
+INFO_FLAGS = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc"}
 
 
 def group_options(group: str) -> list[str]:
     """The options of a config group: the ``.yaml`` files in ``conf/<group>/``."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def unknown_option(group: str, choice: str) -> ConfigError:
+    """The error for an option that ``conf/<group>/`` does not have."""
+    return ConfigError(
+        f"unknown {group} {choice!r}; valid options are: {', '.join(group_options(group))} "
+        f"(conf/{group}/)"
+    )
 
 
 def check_overrides(argv: Sequence[str]) -> None:
@@ -32,18 +50,71 @@ def check_overrides(argv: Sequence[str]) -> None:
             continue
         if SWEEP_FUNCTION.match(value):
             continue
-        for choice in value.split(","):
+        for choice in value.strip("[]").split(","):  # a sweep (a,b) or a list ([a,b])
             choice = choice.strip()
-            if choice in ("null", "") or (CONF_DIR / key / f"{choice}.yaml").is_file():
-                continue
-            raise ConfigError(
-                f"unknown {key} {choice!r}; valid options are: {', '.join(group_options(key))} "
-                f"(conf/{key}/)"
-            )
+            if choice not in ("null", "") and not (CONF_DIR / key / f"{choice}.yaml").is_file():
+                raise unknown_option(key, choice)
+
+
+def run_dir_folder(argv: Sequence[str]) -> Path | None:
+    """The run dir (or the folder it goes in) as the command line and ``$TLAB_ROOT`` set
+    it (conf/paths/default.yaml, conf/hydra/default.yaml), up to its first interpolation;
+    None where only composing can tell."""
+    overrides = {}
+    for arg in argv:
+        if "=" in arg and not arg.startswith("-"):
+            key, value = arg.split("=", 1)
+            overrides[key.lstrip("+")] = value
+    run_dir = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
+    if run_dir in overrides:
+        value = overrides[run_dir]
+    elif "paths.log_dir" in overrides:
+        value = overrides["paths.log_dir"]
+    else:
+        value = overrides.get("paths.root_dir", os.environ.get("TLAB_ROOT", ".")) + "/logs"
+    if value.startswith("${"):
+        return None
+    literal, interpolation, _ = value.partition("${")
+    return Path(os.path.dirname(literal) if interpolation else literal)
+
+
+def check_run_dir(argv: Sequence[str]) -> None:
+    """Refuse a run dir that cannot be created, before Hydra fails on it with a traceback."""
+    folder = None if INFO_FLAGS & set(argv) else run_dir_folder(argv)
+    if folder is None:
+        return
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing))
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the run dir in {folder}: {existing} is not a folder that can be "
+            f"written ({exc.strerror}); point TLAB_ROOT, paths.root_dir= or hydra.run.dir= "
+            f"(hydra.sweep.dir= with -m) at a writable folder"
+        ) from None
+
+
+def one_line(exc: Exception) -> str:
+    """A config error of Hydra or OmegaConf, said briefly; a mistyped key gets the nearest."""
+    cause = exc.__cause__
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError) and cause.parent_node is not None:
+        parent, _, key = cause.full_key.rpartition(".")
+        near = difflib.get_close_matches(key, [str(k) for k in cause.parent_node], n=1)
+        hint = f" (did you mean {'.'.join(filter(None, (parent, *near)))}?)" if near else ""
+        return (
+            f"unknown key {cause.full_key}{hint}; a new key needs a leading +: "
+            f"+{cause.full_key}=... (--cfg job prints the config)"
+        )
+    if isinstance(exc, InterpolationResolutionError):
+        where = exc.full_key or "an interpolation"
+        return f"cannot resolve {where}: {str(exc).splitlines()[0]}"
+    return str(exc).split("Config search path:")[0]
 
 
 def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    """Print ``error: <message>`` on one line of stderr and exit with code 2."""
+    line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    print(f"error: {line}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -54,11 +125,33 @@ def user_errors() -> Iterator[None]:
         yield
     except (ConfigError, DataFileError) as exc:
         fail(str(exc))
+    except InterpolationResolutionError as exc:
+        fail(one_line(exc))
+
+
+@contextlib.contextmanager
+def hydra_raising() -> Iterator[None]:
+    """Have Hydra raise its errors (``HYDRA_FULL_ERROR``) instead of printing them."""
+    before = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HYDRA_FULL_ERROR"]
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = before
 
 
 def run_hydra(main: Callable[[], None], argv: Sequence[str] | None = None) -> None:
-    """Check the command line's group options, then hand over to a ``@hydra.main``."""
+    """Check the command line, then hand over to a ``@hydra.main``; Hydra's own errors (a
+    mistyped key, bad syntax, an interpolation that fails) are reported in one line too."""
     argv = sys.argv[1:] if argv is None else argv
     with user_errors():
         check_overrides(argv)
-    main()
+        check_run_dir(argv)
+    try:
+        with hydra_raising():
+            main()
+    except (CompactHydraException, InterpolationResolutionError) as exc:
+        fail(one_line(exc))

@@ -1,7 +1,7 @@
 """tlab-eval: evaluate a tlab-train checkpoint on its validation or test split.
 
     tlab-eval ckpt_path=logs/train/runs/<time>/checkpoints/best.ckpt
-    tlab-eval ckpt_path=... split=test data.batch_size=256
+    tlab-eval ckpt_path=... split=test +data.batch_size=256
 
 The model, data and task configs are read from the checkpoint (``tlab_config``), so the
 metric is the one logged during training for the same weights.
@@ -31,6 +31,7 @@ from transformers_lab.builders import (
 )
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.train import finish_wandb, prepare, print_metrics
+from transformers_lab.validation import validate_config
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ def load_task(
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """The metrics of ``cfg.ckpt_path`` on ``cfg.split``."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
+    validate_config(cfg)
     if cfg.split not in SPLITS:
         raise ConfigError(f"split={cfg.split} is not one of {', '.join(SPLITS)}")
     L.seed_everything(cfg.seed, workers=True)

@@ -24,6 +24,7 @@ from transformers_lab.builders import (
 )
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.eval import checkpoint_data, saved_run
+from transformers_lab.validation import validate_config
 
 
 def load_weights(model: torch.nn.Module, checkpoint: dict[str, Any], path: Any) -> torch.nn.Module:
@@ -94,6 +95,7 @@ def sample(cfg: DictConfig) -> list[str]:
     """``cfg.num_samples`` continuations of ``cfg.prompt``, printed and returned; with
     ``cfg.stream`` each is printed as its tokens are drawn."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
+    validate_config(cfg)
     L.seed_everything(cfg.seed)
     model, datamodule = load_generator(cfg)
     model.to(cfg.device)

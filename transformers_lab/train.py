@@ -46,6 +46,7 @@ from transformers_lab.builders import (
     build_task,
     call,
     check_checkpoint,
+    compile_model,
     load_checkpoint,
     metrics_dict,
     resolved_sections,
@@ -68,23 +69,6 @@ def say(*lines: str, file: Any = None) -> None:
     """Print on the first process only (under DDP every process runs this script)."""
     if rank_zero_only.rank == 0:
         print(*lines, sep="\n", file=file or sys.stdout, flush=True)
-
-
-def compile_model(model: torch.nn.Module) -> bool:
-    """``torch.compile`` the model in place (its state dict keeps its keys). When the
-    compiler cannot run here, say so and train in eager mode; a part that fails to
-    compile later runs eagerly too (dynamo's ``suppress_errors``)."""
-    try:
-        torch.compile(lambda x: x * 2 + 1)(torch.ones(2))
-    except Exception as exc:  # no C++ compiler, an unsupported platform or Python
-        say(
-            f"compile=true: torch.compile is unavailable here ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}); training in eager mode"
-        )
-        return False
-    torch._dynamo.config.suppress_errors = True
-    model.compile()
-    return True
 
 
 def log_hyperparameters(cfg: DictConfig, task: Any, trainer: L.Trainer) -> None:
@@ -130,8 +114,8 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
     task = build_task(cfg.task, model, datamodule)
     task.run_config = resolved_sections(cfg)
     log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
-    if cfg.get("compile") and compile_model(model):
-        log.info("model compiled with torch.compile")
+    if cfg.get("compile") and (why := compile_model(model)):
+        say(f"compile=true: torch.compile is unavailable here ({why}); training in eager mode")
     if cfg.get("ckpt_path"):
         check_checkpoint(load_checkpoint(cfg.ckpt_path), task, cfg.ckpt_path)
 
@@ -220,7 +204,10 @@ def in_multirun() -> bool:
 def job_overrides() -> list[str]:
     """This job's overrides (the command line's, or the sweeper's for this job)."""
     hydra_cfg = hydra_config()
-    return list(hydra_cfg.overrides.task) if hydra_cfg is not None else []
+    if hydra_cfg is None:
+        return []
+    # unresolved: an override may hold an interpolation (data.batch_size=${model.d_model})
+    return list(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
 
 
 def what_it_runs(overrides: list[str]) -> list[str]:

@@ -1,10 +1,205 @@
 """Checks of a composed config, run before anything is built: a user's mistake is caught
-at once, as one ``ConfigError`` line that says what was wrong and how to fix it."""
+at once, as one ``ConfigError`` line that says what was wrong and how to fix it.
+
+``RULES`` says what the value of each key must be; a key that the config does not have
+(another model, another entry point) is skipped. The checks that need the data (sizes,
+vocabularies, whether model and data fit together) run when the model is sized from it
+(``builders.model_kwargs``), and those of a checkpoint's contents when it is loaded.
+"""
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, get_args
+
+import torch
+from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PRECISION_INPUT_STR
+from omegaconf import DictConfig, OmegaConf
+
+from transformers_lab.builders import ConfigError, call, checkpoint_file
+from transformers_lab.cli import unknown_option
+from transformers_lab.models.common import check_sampling
+from transformers_lab.nn.attention import as_kernel_factory, head_size
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a config value must be: a test, and the words for it in the error."""
+
+    test: Callable[[Any], bool]
+    text: str
+
+    def __or__(self, other: Expect) -> Expect:
+        return Expect(lambda v: self.test(v) or other.test(v), f"{self.text} or {other.text}")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def one_of(*choices: Any) -> Expect:
+    return Expect(lambda v: v in choices, f"one of {', '.join(map(str, choices))}")
+
+
+def available_device(name: Any) -> bool:
+    """A device that torch knows and this machine has."""
+    try:
+        torch.empty(0, device=name)
+    except (RuntimeError, TypeError, AssertionError):  # unknown, or not built with it
+        return False
+    return True
+
+
+NULL = Expect(lambda v: v is None, "null")
+NO_LIMIT = Expect(lambda v: v == -1, "-1 (no limit)")
+POSITIVE_INT = Expect(lambda v: is_int(v) and v >= 1, "an integer >= 1")
+COUNT = Expect(lambda v: is_int(v) and v >= 0, "an integer >= 0")
+POSITIVE = Expect(lambda v: is_number(v) and v > 0, "a number > 0")
+NON_NEGATIVE = Expect(lambda v: is_number(v) and v >= 0, "a number >= 0")
+PROBABILITY = Expect(lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)")
+FRACTION = Expect(lambda v: is_number(v) and 0 < v < 1, "a number in (0, 1)")
+UNIT = Expect(lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]")
+BOOL = Expect(lambda v: isinstance(v, bool), "true or false")
+BETAS = Expect(
+    lambda v: isinstance(v, Sequence) and len(v) == 2 and all(map(PROBABILITY.test, v)),
+    "two numbers in [0, 1)",
+)
+BATCHES = NULL | Expect(lambda v: isinstance(v, float) and 0 <= v <= 1, "a fraction in [0, 1]")
+INTERVAL = NULL | Expect(lambda v: isinstance(v, float) and 0 < v <= 1, "a fraction in (0, 1]")
+# Lightning's names, and the aliases it still takes (16, 32, 64, "bf16", ...)
+PRECISIONS = [value for literal in get_args(_PRECISION_INPUT) for value in get_args(literal)]
+PRECISION = Expect(lambda v: v in PRECISIONS, f"one of {', '.join(get_args(_PRECISION_INPUT_STR))}")
+DEVICE = Expect(available_device, "cpu or a GPU this machine has (cuda, cuda:1, mps)")
+
+RULES: dict[str, Expect] = {
+    # tlab-train
+    "seed": COUNT,
+    "cpu_threads": NULL | POSITIVE_INT,
+    "compile": BOOL,
+    "monitor.mode": one_of("min", "max"),
+    "model.d_model": POSITIVE_INT,
+    "model.n_head": POSITIVE_INT,
+    "model.n_layer": POSITIVE_INT,
+    "model.n_encoder_layers": POSITIVE_INT,
+    "model.n_decoder_layers": POSITIVE_INT,
+    "model.mlp_ratio": POSITIVE,
+    "model.dropout": PROBABILITY,
+    "model.patch_size": NULL | POSITIVE_INT,
+    "data.batch_size": POSITIVE_INT,
+    "data.num_workers": COUNT,
+    "data.val_fraction": FRACTION,
+    "data.test_fraction": FRACTION,
+    "data.val_size": COUNT,
+    "data.block_size": POSITIVE_INT,
+    "data.seq_len": POSITIVE_INT,
+    "data.max_len": POSITIVE_INT,
+    "data.train_examples": POSITIVE_INT,
+    "data.val_examples": POSITIVE_INT,
+    "data.train_samples": POSITIVE_INT,
+    "optimizer.lr": POSITIVE,
+    "optimizer.weight_decay": NON_NEGATIVE,
+    "optimizer.momentum": NON_NEGATIVE,
+    "optimizer.eps": NON_NEGATIVE,
+    "optimizer.betas": BETAS,
+    "scheduler.warmup_steps": COUNT,
+    "scheduler.max_steps": NULL | POSITIVE_INT,
+    "scheduler.min_lr_ratio": UNIT,
+    "task.label_smoothing": PROBABILITY,
+    "task.beam_size": POSITIVE_INT,
+    "task.max_decode_len": POSITIVE_INT,
+    "task.sample_tokens": COUNT,
+    "task.sample_every": POSITIVE_INT,
+    # the trainer (tlab-train, tlab-eval)
+    "trainer.max_epochs": NULL | NO_LIMIT | POSITIVE_INT,
+    "trainer.min_epochs": NULL | COUNT,
+    "trainer.max_steps": NO_LIMIT | POSITIVE_INT,
+    "trainer.precision": PRECISION,
+    "trainer.gradient_clip_val": NULL | NON_NEGATIVE,
+    "trainer.accumulate_grad_batches": POSITIVE_INT,
+    "trainer.check_val_every_n_epoch": NULL | POSITIVE_INT,
+    "trainer.val_check_interval": INTERVAL | POSITIVE_INT,
+    "trainer.limit_train_batches": BATCHES | COUNT,
+    "trainer.limit_val_batches": BATCHES | COUNT,
+    "trainer.limit_test_batches": BATCHES | COUNT,
+    "trainer.log_every_n_steps": POSITIVE_INT,
+    "trainer.num_sanity_val_steps": NO_LIMIT | COUNT,
+    # tlab-sample
+    "num_samples": POSITIVE_INT,
+    "max_new_tokens": COUNT,
+    "temperature": Expect(is_number, "a number"),  # its range: models.common.check_sampling
+    "top_k": NULL | Expect(is_int, "an integer"),
+    "top_p": NULL | Expect(is_number, "a number"),
+    "device": DEVICE,
+}
+
+ABSENT = object()
+
+
+def shown(value: Any) -> str:
+    """A value as it is written in a config or on the command line."""
+    return "null" if value is None else repr(value)
+
+
+def check_rules(cfg: DictConfig) -> None:
+    """Every key of ``RULES`` that ``cfg`` has holds what the rule expects."""
+    for key, expect in RULES.items():
+        value = OmegaConf.select(cfg, key, default=ABSENT)
+        if value is not ABSENT and not expect.test(value):
+            raise ConfigError(f"{key} must be {expect.text}, got {shown(value)}")
+
+
+def check_missing(cfg: DictConfig) -> None:
+    """No mandatory value (``???``) is left unset."""
+    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra."))
+    if missing:
+        raise ConfigError(f"{missing[0]} is required: give {missing[0]}=... on the command line")
+
+
+def check_components(cfg: DictConfig) -> None:
+    """Every logger and callback entry names a class to build (``_target_``)."""
+    for group in ("logger", "callbacks"):
+        for name, node in (cfg.get(group) or {}).items():
+            if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):
+                raise unknown_option(group, name)
+
+
+def check_attention(model: DictConfig) -> None:
+    """The head split, and one kernel built as each layer will build it: the kernel's own
+    checks (unknown options, p, dropout, scale, ...) run now rather than after the data."""
+    try:
+        head_dim = head_size(model.d_model, model.n_head)
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
+    for key in ("attention", "cross_attention"):
+        kernel = model.get(key)
+        if kernel is None:
+            continue
+        try:  # a kernel config (a partial) or a kernel's name
+            factory = as_kernel_factory(kernel if isinstance(kernel, str) else call(kernel, key))
+            factory(head_dim=head_dim, num_heads=model.n_head)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{key}: {exc}") from None
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Refuse a composed ``tlab-train`` config that cannot work (raises ``ConfigError``)."""
+    """Refuse a composed config of an entry point that cannot work (raises ``ConfigError``)."""
+    check_missing(cfg)
+    check_rules(cfg)
+    check_components(cfg)
+    if "model" in cfg and "n_head" in cfg.model:
+        check_attention(cfg.model)
+    trainer = cfg.get("trainer") or {}
+    if trainer.get("max_epochs") == -1 and trainer.get("max_steps") == -1:
+        raise ConfigError("trainer.max_epochs=-1 with trainer.max_steps=-1 never stops; set one")
+    if "temperature" in cfg:
+        try:
+            check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if cfg.get("ckpt_path"):
+        checkpoint_file(cfg.ckpt_path)

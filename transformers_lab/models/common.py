@@ -40,6 +40,16 @@ def reorder_cache(state: Any, index: Tensor) -> Any:
     return type(state)(reorder_cache(s, index) for s in state)
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Refuse sampling options that draw nothing sensible (raises ``ValueError``)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 (or None for no cut), got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 def sample_next(
     logits: Tensor,
     temperature: float = 1.0,
@@ -52,12 +62,7 @@ def sample_next(
     ``temperature=0`` is greedy. ``top_k`` keeps the k most likely tokens and ``top_p``
     the smallest set whose probability reaches p (nucleus sampling); both can be combined.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 (or None for no cut), got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature

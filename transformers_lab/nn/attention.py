@@ -16,6 +16,16 @@ KernelFactory = Callable[..., AttentionKernel]
 Context = Tensor | Memory | None
 
 
+def head_size(d_model: int, num_heads: int) -> int:
+    """The width of one head: ``d_model`` split evenly over ``num_heads``."""
+    if num_heads <= 0 or d_model % num_heads != 0:
+        raise ValueError(
+            f"d_model={d_model} must be divisible by num_heads={num_heads}; "
+            "choose num_heads among the divisors of d_model"
+        )
+    return d_model // num_heads
+
+
 def as_kernel_factory(kernel: KernelFactory | str) -> KernelFactory:
     """A kernel factory from a factory or from a registered kernel name."""
     return partial(kernel_class(kernel)) if isinstance(kernel, str) else kernel
@@ -52,16 +62,11 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        if num_heads <= 0 or d_model % num_heads != 0:
-            raise ValueError(
-                f"d_model={d_model} must be divisible by num_heads={num_heads}; "
-                "choose num_heads among the divisors of d_model"
-            )
         if context_dim is not None and not cross:
             raise ValueError("context_dim is only used with cross=True (cross-attention)")
         self.d_model = d_model
         self.num_heads = num_heads
-        self.head_dim = d_model // num_heads
+        self.head_dim = head_size(d_model, num_heads)
         self.cross = cross
         if cross:
             self.q_proj = nn.Linear(d_model, d_model, bias=bias)

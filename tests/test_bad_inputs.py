@@ -1,0 +1,178 @@
+"""Bad input through the real entry points (run in process, offline): every case ends in
+exit code 2 and one ``error:`` line on stderr that names the mistake, with no traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+import urllib.error
+
+import pytest
+import torch
+
+from transformers_lab.builders import compose_config
+from transformers_lab.data import download
+from transformers_lab.eval import main as eval_main
+from transformers_lab.sample import main as sample_main
+from transformers_lab.train import main as train_main
+from transformers_lab.train import train
+
+ENTRY_POINTS = {"train": train_main, "eval": eval_main, "sample": sample_main}
+# a ViT on digits that trains in a second (every train case starts from it)
+SMALL = [
+    "logger=csv",
+    "model.d_model=32",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+MQAR = ["data=mqar", "data.train_examples=8", "data.val_examples=8"]
+
+
+def case(entry: str, args: list[str], message: str, **options) -> pytest.param:
+    """``tlab-<entry> <args>`` must fail with ``message`` in its error line. ``{name}`` in
+    an argument is a file of the ``files`` fixture; ``$NAME=value`` sets an env var."""
+    return pytest.param(entry, args, message, id=f"{entry} {' '.join(args)}", **options)
+
+
+CASES = [
+    # the model and its attention kernel
+    case("train", ["attention=fastmx"], "unknown attention 'fastmx'; valid options are"),
+    case("train", ["model.attention=fastmx"], "unknown attention kernel 'fastmx'; valid kernels"),
+    case("train", ["attention=fastmax", "attention.p=3"], "unsupported Taylor order p=3"),
+    case("train", ["model.dropout=-0.1"], "model.dropout must be a number in [0, 1), got -0.1"),
+    case("train", ["attention.dropout=1.5"], "attention: dropout must be in [0, 1), got 1.5"),
+    case("train", ["model.d_model=33"], "d_model=33 must be divisible by num_heads=2"),
+    case("train", ["model.n_head=0"], "model.n_head must be an integer >= 1, got 0"),
+    case("train", ["model.n_layer=0"], "model.n_layer must be an integer >= 1, got 0"),
+    case("train", ["model.mlp_ratio=abc"], "model.mlp_ratio must be a number > 0, got 'abc'"),
+    case(
+        "train",
+        ["attention=fastmax_p1", "attention.normalize=false"],
+        "fastmax p=1 gives negative attention weights",
+    ),
+    case("train", ["attention=cosine", "attention.init_tau=0"], "cosine: need 0 < init_tau"),
+    case("train", ["attention=additive", "attention.attn_dim=0"], "attn_dim must be positive"),
+    # the model against its data
+    case(
+        "train",
+        ["model=gpt", *MQAR, "model.block_size=32"],
+        "model.block_size=32 is smaller than the data's block_size=64",
+    ),
+    case("train", ["model.patch_size=3"], "image_size=8 does not fit the patch grid"),
+    case("train", ["model=vit", *MQAR], "model=vit (ViT) cannot take data=mqar"),
+    case("train", ["model=gpt", "data=digits"], "cannot take data=digits"),
+    # data
+    case("train", ["data.batch_size=0"], "data.batch_size must be an integer >= 1, got 0"),
+    case("train", ["data.val_fraction=1.5"], "data.val_fraction must be a number in (0, 1)"),
+    case("train", ["data=mnist", "data.download=false"], "is missing and downloads are off"),
+    case("train", ["data=shakespeare_char"], "could not download"),  # offline: no network
+    # checkpoints to resume from
+    case(
+        "train",
+        ["model=gpt", *MQAR, "ckpt_path={vit}"],
+        "saved from a different model config (_target_: 'transformers_lab.models.ViT' -> "
+        "'transformers_lab.models.GPT'",
+    ),
+    case("train", ["model.d_model=48", "ckpt_path={vit}"], "different model config (d_model"),
+    case("train", ["ckpt_path={tmp}/nope.ckpt"], "no checkpoint at"),
+    case("train", ["ckpt_path={junk}"], "junk.ckpt is not a checkpoint"),
+    # where the run goes
+    case("train", ["$TLAB_ROOT={file}"], "cannot create the run dir in"),
+    case("train", ["hydra.run.dir={file}/run"], "(Not a directory)"),
+    case(
+        "train",
+        ["paths.root_dir={locked}"],
+        "(Permission denied)",
+        marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a read-only folder"),
+    ),
+    # optimizer, schedule, trainer
+    case("train", ["optimizer.lr=0"], "optimizer.lr must be a number > 0, got 0"),
+    case("train", ["optimizer.betas=[0.9,1.5]"], "optimizer.betas must be two numbers in [0, 1)"),
+    case("train", ["scheduler.warmup_steps=-5"], "scheduler.warmup_steps must be an integer >= 0"),
+    case("train", ["trainer.max_epochs=0"], "trainer.max_epochs must be null or -1 (no limit)"),
+    case("train", ["trainer.max_epochs=-1", "trainer.max_steps=-1"], "never stops"),
+    case("train", ["trainer.gradient_clip_val=-1"], "gradient_clip_val must be null or a number"),
+    case("train", ["trainer.accumulate_grad_batches=0"], "accumulate_grad_batches must be an"),
+    case("train", ["trainer.precision=fp8"], "trainer.precision must be one of"),
+    case("train", ["trainer.limit_train_batches=1.5"], "limit_train_batches must be null or a"),
+    case("train", ["trainer=tpu"], "unknown trainer 'tpu'"),
+    case("train", ["monitor.mode=up"], "monitor.mode must be one of min, max, got 'up'"),
+    # loggers, callbacks, presets
+    case("train", ["logger=nope"], "unknown logger 'nope'; valid options are: csv,"),
+    case("train", ["logger=[csv,nope]"], "unknown logger 'nope'"),
+    case("train", ["+logger.nope.save_dir=x"], "unknown logger 'nope'"),
+    case("train", ["callbacks=nope"], "unknown callbacks 'nope'"),
+    case("train", ["experiment=nope"], "unknown experiment 'nope'"),
+    # the command line itself
+    case("train", ["model.dropuot=0.1"], "unknown key model.dropuot (did you mean model.dropout?)"),
+    case("train", ["model=transformer"], "unknown key model.n_layer (did you mean model.n_enc"),
+    case("train", ["model.d_model=[1"], "no viable alternative at input '[1'"),
+    case("train", ["data.batch_size=${nope}"], "Interpolation key 'nope' not found"),
+    # tlab-eval
+    case("eval", [], "ckpt_path is required"),
+    case("eval", ["ckpt_path={tmp}/nope.ckpt"], "no checkpoint at"),
+    case("eval", ["ckpt_path={plain}"], "holds no tlab_config"),
+    case("eval", ["ckpt_path={vit}", "split=train"], "split=train is not one of val, test"),
+    case("eval", ["ckpt_path={vit}", "+data.batch_size=0"], "data.batch_size must be an integer"),
+    case("eval", ["ckpt_path={vit}", "logger=nope"], "unknown logger 'nope'"),
+    # tlab-sample
+    case("sample", ["ckpt_path={vit}"], "(DigitsDataModule) has no text tokenizer"),
+    case("sample", ["ckpt_path={junk}"], "is not a checkpoint"),
+    case("sample", ["ckpt_path={vit}", "temperature=-1"], "temperature must be >= 0, got -1"),
+    case("sample", ["ckpt_path={vit}", "top_p=1.5"], "top_p must be in (0, 1], got 1.5"),
+    case("sample", ["ckpt_path={vit}", "num_samples=0"], "num_samples must be an integer >= 1"),
+    case("sample", ["ckpt_path={vit}", "device=nope"], "device must be cpu or a GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    """A checkpoint of a small ViT on digits (one training batch), and files that are not
+    what they are given for."""
+    root = tmp_path_factory.mktemp("files")
+    one_batch = [
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=1",
+        "trainer.limit_val_batches=1",
+        "trainer.num_sanity_val_steps=0",
+        "test=false",
+    ]
+    train(compose_config("train", [*SMALL, *one_batch], root / "vit"))
+    (root / "junk.ckpt").write_text("not a checkpoint")
+    torch.save({"state_dict": {}}, root / "plain.ckpt")
+    (root / "file").write_text("a file where a folder should be")
+    (root / "empty").mkdir()
+    (root / "locked").mkdir(mode=0o500)
+    names = ("junk.ckpt", "plain.ckpt", "file", "empty", "locked")
+    paths = {name.split(".")[0]: str(root / name) for name in names}
+    return {"vit": str(root / "vit" / "checkpoints" / "last.ckpt"), **paths}
+
+
+def offline(url: str, path, timeout: float = 60.0) -> None:
+    raise urllib.error.URLError("no network in the tests")
+
+
+@pytest.mark.parametrize(("entry", "args", "message"), CASES)
+def test_bad_input_is_one_error_line_and_exit_code_2(
+    entry, args, message, files, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("TLAB_ROOT", str(tmp_path))
+    monkeypatch.setenv("TLAB_DATA_DIR", files["empty"])
+    monkeypatch.setattr(download, "fetch", offline)
+    overrides = SMALL.copy() if entry == "train" else []
+    for arg in args:
+        arg = arg.format(**files, tmp=tmp_path) if "${" not in arg else arg
+        if arg.startswith("$"):
+            monkeypatch.setenv(*arg[1:].split("=", 1))
+        else:
+            overrides.append(arg)
+    monkeypatch.setattr(sys, "argv", [f"tlab-{entry}", *overrides])
+    with pytest.raises(SystemExit) as exit_:
+        ENTRY_POINTS[entry]()
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exit_.value.code == 2, err
+    assert len(errors) == 1 and message in errors[0], err
+    assert "Traceback" not in err
