@@ -316,7 +316,7 @@ class ExactResume(L.Callback):
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict
     ) -> None:
-        positions = [loader.position() for loader in train_loaders(trainer)]
+        positions = [loader.state_dict() for loader in train_loaders(trainer)]
         checkpoint[self.KEY] = {"random": random_states(), "loaders": positions}
 
     def on_load_checkpoint(
@@ -331,16 +331,16 @@ class ExactResume(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         positions, self.positions = self.positions, []
         for loader, position in zip(train_loaders(trainer), positions, strict=False):
-            loader.resume_at(position)
+            loader.load_state_dict(position)
 
 
 class ResumableLoader(DataLoader):
     """A training DataLoader that a resumed run continues in the middle of an epoch.
 
-    Its ``position()`` is torch's random state from which the epoch's order was drawn and
-    the number of batches handed out (Lightning fetches no batch ahead from a loader with
-    a length, so these are the batches trained on). After ``resume_at(position)`` the
-    next iterator draws the same order again and skips those batches (loaded and
+    Its state is torch's random state from which the epoch's order was drawn and the
+    number of batches handed out (Lightning fetches no batch ahead from a loader with a
+    length, so these are the batches trained on). After ``load_state_dict`` the next
+    iterator draws the same order again and skips those batches (loaded and
     dropped), then leaves the global random state as it found it. Without this, Lightning
     starts a fresh order and the resumed epoch repeats some examples and misses others.
     The iterator starts its work (and draws) at its first batch: Lightning asks for it
@@ -369,9 +369,12 @@ class ResumableLoader(DataLoader):
             self.served += 1
             yield batch
 
-    def position(self) -> dict[str, Any]:
+    # Lightning saves and loads these too (it sees a resumable loader), but it restores
+    # them only when it builds the loader after the checkpoint, which a schedule that
+    # asks for the run's length prevents; ExactResume applies them in any case
+    def state_dict(self) -> dict[str, Any]:
         return {"order_state": self.order_state, "batches": self.served}
 
-    def resume_at(self, position: dict[str, Any]) -> None:
-        if position.get("order_state") is not None and 0 < position["batches"] < len(self):
-            self.resume = position
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("order_state") is not None and 0 < state["batches"] < len(self):
+            self.resume = state
