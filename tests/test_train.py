@@ -207,7 +207,7 @@ def test_train_then_eval_reproduces_the_validation_metric(tmp_path):
     assert evaluate(cfg)["val/acc"] == pytest.approx(logged, abs=1e-6)
 
 
-def test_resume_from_last_continues_the_global_step_and_the_schedule(tmp_path):
+def test_resume_from_last_continues_the_global_step_and_the_schedule(tmp_path, capsys):
     limit = [*SMALL, "trainer.limit_train_batches=3", "test=false"]
     run_train(tmp_path, [*limit, "trainer.max_epochs=2"], "first")
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
@@ -225,6 +225,13 @@ def test_resume_from_last_continues_the_global_step_and_the_schedule(tmp_path):
     assert steps == {12.0}
     logged = [int(r["step"]) for r in read_csv_metrics(tmp_path / "resumed") if r["train/loss"]]
     assert logged and min(logged) >= 6
+    # a finished run resumed with the same limits trains nothing, and says so
+    capsys.readouterr()
+    done = tmp_path / "resumed" / "checkpoints" / "last.ckpt"
+    run_train(tmp_path, [*limit, "trainer.max_epochs=4", f"ckpt_path={done}"], "again")
+    out = capsys.readouterr().out
+    assert f"nothing left to train: {done} is at global step 12, where the trainer's " in out
+    assert "max_epochs=4, max_steps=-1 end the run" in out
 
 
 def test_a_checkpoint_of_another_model_config_is_refused_in_one_line(tmp_path):

@@ -116,8 +116,12 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
     log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
     if cfg.get("compile") and (why := compile_model(model)):
         say(f"compile=true: torch.compile is unavailable here ({why}); training in eager mode")
+    resumed_step = None
     if cfg.get("ckpt_path"):
-        check_checkpoint(load_checkpoint(cfg.ckpt_path), task, cfg.ckpt_path)
+        checkpoint = load_checkpoint(cfg.ckpt_path)
+        check_checkpoint(checkpoint, task, cfg.ckpt_path)
+        resumed_step = checkpoint.get("global_step")
+        del checkpoint  # Lightning loads it again to restore the run
 
     name_wandb_run(cfg)
     loggers = build_loggers(cfg.get("logger"))
@@ -143,6 +147,8 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
                 trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
             except SIGTERMException:  # SIGTERM or Ctrl+C: last.ckpt is saved
                 raise interrupted(trainer) from None
+            if resumed_step is not None and trainer.global_step == resumed_step:
+                say(nothing_left_to_train(cfg, resumed_step))
         metrics = metrics_dict(trainer.callback_metrics)
         # read before testing: loading the best checkpoint restores the callback's state
         checkpoints = {k: checkpoint_path(trainer, f"{k}_model_path") for k in ("best", "last")}
@@ -156,6 +162,17 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
         finish_wandb(trainer)
     report(metrics, checkpoints)
     return RunResult(metrics, best, task.num_params, checkpoints)
+
+
+def nothing_left_to_train(cfg: DictConfig, step: int) -> str:
+    """What a resumed run that trained no step says: its checkpoint had already reached
+    the trainer's limits (a finished run, resumed without raising them)."""
+    limits = f"max_epochs={cfg.trainer.max_epochs}, max_steps={cfg.trainer.max_steps}"
+    return (
+        f"nothing left to train: {cfg.ckpt_path} is at global step {step}, where the "
+        f"trainer's {limits} end the run; raise trainer.max_epochs or trainer.max_steps to "
+        "train further (no new last.ckpt is written)"
+    )
 
 
 def checkpoint_path(trainer: L.Trainer, which: str) -> str | None:
