@@ -234,6 +234,21 @@ def test_resume_from_last_continues_the_global_step_and_the_schedule(tmp_path, c
     assert "max_epochs=4, max_steps=-1 end the run" in out
 
 
+@pytest.mark.parametrize(("max_steps", "validated"), [(14, [9, 13]), (20, [9, 19])])
+def test_a_run_ended_by_max_steps_validates_its_final_weights_once(tmp_path, max_steps, validated):
+    # digits in batches of 128: 10 batches an epoch, validated at each epoch's end; 14
+    # steps end in the middle of the second epoch, 20 at its end (no second validation)
+    overrides = [*SMALL, "data.batch_size=128", f"trainer.max_steps={max_steps}"]
+    metrics = run_train(tmp_path, [*overrides, "trainer.max_epochs=-1", "test=false"])
+    rows = [r for r in read_csv_metrics(tmp_path / "run") if r["val/loss"]]
+    assert [int(r["step"]) for r in rows] == validated  # the step logged is global_step - 1
+    assert metrics["val/loss"] == pytest.approx(float(rows[-1]["val/loss"]))
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == max_steps
+    best = next(v for k, v in last["callbacks"].items() if k.startswith("Checkpoint"))
+    assert float(best["best_model_score"]) == max(float(r["val/acc"]) for r in rows)
+
+
 def test_a_checkpoint_of_another_model_config_is_refused_in_one_line(tmp_path):
     run_train(tmp_path, [*SMALL, "trainer.max_epochs=1", "test=false"])
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"

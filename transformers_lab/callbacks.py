@@ -1,4 +1,5 @@
-"""Lightning callbacks of the framework's own: pictures of what the model does."""
+"""Lightning callbacks of the framework's own: a validation of the final weights, and
+pictures of what the model does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,22 @@ from transformers_lab.analysis.attention import attention_maps, evaluating, plot
 from transformers_lab.analysis.plots import figure_to_array, plot_predictions
 
 log = logging.getLogger(__name__)
+
+
+class ValidateAtMaxSteps(L.Callback):
+    """When ``trainer.max_steps`` ends a run between two validations, validate the final
+    weights before it stops, so the run's final metrics, ``best.ckpt`` and ``last.ckpt``
+    describe the weights it ends with. (Lightning validates only at the epoch's end or
+    every ``val_check_interval`` batches: a run of 300 steps validating every 250 would
+    end with the metrics of step 250, and one shorter than an epoch with none at all.)
+    """
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if 0 < trainer.max_steps <= trainer.global_step and not trainer.should_stop:
+            # a stop request is what makes Lightning validate mid-epoch; the run ends at
+            # max_steps anyway, so min_epochs has nothing left to hold it for
+            trainer.fit_loop.min_epochs = 0
+            trainer.should_stop = True
 
 
 class ValidationImages(L.Callback):
