@@ -87,6 +87,12 @@ CASES = [
         "(Permission denied)",
         marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a read-only folder"),
     ),
+    case(  # a folder that even root cannot write in
+        "train",
+        ["paths.root_dir=/sys/tlab"],
+        "cannot create the run dir in /sys/tlab/logs: /sys is not a folder that can be written",
+        marks=pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs Linux's /sys"),
+    ),
     # optimizer, schedule, trainer
     case("train", ["optimizer.lr=0"], "optimizer.lr must be a number > 0, got 0"),
     case("train", ["optimizer.betas=[0.9,1.5]"], "optimizer.betas must be two numbers in [0, 1)"),
