@@ -105,6 +105,16 @@ CASES = [
     case("train", ["trainer.limit_train_batches=1.5"], "limit_train_batches must be null or a"),
     case("train", ["trainer=tpu"], "unknown trainer 'tpu'"),
     case("train", ["monitor.mode=up"], "monitor.mode must be one of min, max, got 'up'"),
+    case(  # found after the sanity check, before training
+        "train",
+        ["monitor.metric=val/accuracy"],
+        "monitor.metric=val/accuracy is not a metric this run logs (it logs: val/acc, val/loss)",
+    ),
+    case(  # a training metric: found at the first save
+        "train",
+        ["monitor.metric=train/los", "trainer.max_epochs=1", "trainer.num_sanity_val_steps=0"],
+        "monitor.metric=train/los is not a metric this run logs (it logs: ",
+    ),
     # loggers, callbacks, presets
     case("train", ["logger=nope"], "unknown logger 'nope'; valid options are: csv,"),
     case("train", ["logger=[csv,nope]"], "unknown logger 'nope'"),

@@ -6,6 +6,7 @@ ends; the same seed gives the same metrics."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,7 +17,14 @@ import pytest
 import torch
 
 from transformers_lab.builders import compose_config
-from transformers_lab.safety import AtomicCheckpointIO, Checkpoint, Interrupted, NonFiniteError
+from transformers_lab.safety import (
+    AtomicCheckpointIO,
+    Checkpoint,
+    Interrupted,
+    NonFiniteError,
+    random_states,
+    set_random_states,
+)
 from transformers_lab.train import fit_and_test, main, train
 
 TESTS = Path(__file__).parent
@@ -104,6 +112,17 @@ def test_the_same_seed_gives_the_same_metrics_and_weights(tmp_path, uninterrupte
     assert_same_run(metrics, tmp_path / "again" / "checkpoints" / "last.ckpt", uninterrupted)
     other = run(tmp_path, "other-seed", "seed=1")
     assert other["val/loss"] != metrics["val/loss"]
+
+
+def test_a_checkpoint_from_more_gpus_restores_the_random_states_of_the_ones_here(monkeypatch):
+    states = {**random_states(), "cuda": [torch.ones(3), torch.zeros(3)]}  # saved on 2 GPUs
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d: restored.append((s, d)))
+    set_random_states(states)
+    assert len(restored) == 1 and torch.equal(restored[0][0], torch.ones(3))
+    assert restored[0][1] == 0
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -206,10 +225,8 @@ def test_a_signal_saves_last_and_resuming_ends_as_the_uninterrupted_run(
     tmp_path, uninterrupted, signum, code
 ):
     # step 14 is in the middle of the second epoch: the data order must be replayed
-    cfg = compose_config(
-        "train", [*RUN, *with_callback("signal", SignalAt, step=14, signum=int(signum))],
-        tmp_path / "stopped",
-    )  # fmt: skip
+    overrides = [*RUN, *with_callback("signal", SignalAt, step=14, signum=int(signum))]
+    cfg = compose_config("train", overrides, tmp_path / "stopped")
     with pytest.raises(Interrupted) as err:
         fit_and_test(cfg)
     last = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
@@ -217,12 +234,56 @@ def test_a_signal_saves_last_and_resuming_ends_as_the_uninterrupted_run(
     name = signal.Signals(signum).name
     assert str(err.value) == (
         f"stopped by {name} at global step 14: saved {last}; resume with tlab-train "
-        f"ckpt_path={last}"
+        f"{shlex.join(overrides)} ckpt_path={last}"
     )
     assert load(last)["global_step"] == 14
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
     metrics = run(tmp_path, "resumed", f"ckpt_path={last}")
     assert_same_run(metrics, tmp_path / "resumed" / "checkpoints" / "last.ckpt", uninterrupted)
+
+
+def test_the_command_line_prints_a_resume_command_that_works(
+    tmp_path, uninterrupted, monkeypatch, capsys
+):
+    """The printed command keeps the run's overrides: with the defaults instead, the
+    resumed run would be another model (refused) or train to another length."""
+    argv = [*RUN, *with_callback("signal", SignalAt, step=14, signum=int(signal.SIGTERM))]
+    monkeypatch.setattr(sys, "argv", ["tlab-train", *argv, f"hydra.run.dir={tmp_path}/stopped"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 143
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    last = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
+    assert said.startswith("stopped by SIGTERM at global step 14: saved ")
+    command = shlex.split(said.split("; resume with ", 1)[1])
+    assert command[0] == "tlab-train" and command[-1] == f"ckpt_path={last}"
+    assert command[1:-1] == argv
+    monkeypatch.setattr(sys, "argv", [*command, f"hydra.run.dir={tmp_path}/resumed"])
+    main()  # returns: Hydra's main exits only on an error
+    got, expected = weights(tmp_path / "resumed" / "checkpoints" / "last.ckpt"), uninterrupted[1]
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+class SignalInTest(L.Callback):
+    """Send this process SIGTERM after the first test batch."""
+
+    def on_test_batch_end(self, *args: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_while_testing_stops_with_the_command_that_tests_the_best_checkpoint(tmp_path):
+    cfg = compose_config(
+        "train", [*RUN, "trainer.max_epochs=1", *with_callback("term", SignalInTest)],
+        tmp_path / "run",
+    )  # fmt: skip
+    with pytest.raises(Interrupted) as err:
+        fit_and_test(cfg)
+    best = tmp_path / "run" / "checkpoints" / "best.ckpt"
+    assert err.value.exit_code == 143
+    assert str(err.value) == (
+        "stopped by SIGTERM while testing, after training had finished: "
+        f"tlab-eval ckpt_path={best} split=test"
+    )
 
 
 def test_after_kill_9_resuming_from_last_ends_as_the_uninterrupted_run(tmp_path, uninterrupted):

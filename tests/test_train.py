@@ -249,6 +249,16 @@ def test_a_run_ended_by_max_steps_validates_its_final_weights_once(tmp_path, max
     assert float(best["best_model_score"]) == max(float(r["val/acc"]) for r in rows)
 
 
+def test_train_false_tests_the_checkpoint_it_is_given(tmp_path):
+    trained = run_train(tmp_path, [*SMALL, "trainer.max_epochs=2"])
+    best = tmp_path / "run" / "checkpoints" / "best.ckpt"
+    tested = run_train(tmp_path, [*SMALL, "train=false", f"ckpt_path={best}"], "test-only")
+    assert tested["test/acc"] == trained["test/acc"]
+    assert tested["test/loss"] == pytest.approx(trained["test/loss"])
+    untrained = run_train(tmp_path, [*SMALL, "train=false"], "untrained")
+    assert untrained["test/loss"] != pytest.approx(trained["test/loss"])
+
+
 def test_a_checkpoint_of_another_model_config_is_refused_in_one_line(tmp_path):
     run_train(tmp_path, [*SMALL, "trainer.max_epochs=1", "test=false"])
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"

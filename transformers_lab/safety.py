@@ -19,10 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shlex
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
+
+from transformers_lab.builders import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +73,28 @@ class Checkpoint(ModelCheckpoint):
       run stops. Other exceptions save nothing: the last good checkpoint stays as it was.
     - Resumed into a new run dir, the best checkpoints so far are copied there with their
       scores, so the best is still the best of the whole run (Lightning would forget it).
+    - A monitored metric the run does not log is a one-line ``ConfigError`` that lists the
+      ones it does: after the sanity check for a ``val/`` metric, before any training, and
+      otherwise at the first save (Lightning raises there, with a hint for code authors).
     """
 
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking and str(self.monitor).startswith("val/"):
+            self.check_monitor(self._monitor_candidates(trainer))
+        super().on_validation_end(trainer, pl_module)
+
+    def check_monitor(self, metrics: dict[str, Any]) -> None:
+        if self.monitor is None or self.monitor in metrics:
+            return
+        logged = ", ".join(sorted(k for k in metrics if k not in ("epoch", "step"))) or "none"
+        raise ConfigError(
+            f"monitor.metric={self.monitor} is not a metric this run logs (it logs: {logged}); "
+            "set monitor.metric= to one of them"
+        )
+
     def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
+        if self.save_top_k:
+            self.check_monitor(monitor_candidates)
         super()._save_topk_checkpoint(trainer, monitor_candidates)
         # Lightning's hooks save last.ckpt when a checkpoint was written at this step
         self._last_global_step_saved = trainer.global_step
@@ -251,13 +273,33 @@ class StopOnSignal(L.Callback):
         self.previous = None
 
 
-def interrupted(trainer: L.Trainer) -> Interrupted:
-    """The entry point's account of a run stopped by a signal."""
+def interrupted(
+    trainer: L.Trainer, overrides: Sequence[str] = (), testing: bool = False
+) -> Interrupted:
+    """The entry point's account of a run stopped by a signal: while training, the command
+    that resumes it (the run's ``overrides`` and the saved ``last.ckpt``); while testing,
+    after training finished, the command that tests its best checkpoint."""
     by = next((c.received for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
     name = by or "SIGTERM"
-    last = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
-    saved = f"saved {last}; resume with tlab-train ckpt_path={last}" if last else "nothing saved"
-    message = f"stopped by {name} at global step {trainer.global_step}: {saved}"
+    callback = trainer.checkpoint_callback
+    last = getattr(callback, "last_model_path", "") or None
+    if testing:
+        best = getattr(callback, "best_model_path", "") or last
+        then = (
+            f"tlab-eval ckpt_path={best} split=test" if best else "nothing to test: no checkpoint"
+        )
+        message = f"stopped by {name} while testing, after training had finished: {then}"
+        return Interrupted(message, name, last)
+    if last is None:
+        return Interrupted(
+            f"stopped by {name} at global step {trainer.global_step}: nothing saved", name, None
+        )
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "ckpt_path"]
+    again = " ".join(shlex.quote(o) for o in [*kept, f"ckpt_path={last}"])
+    message = (
+        f"stopped by {name} at global step {trainer.global_step}: saved {last}; "
+        f"resume with tlab-train {again}"
+    )
     return Interrupted(message, name, last)
 
 
@@ -279,7 +321,9 @@ def random_states() -> dict[str, Any]:
 def set_random_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        # a checkpoint from a machine with more GPUs: the ones there are get their states
+        for device, state in enumerate(states["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
     kind, keys, pos, has_gauss, gauss = states["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))  # noqa: NPY002
     random.setstate(states["python"])

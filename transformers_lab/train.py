@@ -146,7 +146,7 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
             try:
                 trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
             except SIGTERMException:  # SIGTERM or Ctrl+C: last.ckpt is saved
-                raise interrupted(trainer) from None
+                raise interrupted(trainer, job_overrides()) from None
             if resumed_step is not None and trainer.global_step == resumed_step:
                 say(nothing_left_to_train(cfg, resumed_step))
         metrics = metrics_dict(trainer.callback_metrics)
@@ -154,9 +154,15 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
         checkpoints = {k: checkpoint_path(trainer, f"{k}_model_path") for k in ("best", "last")}
         best = best_score(trainer)
         if cfg.get("test") and is_overridden("test_dataloader", datamodule):
-            if checkpoints["best"] is None:
-                log.warning("no best checkpoint saved: testing the weights in memory")
-            tested = trainer.test(task, datamodule=datamodule, ckpt_path=checkpoints["best"])
+            # without training, test the checkpoint given (else the model as built)
+            tested_ckpt = checkpoints["best"] if cfg.get("train", True) else cfg.get("ckpt_path")
+            if tested_ckpt is None:
+                trained = "trained" if cfg.get("train", True) else "untrained (train=false)"
+                log.warning("no checkpoint to test: testing the %s weights in memory", trained)
+            try:
+                tested = trainer.test(task, datamodule=datamodule, ckpt_path=tested_ckpt)
+            except SIGTERMException:
+                raise interrupted(trainer, testing=True) from None
             metrics.update(metrics_dict(tested[0] if tested else {}))
     finally:
         finish_wandb(trainer)
