@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
@@ -101,3 +103,43 @@ def test_two_processes_train_as_one_process_on_the_combined_batch(ddp_run, tmp_p
             keys = slice(len(tensor) // 3, 2 * len(tensor) // 3)
             two[name][keys], tensor[keys] = 0.0, 0.0
         assert torch.allclose(two[name], tensor, atol=TOLERANCE / 10, rtol=0), name
+
+
+class SignalTheGroupAt(L.Callback):
+    """Rank 0 sends its whole process group a signal while it trains the batch that
+    reaches ``step``: what Ctrl+C in a terminal, or ``kill -- -PGID``, does."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.is_global_zero and trainer.global_step == self.step - 1:
+            os.killpg(os.getpgid(0), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_to_every_process_stops_ddp_together_with_a_checkpoint(tmp_path, signum):
+    """Every process gets the signal (Lightning's own handler then broadcast from inside
+    the handler, once per delivery, and the processes hung); they stop at the same step."""
+    run_dir, name = tmp_path / "run", signal.Signals(signum).name
+    callback = f"{__name__}.{SignalTheGroupAt.__qualname__}"
+    command = [
+        sys.executable, "-m", "transformers_lab.train", "trainer=ddp_cpu", *RUN,
+        f"+callbacks.signal._target_={callback}", "+callbacks.signal.step=5",
+        f"+callbacks.signal.signum={int(signum)}", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(Path(__file__).parent)}
+    # a session of its own: the signal goes to the run's processes, not to pytest
+    run = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:  # hung: leave no process behind
+            os.killpg(run.pid, signal.SIGKILL)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert run.returncode == 128 + signum, err[-3000:]
+    assert f"stopped by {name} at global step 5: saved {last}" in err
+    assert torch.load(last, weights_only=True)["global_step"] == 5

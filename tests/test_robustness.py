@@ -44,13 +44,14 @@ STEPS = 30  # 3 epochs of 10 batches
 
 
 class SignalAt(L.Callback):
-    """Send this process a signal after the training batch that reaches ``step``."""
+    """Send this process a signal while it trains the batch that reaches ``step`` (as a
+    signal from outside arrives, in the middle of a batch)."""
 
     def __init__(self, step: int, signum: int) -> None:
         self.step, self.signum = step, signum
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
-        if trainer.global_step == self.step:
+    def on_before_optimizer_step(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step - 1:
             os.kill(os.getpid(), self.signum)
 
 

@@ -232,6 +232,9 @@ def test_resume_from_last_continues_the_global_step_and_the_schedule(tmp_path, c
     out = capsys.readouterr().out
     assert f"nothing left to train: {done} is at global step 12, where the trainer's " in out
     assert "max_epochs=4, max_steps=-1 end the run" in out
+    # one with lower limits than it has reached: Lightning's refusal, as a ConfigError
+    with pytest.raises(ConfigError, match=r"current_epoch=3, but you have set .*max_epochs=2"):
+        run_train(tmp_path, [*limit, "trainer.max_epochs=2", f"ckpt_path={done}"], "lower")
 
 
 @pytest.mark.parametrize(("max_steps", "validated"), [(14, [9, 13]), (20, [9, 19])])

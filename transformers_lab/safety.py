@@ -245,32 +245,48 @@ class NonFiniteGuard(L.Callback):
 
 
 class StopOnSignal(L.Callback):
-    """Ctrl+C (SIGINT) stops training at the next batch boundary, as Lightning does for
-    SIGTERM, so ``Checkpoint`` saves ``last.ckpt`` and the entry point exits cleanly. A
-    second Ctrl+C stops at once, without saving. ``received`` names the signal."""
+    """SIGTERM and Ctrl+C (SIGINT) stop training after the current batch, on every process
+    at the same step, so ``Checkpoint`` saves ``last.ckpt`` and the entry point exits
+    cleanly. A second Ctrl+C stops at once, without saving. ``received`` names the signal.
+
+    While training, this replaces Lightning's own SIGTERM handler: under DDP that one
+    forwards the signal to the other processes and broadcasts from inside the handler, so
+    a signal sent to the whole process group (Ctrl+C in a terminal, ``kill -- -PGID``)
+    reached a process twice and left the processes waiting on each other for ever. Here
+    the handler only notes the signal; after each training batch the processes agree
+    (one all-reduce) and all raise Lightning's own stop flag together.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.received: str | None = None
-        self.previous: Any = None
+        self.previous: dict[int, Any] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.received = None
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self.on_sigint)
-        self.lightning_sigterm = signal.getsignal(signal.SIGTERM)
+            self.previous = {s: signal.signal(s, self.on_signal) for s in self.SIGNALS}
 
-    def on_sigint(self, signum: int, frame: Any) -> None:
-        handler = self.lightning_sigterm
-        if self.received == "SIGINT" or not callable(handler):
+    def on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.received == "SIGINT":
             raise KeyboardInterrupt
-        self.received = "SIGINT"
-        log.warning("Ctrl+C: saving a checkpoint after this batch (again: stop at once)")
-        handler(signal.SIGTERM, frame)
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            again = " (again: stop at once)" if signum == signal.SIGINT else ""
+            log.warning("%s: saving a checkpoint after this batch%s", self.received, again)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
+            # Lightning's flag: the loop saves nothing itself, it raises SIGTERMException at
+            # the end of this batch (after its counters and any validation), on each process
+            trainer._signal_connector.received_sigterm = True
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.previous is not None and signal.getsignal(signal.SIGINT) == self.on_sigint:
-            signal.signal(signal.SIGINT, self.previous)
-        self.previous = None
+        for signum, handler in self.previous.items():
+            if signal.getsignal(signum) == self.on_signal:
+                signal.signal(signum, handler)
+        self.previous = {}
 
 
 def interrupted(
@@ -347,9 +363,11 @@ class ExactResume(L.Callback):
     schedule asks for the number of steps), too early for its own loader states.
 
     Exact on one process with the data loaded in the main process (``num_workers=0``, the
-    configs' default). Under DDP the checkpoint holds rank 0's random states (every rank
-    starts from the same seed); with worker processes, random augmentations drawn in the
-    workers are not replayed. A checkpoint loaded to validate or test changes nothing.
+    configs' default), at an optimizer step: with gradient accumulation, a stop between
+    two steps loses the gradients accumulated since the last one. Under DDP the checkpoint
+    holds rank 0's random states (every rank starts from the same seed); with worker
+    processes, random augmentations drawn in the workers are not replayed. A checkpoint
+    loaded to validate or test changes nothing.
     """
 
     KEY = "exact_resume"

@@ -32,13 +32,17 @@ from hydra.types import RunMode
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import (
+    MisconfigurationException,
+    SIGTERMException,
+)
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from transformers_lab.analysis.summary import SEED_KEYS, read_result, write_result
 from transformers_lab.builders import (
     CONF_DIR,
+    ConfigError,
     build_callbacks,
     build_datamodule,
     build_loggers,
@@ -164,6 +168,8 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
             except SIGTERMException:
                 raise interrupted(trainer, testing=True) from None
             metrics.update(metrics_dict(tested[0] if tested else {}))
+    except MisconfigurationException as exc:  # Lightning's word on a setting that cannot work
+        raise ConfigError(f"Lightning refused the run: {exc}") from exc
     finally:
         finish_wandb(trainer)
     report(metrics, checkpoints)
