@@ -72,6 +72,19 @@ class PoisonAt(L.Callback):
             weight.register_hook(lambda grad: grad * float("nan"))
 
 
+class PoisonBeforeValidationAt(L.Callback):
+    """At ``step``, make a weight NaN after training and before the validation (and the
+    checkpoints after it): no loss or gradient shows it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self.step and not trainer.sanity_checking:
+            with torch.no_grad():
+                pl_module.model.head.weight[0, 0] = float("nan")
+
+
 def with_callback(name: str, target: type, **kwargs: object) -> list[str]:
     """Overrides that add a test callback to the run's callbacks."""
     args = [f"+callbacks.{name}._target_={target.__module__}.{target.__qualname__}"]
@@ -205,6 +218,17 @@ def test_a_nan_stops_the_run_at_its_step_and_keeps_the_last_good_checkpoint(
     saved = load(last)
     assert saved["global_step"] == 10  # the end of epoch 0, before the NaN
     assert all(torch.isfinite(t).all() for t in saved["state_dict"].values())
+
+
+def test_a_nan_weight_is_never_written_to_a_checkpoint(tmp_path):
+    with pytest.raises(NonFiniteError) as err:
+        run(tmp_path, "run", *with_callback("poison", PoisonBeforeValidationAt, step=20))
+    assert (
+        "the weight model.head.weight is not finite before a checkpoint at global step 20"
+        in str(err.value)
+    )
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert load(last)["global_step"] == 10  # the end of epoch 0, not the poisoned weights
 
 
 def test_the_command_line_reports_a_nan_in_one_line(tmp_path, monkeypatch, capsys):

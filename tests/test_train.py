@@ -22,7 +22,7 @@ from transformers_lab.builders import (
     build_model,
     compose_config,
 )
-from transformers_lab.cli import check_overrides
+from transformers_lab.cli import check_overrides, run_dir_folder
 from transformers_lab.eval import evaluate
 from transformers_lab.sample import sample
 from transformers_lab.train import train
@@ -423,6 +423,18 @@ def read_wandb_run(path: Path) -> dict:
 
 
 # ------------------------------------------------------------------ bad input
+
+
+def test_the_run_dir_is_read_from_the_command_line_as_hydra_reads_it(monkeypatch):
+    monkeypatch.setenv("TLAB_ROOT", "/root/of/runs")
+    assert run_dir_folder([]) == Path("/root/of/runs/logs")
+    assert run_dir_folder(["paths.root_dir=/else"]) == Path("/else/logs")
+    # the last one counts; Lightning's DDP processes get it again, quoted
+    argv = ["hydra.run.dir=/a/run", 'hydra.run.dir="/a/run"']
+    assert run_dir_folder(argv) == Path("/a/run")
+    assert run_dir_folder(["hydra.run.dir='/b/run'"]) == Path("/b/run")
+    assert run_dir_folder(["hydra.run.dir=/c/${now:%H}/x"]) == Path("/c")
+    assert run_dir_folder(["-m", "hydra.sweep.dir=/d"]) == Path("/d")
 
 
 def test_an_unknown_group_option_lists_the_valid_ones():

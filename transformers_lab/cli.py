@@ -72,6 +72,8 @@ def run_dir_folder(argv: Sequence[str]) -> Path | None:
         value = overrides["paths.log_dir"]
     else:
         value = overrides.get("paths.root_dir", os.environ.get("TLAB_ROOT", ".")) + "/logs"
+    if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+        value = value[1:-1]  # Hydra's quoted value (how Lightning passes it to DDP processes)
     if value.startswith("${"):
         return None
     literal, interpolation, _ = value.partition("${")

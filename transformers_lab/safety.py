@@ -212,8 +212,13 @@ class NonFiniteGuard(L.Callback):
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict
     ) -> None:
-        if not all_finite([p.detach() for p in pl_module.parameters()]):
-            self.stop(trainer, self.first_bad(pl_module, "data") + " before a checkpoint")
+        # every process saves together; under FSDP each holds a different shard, so they
+        # decide together (one stopping alone would leave the others at the save's barrier)
+        bad = not all_finite([p.detach() for p in pl_module.parameters()])
+        if trainer.strategy.reduce_boolean_decision(bad, all=False):
+            elsewhere = "a weight of another process is not finite"
+            what = self.first_bad(pl_module, "data") if bad else elsewhere
+            self.stop(trainer, f"{what} before a checkpoint")
 
     @staticmethod
     def first_bad(pl_module: L.LightningModule, field: str) -> str:
