@@ -143,3 +143,25 @@ def test_a_signal_to_every_process_stops_ddp_together_with_a_checkpoint(tmp_path
     assert run.returncode == 128 + signum, err[-3000:]
     assert f"stopped by {name} at global step 5: saved {last}" in err
     assert torch.load(last, weights_only=True)["global_step"] == 5
+
+
+def test_ddp_splits_a_text_epoch_of_train_samples_windows_between_the_processes(tmp_path):
+    """Random windows with replacement: 2 processes share one epoch of ``train_samples``
+    windows (Lightning would have swapped a RandomSampler for a DistributedSampler over
+    every window of the text: an epoch 80 times longer)."""
+    text = Path(os.environ.get("TLAB_DATA_DIR", "/nonexistent")) / "shakespeare" / "input.txt"
+    if not text.is_file():
+        pytest.skip(f"needs the real Tiny Shakespeare at {text} (TLAB_DATA_DIR)")
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "transformers_lab.train", "trainer=ddp_cpu", "model=gpt",
+        "data=shakespeare_char", "data.block_size=16", "data.batch_size=4",
+        "data.train_samples=48", "model.d_model=16", "model.n_layer=1", "model.n_head=2",
+        "trainer.max_epochs=1", "trainer.limit_val_batches=2", "test=false", "logger=csv",
+        "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 48 // (2 * 4)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 
 from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer, load_encoding
@@ -49,6 +49,26 @@ class Windows(Dataset):
         s = i * self.stride
         chunk = self.data[s : s + self.block_size + 1]
         return chunk[:-1], chunk[1:]
+
+
+class RandomWindows(Sampler[int]):
+    """``num_samples`` window offsets drawn uniformly with replacement, nanoGPT's sampling
+    (a ``RandomSampler`` inside, so one process draws exactly what it always drew).
+
+    Not a ``RandomSampler`` itself: Lightning's DDP replaces one of those with a
+    ``DistributedSampler`` over every window, an epoch of the whole text (about 80 times
+    ``num_samples`` for Tiny Shakespeare); a sampler of another kind it wraps instead, and
+    the processes split this epoch's ``num_samples`` draws between them.
+    """
+
+    def __init__(self, num_windows: int, num_samples: int) -> None:
+        self.draws = RandomSampler(range(num_windows), replacement=True, num_samples=num_samples)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.draws)
+
+    def __len__(self) -> int:
+        return len(self.draws)
 
 
 class ShakespeareCharDataModule(L.LightningDataModule):
@@ -151,7 +171,7 @@ class ShakespeareCharDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup()
         windows = Windows(self.train_data, self.block_size)
-        sampler = RandomSampler(windows, replacement=True, num_samples=self.train_samples)
+        sampler = RandomWindows(len(windows), self.train_samples)
         return ResumableLoader(
             windows, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers
         )
