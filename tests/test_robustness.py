@@ -306,8 +306,8 @@ def test_sigterm_while_testing_stops_with_the_command_that_tests_the_best_checkp
     best = tmp_path / "run" / "checkpoints" / "best.ckpt"
     assert err.value.exit_code == 143
     assert str(err.value) == (
-        "stopped by SIGTERM while testing, after training had finished: "
-        f"tlab-eval ckpt_path={best} split=test"
+        f"stopped by SIGTERM while testing: test it again with tlab-eval ckpt_path={best} "
+        "split=test"
     )
 
 

@@ -294,27 +294,20 @@ class StopOnSignal(L.Callback):
         self.previous = {}
 
 
-def interrupted(
-    trainer: L.Trainer, overrides: Sequence[str] = (), testing: bool = False
-) -> Interrupted:
-    """The entry point's account of a run stopped by a signal: while training, the command
-    that resumes it (the run's ``overrides`` and the saved ``last.ckpt``); while testing,
-    after training finished, the command that tests its best checkpoint."""
+def signal_name(trainer: L.Trainer) -> str:
+    """The signal that stopped the run (Lightning's own handler knows only SIGTERM)."""
     by = next((c.received for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
-    name = by or "SIGTERM"
-    callback = trainer.checkpoint_callback
-    last = getattr(callback, "last_model_path", "") or None
-    if testing:
-        best = getattr(callback, "best_model_path", "") or last
-        then = (
-            f"tlab-eval ckpt_path={best} split=test" if best else "nothing to test: no checkpoint"
-        )
-        message = f"stopped by {name} while testing, after training had finished: {then}"
-        return Interrupted(message, name, last)
+    return by or "SIGTERM"
+
+
+def interrupted(trainer: L.Trainer, overrides: Sequence[str] = ()) -> Interrupted:
+    """The entry point's account of a training run stopped by a signal, with the command
+    that resumes it: the run's ``overrides`` and the saved ``last.ckpt``."""
+    name = signal_name(trainer)
+    last = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
     if last is None:
-        return Interrupted(
-            f"stopped by {name} at global step {trainer.global_step}: nothing saved", name, None
-        )
+        message = f"stopped by {name} at global step {trainer.global_step}: nothing saved"
+        return Interrupted(message, name, None)
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "ckpt_path"]
     again = " ".join(shlex.quote(o) for o in [*kept, f"ckpt_path={last}"])
     message = (
@@ -322,6 +315,18 @@ def interrupted(
         f"resume with tlab-train {again}"
     )
     return Interrupted(message, name, last)
+
+
+def interrupted_testing(trainer: L.Trainer, checkpoint: str | None) -> Interrupted:
+    """The account of a signal during the test that follows training, with the command
+    that tests ``checkpoint`` (the one being tested) again."""
+    name = signal_name(trainer)
+    then = (
+        f"test it again with tlab-eval ckpt_path={checkpoint} split=test"
+        if checkpoint
+        else "the weights under test were not saved"
+    )
+    return Interrupted(f"stopped by {name} while testing: {then}", name, checkpoint)
 
 
 # ---------------------------------------------------------------- exact resume

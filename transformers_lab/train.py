@@ -56,7 +56,12 @@ from transformers_lab.builders import (
     resolved_sections,
 )
 from transformers_lab.cli import run_hydra, user_errors
-from transformers_lab.safety import Interrupted, RunStopped, interrupted
+from transformers_lab.safety import (
+    Interrupted,
+    RunStopped,
+    interrupted,
+    interrupted_testing,
+)
 from transformers_lab.validation import validate_config
 
 log = logging.getLogger(__name__)
@@ -166,7 +171,7 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
             try:
                 tested = trainer.test(task, datamodule=datamodule, ckpt_path=tested_ckpt)
             except SIGTERMException:
-                raise interrupted(trainer, testing=True) from None
+                raise interrupted_testing(trainer, tested_ckpt) from None
             metrics.update(metrics_dict(tested[0] if tested else {}))
     except MisconfigurationException as exc:  # Lightning's word on a setting that cannot work
         raise ConfigError(f"Lightning refused the run: {exc}") from exc
