@@ -36,6 +36,11 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message says what to change."""
 
 
+def override_key(override: str) -> str:
+    """The key a command-line override sets: ``+trainer.x=1`` -> ``trainer.x``."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 # resolvers the configs use (registered on import: every entry point imports this module)
 
 

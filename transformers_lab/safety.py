@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
-from transformers_lab.builders import ConfigError
+from transformers_lab.builders import ConfigError, override_key
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def interrupted(trainer: L.Trainer, overrides: Sequence[str] = ()) -> Interrupte
     if last is None:
         message = f"stopped by {name} at global step {trainer.global_step}: nothing saved"
         return Interrupted(message, name, None)
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "ckpt_path"]
+    kept = [o for o in overrides if override_key(o) != "ckpt_path"]
     again = " ".join(shlex.quote(o) for o in [*kept, f"ckpt_path={last}"])
     message = (
         f"stopped by {name} at global step {trainer.global_step}: saved {last}; "

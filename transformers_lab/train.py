@@ -53,6 +53,7 @@ from transformers_lab.builders import (
     compile_model,
     load_checkpoint,
     metrics_dict,
+    override_key,
     resolved_sections,
 )
 from transformers_lab.cli import run_hydra, user_errors
@@ -151,7 +152,8 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
             enable_checkpointing=checkpointing,
         )
         log_hyperparameters(cfg, task, trainer)
-        if cfg.get("train", True):
+        training = cfg.get("train", True)
+        if training:
             try:
                 trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
             except SIGTERMException:  # SIGTERM or Ctrl+C: last.ckpt is saved
@@ -164,9 +166,9 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
         best = best_score(trainer)
         if cfg.get("test") and is_overridden("test_dataloader", datamodule):
             # without training, test the checkpoint given (else the model as built)
-            tested_ckpt = checkpoints["best"] if cfg.get("train", True) else cfg.get("ckpt_path")
+            tested_ckpt = checkpoints["best"] if training else cfg.get("ckpt_path")
             if tested_ckpt is None:
-                trained = "trained" if cfg.get("train", True) else "untrained (train=false)"
+                trained = "trained" if training else "untrained (train=false)"
                 log.warning("no checkpoint to test: testing the %s weights in memory", trained)
             try:
                 tested = trainer.test(task, datamodule=datamodule, ckpt_path=tested_ckpt)
@@ -245,7 +247,7 @@ def job_overrides() -> list[str]:
 
 
 def what_it_runs(overrides: list[str]) -> list[str]:
-    return sorted(o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in RUN_CONTROL)
+    return sorted(o for o in overrides if override_key(o) not in RUN_CONTROL)
 
 
 def swept_keys(sweep_dir: Path) -> set[str]:
@@ -274,7 +276,7 @@ def name_wandb_run(cfg: DictConfig) -> None:
         sweep_dir = Path(cfg.paths.output_dir).parent
         group = f"{cfg.task_name}-{sweep_dir.name}"
         swept = swept_keys(sweep_dir) - set(SEED_KEYS)
-        choice = [o for o in job_overrides() if o.split("=", 1)[0].lstrip("+~") in swept]
+        choice = [o for o in job_overrides() if override_key(o) in swept]
         job_type = " ".join(choice)[:64] or cfg.task_name
     with open_dict(node):
         node.group = node.get("group") or group
