@@ -393,6 +393,46 @@ def test_positional_encodings():
     assert learned(x).shape == x.shape and learned.embedding.weight.requires_grad
 
 
+def test_positional_encoding_scale_is_a_learned_gain():
+    from transformers_lab.nn import PositionalEncoding, sinusoidal_table
+
+    x = torch.zeros(1, 10, 8)
+    for kind in ("sinusoidal", "fourier"):
+        scaled = PositionalEncoding(kind, 8, 16, scale=0.25)
+        torch.testing.assert_close(
+            scaled(x)[0], 0.25 * sinusoidal_table(16, 8)[:10], atol=1e-6, rtol=0
+        )
+        assert scaled.gain.requires_grad
+    with pytest.raises(ValueError, match="must be > 0, got 0"):
+        PositionalEncoding("sinusoidal", 8, 16, scale=0)
+
+
+def rms(t: torch.Tensor) -> float:
+    return float(t.detach().pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("pos", ["sinusoidal", "fourier"])
+@pytest.mark.parametrize("vocab", [65, 5000])
+def test_fixed_positions_are_as_large_as_the_token_embeddings_they_are_added_to(pos, vocab):
+    """A fixed table 35 times larger than GPT's N(0, 0.02) embeddings drowned them: a GPT
+    with sinusoidal positions stayed at the unigram loss (issue 18). In every model the
+    positions now start as large as the tokens they are added to (within 25%)."""
+    ids = torch.randint(0, vocab, (4, 32))
+    gpt = GPT(vocab, 32, n_layer=1, n_head=2, d_model=64, pos_encoding=pos)
+    transformer = Transformer(vocab, vocab, max_len=32, d_model=64, n_head=2, pos_encoding=pos)
+    encoder = EncoderClassifier(
+        3, vocab_size=vocab, max_len=32, d_model=64, n_head=2, pos_encoding=pos
+    )
+    added = {  # (token vectors, position vectors) as each model sums them
+        "gpt": (gpt.tok(ids), gpt.pos.table_rows(32)),
+        "transformer": (transformer.src_tok(ids) * 64**0.5, transformer.pos.table_rows(32)),
+        "encoder": (encoder.embedding(ids), encoder.pos.table_rows(32)),
+    }
+    for name, (tokens, positions) in added.items():
+        ratio = rms(positions) / rms(tokens)
+        assert 0.8 < ratio < 1.25, f"{name}: positions / tokens = {ratio:.3f}"
+
+
 def test_patch_stride_and_padding_set_the_grid():
     """5x5 patches on 28x28 MNIST: padding 1 gives a 6x6 grid, stride 1 overlapping 24x24."""
     from transformers_lab.nn import PatchEmbedding

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -85,7 +87,10 @@ class EncoderClassifier(nn.Module):
             )
             max_len = self.embedding.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d_model)) if pool == "cls" else None
-        self.pos = PositionalEncoding(pos_encoding, d_model, max_len + (pool == "cls"))
+        # fixed positions as large as the tokens: nn.Embedding draws N(0, 1), and sines and
+        # cosines have a root mean square of 1/sqrt(2); patches keep the plain table
+        scale = math.sqrt(2) if vocab_size is not None else 1.0
+        self.pos = PositionalEncoding(pos_encoding, d_model, max_len + (pool == "cls"), scale)
         self.drop = nn.Dropout(dropout)
         self.blocks = block_stack(
             n_layer,

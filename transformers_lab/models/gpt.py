@@ -52,7 +52,9 @@ class GPT(nn.Module):
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.tok = TokenEmbedding(vocab_size, d_model)
-        self.pos = PositionalEncoding(pos_encoding, d_model, block_size)
+        # fixed positions as large as the token embeddings (N(0, 0.02), _init_weights):
+        # sines and cosines times 0.02 * sqrt(2) have a root mean square of 0.02
+        self.pos = PositionalEncoding(pos_encoding, d_model, block_size, math.sqrt(2) * 0.02)
         self.drop = nn.Dropout(dropout)
         self.blocks = block_stack(
             n_layer,

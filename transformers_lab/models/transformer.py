@@ -68,7 +68,11 @@ class Transformer(nn.Module):
         self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
         self.src_tok = TokenEmbedding(src_vocab_size, d_model)
         self.tgt_tok = self.src_tok if share_embeddings else TokenEmbedding(tgt_vocab_size, d_model)
-        self.pos = PositionalEncoding(pos_encoding, d_model, max_len)
+        # fixed positions as large as the scaled token embeddings: Xavier's std
+        # sqrt(2 / (vocab + d_model)) times sqrt(d_model) (embed); sines and cosines have a
+        # root mean square of 1/sqrt(2)
+        token_rms = math.sqrt(2 / (src_vocab_size + d_model)) * math.sqrt(d_model)
+        self.pos = PositionalEncoding(pos_encoding, d_model, max_len, math.sqrt(2) * token_rms)
         self.drop = nn.Dropout(dropout)
         options = {
             "mlp_ratio": mlp_ratio,

@@ -76,10 +76,17 @@ class PositionalEncoding(nn.Module):
             the frequencies of the fixed table.
         none: no positions (the attention kernel sees a bag of tokens).
 
+    ``scale`` multiplies the sinusoidal and fourier vectors (sines and cosines, whose
+    entries have a root mean square of 1/sqrt(2)). A model sets it so that they are as
+    large as its token embeddings: GPT's are drawn from N(0, 0.02), and the plain table,
+    35 times larger, drowned them (a GPT with fixed positions learned nothing in a few
+    hundred steps). The scale is a learned gain (as in the "scaled sinusoidal" positions
+    of Hua et al., 2022), so training can still weigh positions against tokens.
+
     Every kind refuses a sequence longer than ``max_len``, the model's context.
     """
 
-    def __init__(self, kind: str, d_model: int, max_len: int) -> None:
+    def __init__(self, kind: str, d_model: int, max_len: int, scale: float = 1.0) -> None:
         super().__init__()
         if kind not in POSITIONAL_ENCODINGS:
             raise ValueError(
@@ -88,6 +95,8 @@ class PositionalEncoding(nn.Module):
             )
         if kind in ("sinusoidal", "fourier") and d_model % 2:
             raise ValueError(f"{kind} positions need an even d_model, got d_model={d_model}")
+        if scale <= 0:
+            raise ValueError(f"the scale of the positions must be > 0, got {scale}")
         self.kind = kind
         self.max_len = max_len
         if kind == "sinusoidal":
@@ -98,6 +107,8 @@ class PositionalEncoding(nn.Module):
         elif kind == "fourier":
             freqs = torch.exp(torch.arange(0, d_model, 2) * (-math.log(1e4) / d_model))
             self.freqs = nn.Parameter(freqs)
+        if kind in ("sinusoidal", "fourier"):
+            self.gain = nn.Parameter(torch.tensor(float(scale)))
 
     def table_rows(self, length: int, offset: int = 0) -> Tensor | None:
         """Position vectors of positions ``offset .. offset + length - 1``, (length, d_model),
@@ -113,10 +124,10 @@ class PositionalEncoding(nn.Module):
         if self.kind == "fourier":
             position = torch.arange(offset, offset + length, device=self.freqs.device)
             angles = position[:, None].to(self.freqs.dtype) * self.freqs  # (T, d_model / 2)
-            return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)
+            return self.gain * torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)
         if self.kind == "learned":
             return self.embedding.weight[offset : offset + length]
-        return self.table[offset : offset + length]
+        return self.gain * self.table[offset : offset + length]
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """x (B, T, d_model) plus the vectors of positions ``offset .. offset + T - 1``."""
