@@ -72,10 +72,22 @@ CASES = [
     case(
         "train",
         ["model=gpt", *MQAR, "ckpt_path={vit}"],
-        "saved from a different model config (_target_: 'transformers_lab.models.ViT' -> "
-        "'transformers_lab.models.GPT'",
+        "was trained with another config: data._target_: "
+        "'transformers_lab.data.DigitsDataModule' -> 'transformers_lab.data.SyntheticDataModule'; "
+        "model._target_: 'transformers_lab.models.ViT' -> 'transformers_lab.models.GPT'; "
+        "task._target_: 'transformers_lab.tasks.ClassificationTask' -> "
+        "'transformers_lab.tasks.LanguageModelTask'; resume with",
     ),
-    case("train", ["model.d_model=48", "ckpt_path={vit}"], "different model config (d_model"),
+    case(
+        "train",
+        ["model.d_model=48", "ckpt_path={vit}"],
+        "was trained with another config: model.d_model: 32 -> 48; resume with",
+    ),
+    case(  # a tensor-shape check only, for a checkpoint with no saved config
+        "train",
+        ["ckpt_path={plain}"],
+        "was saved from a different model config (",
+    ),
     case("train", ["ckpt_path={tmp}/nope.ckpt"], "no checkpoint at"),
     case("train", ["ckpt_path={junk}"], "junk.ckpt is not a checkpoint"),
     # where the run goes
@@ -125,6 +137,19 @@ CASES = [
     case("train", ["model.dropuot=0.1"], "unknown key model.dropuot (did you mean model.dropout?)"),
     case("train", ["model=transformer"], "unknown key model.n_layer (did you mean model.n_enc"),
     case("train", ["model.d_model=[1"], "no viable alternative at input '[1'"),
+    case(  # argparse printed its usage
+        "train",
+        ["--max_steps", "100"],
+        "unknown option --max_steps: settings are Hydra overrides key=value, not --options; "
+        "write trainer.max_steps=100 or scheduler.max_steps=100",
+    ),
+    case("train", ["--nope"], "unknown option --nope: settings are Hydra overrides key=value"),
+    case(  # a misspelled group: +atention=... would have been wrong advice
+        "train",
+        ["atention=fastmax"],
+        "unknown key atention (did you mean the config group attention? attention=<option>, "
+        "one of: additive, cosine",
+    ),
     case("train", ["data.batch_size=${nope}"], "Interpolation key 'nope' not found"),
     # tlab-eval
     case("eval", [], "ckpt_path is required"),
@@ -140,6 +165,7 @@ CASES = [
     case("sample", ["ckpt_path={vit}", "top_p=1.5"], "top_p must be in (0, 1], got 1.5"),
     case("sample", ["ckpt_path={vit}", "num_samples=0"], "num_samples must be an integer >= 1"),
     case("sample", ["ckpt_path={vit}", "device=nope"], "device must be cpu or a GPU"),
+    case("sample", ["ckpt_path={vit}", "--prompt", "hi"], "write prompt=hi"),
 ]
 
 

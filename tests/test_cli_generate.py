@@ -12,8 +12,9 @@ import torch
 from test_data import tiny_encoding, tiny_ranks, write_ranks
 
 import transformers_lab.sample as sample_module
-from transformers_lab.builders import compose_config
+from transformers_lab.builders import ConfigError, compose_config
 from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer
+from transformers_lab.eval import load_task
 from transformers_lab.models import GPT, Transformer
 from transformers_lab.models.common import sample_next
 from transformers_lab.sample import TextStream, sample
@@ -206,6 +207,52 @@ def test_sample_streams_bpe_text_with_multibyte_characters(bpe_gpt_ckpt, tmp_pat
     streamed = sample_run(bpe_gpt_ckpt, tmp_path / "streamed", *options, "stream=true")
     assert streamed == whole and whole[0].startswith("Grüße 世界")
     assert without_run_dir(capsys.readouterr().out) == without_run_dir(whole_out)
+
+
+def test_load_task_with_another_block_size_names_exactly_that_key(gpt_ckpt):
+    """It listed every key as '... -> None' (issue 18)."""
+    with pytest.raises(ConfigError) as err:
+        load_task(gpt_ckpt, data={"block_size": 24})
+    assert f"checkpoint {gpt_ckpt} was saved from a different model config (" in str(err.value)
+    assert "(data.block_size: 16 -> 24);" in str(err.value)
+
+
+def sample_main(ckpt: Path, out: Path, monkeypatch, capsys, *overrides: str) -> tuple[int, str]:
+    argv = ["tlab-sample", f"ckpt_path={ckpt}", *overrides, f"hydra.run.dir={out}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    code = 0
+    try:
+        sample_module.main()
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_a_prompt_outside_the_vocabulary_is_one_line(gpt_ckpt, tmp_path, monkeypatch, capsys):
+    code, err = sample_main(gpt_ckpt, tmp_path, monkeypatch, capsys, "prompt='Before café'")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and "Traceback" not in err, err
+    assert errors == [
+        "error: prompt='Before café' cannot be encoded: character 'é' is not in the vocabulary "
+        "this tokenizer was built on; the model knows only the characters of its training "
+        "text, so write the prompt with those"
+    ]
+
+
+def test_a_prompt_longer_than_the_context_says_the_window_slides_once(
+    gpt_ckpt, tmp_path, monkeypatch, capsys
+):
+    long = "prompt='" + "Before we proceed " * 2 + "'"  # 36 characters, block_size 16
+    code, err = sample_main(
+        gpt_ckpt, tmp_path, monkeypatch, capsys, long, "num_samples=2", "max_new_tokens=3"
+    )
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert code == 0 and notes == [
+        "note: the prompt has 36 tokens, more than the model's context of 16: the model sees "
+        "only its last 16 tokens"
+    ]
+    _, err = sample_main(gpt_ckpt, tmp_path / "short", monkeypatch, capsys, "prompt=Before")
+    assert "note:" not in err
 
 
 # ------------------------------------------------------------------ tlab-translate

@@ -5,6 +5,7 @@ ends; the same seed gives the same metrics."""
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import signal
@@ -16,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 
-from transformers_lab.builders import compose_config
+from transformers_lab.builders import compose_config, differences
 from transformers_lab.safety import (
     AtomicCheckpointIO,
     Checkpoint,
@@ -240,6 +241,84 @@ def test_the_command_line_reports_a_nan_in_one_line(tmp_path, monkeypatch, capsy
     errors = capsys.readouterr().err.strip().splitlines()
     assert errors[-1].startswith("error: the training loss is nan at global step 3")
     assert "Traceback" not in "".join(errors)
+
+
+# ---------------------------------------------- resume: the checkpoint's config holds
+
+
+@pytest.fixture(scope="module")
+def fastmax_last(tmp_path_factory) -> Path:
+    """last.ckpt of one epoch of the RUN model with attention=fastmax, trained through the
+    command line (so its run dir holds .hydra/overrides.yaml)."""
+    run_dir = tmp_path_factory.mktemp("fastmax") / "run"
+    argv = [*RUN, "attention=fastmax", "trainer.max_epochs=1", "test=false"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["tlab-train", *argv, f"hydra.run.dir={run_dir}"])
+        main()
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+def resume_main(tmp_path, monkeypatch, capsys, ckpt: Path, *overrides: str) -> list[str]:
+    """``tlab-train RUN <overrides> ckpt_path=<ckpt>``: the error lines (exit code 2)."""
+    argv = [*RUN, *overrides, f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path}/resumed"]
+    monkeypatch.setattr(sys, "argv", ["tlab-train", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+FASTMAX = "'transformers_lab.attention.FastmaxAttention'"
+SOFTMAX = "'transformers_lab.attention.SoftmaxAttention'"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "changes"),
+    [
+        # attention= left out: the default kernel, softmax, would have trained on
+        ([], f"model.attention._target_: {FASTMAX} -> {SOFTMAX}; resume"),
+        (["attention=fastmax", "model.n_head=4"], "model.n_head: 2 -> 4; resume"),
+        (["attention=fastmax", "attention.p=1"], "model.attention.p: 2 -> 1; resume"),
+        (["attention=fastmax", "data.batch_size=64"], "data.batch_size: 128 -> 64; resume"),
+    ],
+)
+def test_resuming_with_another_model_kernel_or_data_is_refused_in_one_line(
+    fastmax_last, overrides, changes, tmp_path, monkeypatch, capsys
+):
+    (error,) = resume_main(tmp_path, monkeypatch, capsys, fastmax_last, *overrides)
+    assert error.startswith(
+        f"error: checkpoint {fastmax_last} was trained with another config: {changes}"
+    )
+    assert "attention=fastmax" in error.split("it was trained with: tlab-train ")[1]
+    assert not (tmp_path / "resumed" / "checkpoints").exists()  # refused before training
+
+
+def test_a_resume_may_change_the_trainer_and_the_keys_it_lists(fastmax_last, tmp_path):
+    """The trainer's limits change on resume by design; a key of the model, data or task
+    config changes when resume_may_change lists it."""
+    metrics = run(
+        tmp_path,
+        "resumed",
+        "attention=fastmax",
+        "trainer.max_epochs=2",
+        "model.dropout=0.0",
+        "resume_may_change=[model.dropout]",
+        f"ckpt_path={fastmax_last}",
+    )
+    assert load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")["global_step"] == 20
+    assert math.isfinite(metrics["val/loss"])
+
+
+def test_config_differences_name_each_key_with_both_values():
+    saved = {"model": {"n_head": 2, "attention": {"p": 2}}, "data": {"root": "/a", "bs": 8}}
+    now = {"model": {"n_head": 4, "attention": {}}, "data": {"root": "/b", "bs": 8, "new": 1}}
+    assert differences(saved, now, allowed=("data.root",)) == [
+        "data.new: (absent) -> 1",
+        "model.attention.p: 2 -> (absent)",
+        "model.n_head: 2 -> 4",
+    ]
+    assert differences(saved, saved) == []
 
 
 # ------------------------------------------------------------------ interruptions

@@ -8,10 +8,12 @@ import csv
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 from omegaconf import OmegaConf
 
@@ -27,8 +29,8 @@ TINY = [
 ]
 
 
-def tlab_train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "TLAB_ROOT": str(cwd)}
+def tlab_train(*args: str, cwd: Path, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "TLAB_ROOT": str(cwd), **extra_env}
     env.pop("WANDB_API_KEY", None)
     proc = subprocess.run(
         [sys.executable, "-m", "transformers_lab.train", *args],
@@ -280,3 +282,90 @@ def test_launcher_presets_select_their_plugin(preset, target, monkeypatch, tmp_p
     assert cfg.hydra.launcher._target_ == target
     assert cfg.hydra.mode.name == "MULTIRUN"
     assert target.rsplit(".", 1)[1] in {p.__name__ for p in Plugins.instance().discover()}
+
+
+# ------------------------------------------------------------------ a sweep stopped mid-job
+
+
+class StopAt(L.Callback):
+    """Stop the job whose seed is ``stop_seed`` at global step ``step`` with the signal that
+    ``$TLAB_TEST_STOP`` names (SIGTERM, SIGKILL); without that variable it does nothing,
+    so the same command line runs uninterrupted, or resumes."""
+
+    def __init__(self, step: int, seed: int, stop_seed: int) -> None:
+        self.step, self.stopping = step, seed == stop_seed
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        name = os.environ.get("TLAB_TEST_STOP")
+        if name and self.stopping and trainer.global_step == self.step:
+            os.kill(os.getpid(), getattr(signal, name))
+
+
+# 2 jobs of 8 steps (4 epochs of 2 batches, validated after each); job 1 stopped at step 5
+STOPPED_SWEEP = [
+    "-m",
+    "seed=0,1",
+    *TINY,
+    "trainer.max_epochs=4",
+    "logger=csv",
+    "+callbacks.stop._target_=test_sweeps.StopAt",
+    "+callbacks.stop.step=5",
+    "+callbacks.stop.seed=${seed}",
+    "+callbacks.stop.stop_seed=1",
+]
+TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+
+
+def by_choice(md: str) -> str:
+    """The grouped table of a summary.md (its title names the sweep dir)."""
+    return md.split("## By choice", 1)[1].split("## Jobs", 1)[0]
+
+
+def comparable(row: dict[str, str]) -> dict[str, str]:
+    """A summary.csv row without what differs between two runs of one job (time, dirs)."""
+    return {k: v for k, v in row.items() if k not in ("time_s",)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_sweep(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    proc = tlab_train(*STOPPED_SWEEP, cwd=root, **TESTS_ON_PATH)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep_dir_of(root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signame", "code", "status"), [
+    ("SIGTERM", 143, "interrupted"),
+    ("SIGKILL", -9, "running"),
+])  # fmt: skip
+def test_a_sweep_stopped_mid_job_resumes_to_the_summary_of_an_uninterrupted_sweep(
+    uninterrupted_sweep, signame, code, status, tmp_path
+):
+    """SIGTERM saves last.ckpt at step 5 and records the job as interrupted, with its best
+    checkpoint; kill -9 leaves the record that the job was running and last.ckpt from step
+    4. Run again with skip_finished=true, job 0 is skipped, job 1 resumes from its own
+    last.ckpt, and the summary is the uninterrupted sweep's: the re-run job carries no
+    skip_finished into its group."""
+    stopped = tlab_train(*STOPPED_SWEEP, cwd=tmp_path, TLAB_TEST_STOP=signame, **TESTS_ON_PATH)
+    assert stopped.returncode == code, stopped.stderr[-3000:]
+    sweep = sweep_dir_of(tmp_path)
+    record = json.loads((sweep / "1" / RESULT_FILE).read_text())
+    assert record["status"] == status
+    if status == "interrupted":  # the best so far is named, with its value
+        assert record["checkpoints"]["best"] == str(sweep / "1" / "checkpoints" / "best.ckpt")
+        assert record["monitor"]["best"] is not None
+    resumed = tlab_train(
+        *STOPPED_SWEEP, f"hydra.sweep.dir={sweep}", "skip_finished=true", cwd=tmp_path,
+        **TESTS_ON_PATH,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.count("skipped: finished before") == 1
+    assert f"resuming from {sweep / '1' / 'checkpoints' / 'last.ckpt'}" in resumed.stdout
+    want, got = uninterrupted_sweep / "summary", sweep / "summary"
+    assert by_choice(got.with_suffix(".md").read_text()) == by_choice(
+        want.with_suffix(".md").read_text()
+    )
+    rows = [comparable(r) for r in read_csv(got.with_suffix(".csv"))]
+    assert rows == [comparable(r) for r in read_csv(want.with_suffix(".csv"))]
+    assert all("skip_finished" not in r["overrides"] for r in rows)

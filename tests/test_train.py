@@ -84,7 +84,8 @@ def test_baby_gpt_is_nanogpts_cpu_config(tmp_path):
     assert (m.n_layer, m.n_head, m.d_model, m.dropout, m.bias) == (4, 4, 128, 0.0, False)
     assert (d.block_size, d.batch_size) == (64, 12)
     assert (o.lr, list(o.betas), o.weight_decay) == (1e-3, [0.9, 0.99], 0.1)
-    assert (s.warmup_steps, s.max_steps, s.min_lr_ratio) == (100, 2000, 0.1)
+    # the schedule's length is the run's (nanoGPT's lr_decay_iters = max_iters = 2000)
+    assert (s.warmup_steps, s.max_steps, s.min_lr_ratio) == (100, None, 0.1)
     assert (t.max_steps, t.gradient_clip_val) == (2000, 1.0)
 
 
@@ -265,7 +266,7 @@ def test_train_false_tests_the_checkpoint_it_is_given(tmp_path):
 def test_a_checkpoint_of_another_model_config_is_refused_in_one_line(tmp_path):
     run_train(tmp_path, [*SMALL, "trainer.max_epochs=1", "test=false"])
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    with pytest.raises(ConfigError, match=r"different model config \(d_model: 32 -> 48"):
+    with pytest.raises(ConfigError, match=r"another config: model.d_model: 32 -> 48; resume"):
         run_train(tmp_path, [*SMALL, "model.d_model=48", f"ckpt_path={last}"], "other")
     with pytest.raises(ConfigError, match="no checkpoint at"):
         run_train(tmp_path, [*SMALL, f"ckpt_path={tmp_path / 'nope.ckpt'}"], "missing")

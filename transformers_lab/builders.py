@@ -13,6 +13,7 @@ import importlib
 import inspect
 import logging
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -248,19 +249,54 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
-def differences(saved: Any, current: Any, prefix: str = "") -> list[str]:
-    """The dotted keys where two plain config containers differ."""
-    if isinstance(saved, dict) and isinstance(current, dict):
-        out = []
-        for key in sorted(set(saved) | set(current), key=str):
-            out += differences(saved.get(key), current.get(key), f"{prefix}{key}.")
-        return out
-    return [] if saved == current else [f"{prefix[:-1]}: {saved!r} -> {current!r}"]
+ABSENT = "(absent)"
 
 
-def check_checkpoint(checkpoint: dict[str, Any], task: torch.nn.Module, path: Any) -> None:
-    """Refuse, in one line, a checkpoint whose weights do not fit ``task``'s model."""
-    own = task.state_dict()
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """The leaves of a nested plain config as ``{"model.attention.p": 2, ...}`` (lists are
+    leaves, empty sections have none)."""
+    if not isinstance(config, dict):
+        return {prefix[:-1]: config}
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        out.update(flatten(value, f"{prefix}{key}."))
+    return out
+
+
+def differences(saved: Any, current: Any, allowed: Sequence[str] = ()) -> list[str]:
+    """``key: old -> new`` for every dotted key where two plain configs differ, a key that
+    one of them lacks shown as ``(absent)``; keys in ``allowed`` (or under them) are left
+    out, and a node whose ``_target_`` differs is named by that key alone."""
+    old, new = flatten(saved), flatten(current)
+    # a node whose class changed is named by its _target_ alone, not by all its options
+    swapped = [
+        key[: -len("_target_")]
+        for key in set(old) & set(new)
+        if key.rsplit(".", 1)[-1] == "_target_" and old[key] != new[key]
+    ]
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if any(key == a or key.startswith(f"{a}.") for a in allowed):
+            continue
+        if any(key.startswith(node) and not key.endswith("_target_") for node in swapped):
+            continue
+        before, after = old.get(key, ABSENT), new.get(key, ABSENT)
+        if before != after:
+            out.append(f"{key}: {shown(before)} -> {shown(after)}")
+    return out
+
+
+def shown(value: Any) -> str:
+    return value if value is ABSENT else repr(value)
+
+
+def check_checkpoint(
+    checkpoint: dict[str, Any], module: torch.nn.Module, path: Any, config: dict | None = None
+) -> None:
+    """Refuse, in one line, a checkpoint whose weights do not fit ``module``; ``config``
+    (the sections of ``resolved_sections``) names the options that differ from the
+    checkpoint's own."""
+    own = module.state_dict()
     saved = checkpoint.get("state_dict", {})
     mismatched = [
         key
@@ -269,14 +305,54 @@ def check_checkpoint(checkpoint: dict[str, Any], task: torch.nn.Module, path: An
     ]
     if not mismatched:
         return
-    config = getattr(task, "run_config", None) or {}
-    changed = differences(
-        (checkpoint.get("tlab_config") or {}).get("model", {}), config.get("model", {})
-    )
-    what = "; ".join(changed[:6]) if changed else f"{len(mismatched)} tensors ({mismatched[0]})"
+    changed = []
+    if config is not None and checkpoint.get("tlab_config"):
+        changed = differences(checkpoint["tlab_config"], config, RESUME_MAY_CHANGE)
+    what = "; ".join(changed) if changed else f"{len(mismatched)} tensors ({mismatched[0]})"
     raise ConfigError(
         f"checkpoint {path} was saved from a different model config ({what}); use the "
         f"model options it was trained with, or drop ckpt_path to start afresh"
+    )
+
+
+# Keys of the saved sections (model, data, task) that a resumed run may change: where the
+# data lives and how it is read, and how often samples are logged. Every other key of
+# those sections must be as the checkpoint says; keys outside them (the trainer's limits,
+# loggers, callbacks, paths, seed) may change. ``resume_may_change=[key, ...]`` adds keys.
+RESUME_MAY_CHANGE = (
+    "data.root",
+    "data.download",
+    "data.bpe_file",
+    "data.num_workers",
+    "task.sample_every",
+    "task.sample_tokens",
+)
+
+
+def check_resume(
+    checkpoint: dict[str, Any], config: dict, path: Any, may_change: Sequence[str] = ()
+) -> None:
+    """Refuse to resume ``checkpoint`` into a run whose model, data or task config (the
+    kernel's class and options included) differs from the one it was trained with; the
+    one-line error names each key with its old and new value."""
+    saved = checkpoint.get("tlab_config")
+    if not saved:  # not written by tlab-train: only the tensor shapes can be checked
+        return
+    changed = differences(
+        {k: saved.get(k, {}) for k in config}, config, (*RESUME_MAY_CHANGE, *may_change)
+    )
+    if not changed:
+        return
+    overrides = Path(path).resolve().parent.parent / ".hydra" / "overrides.yaml"
+    given = ""
+    if overrides.is_file():
+        kept = [str(o) for o in OmegaConf.load(overrides) if override_key(str(o)) != "ckpt_path"]
+        given = " ".join(kept)
+        given = f" (it was trained with: tlab-train {given})" if given else ""
+    raise ConfigError(
+        f"checkpoint {path} was trained with another config: {'; '.join(changed)}; resume "
+        f"with the options it was trained with{given}, list a key in "
+        f"resume_may_change=[...] to change it on purpose, or drop ckpt_path to start afresh"
     )
 
 

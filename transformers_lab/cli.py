@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from hydra.errors import CompactHydraException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
 
-from transformers_lab.builders import CONF_DIR, ConfigError
+from transformers_lab.builders import CONF_DIR, ConfigError, flatten
 from transformers_lab.data import DataFileError
 
 # values that are Hydra sweep functions or special, not option names
@@ -54,6 +55,42 @@ def check_overrides(argv: Sequence[str]) -> None:
             choice = choice.strip()
             if choice not in ("null", "") and not (CONF_DIR / key / f"{choice}.yaml").is_file():
                 raise unknown_option(key, choice)
+
+
+def keys_named(name: str) -> list[str]:
+    """The dotted config keys whose last part is ``name``, as the files of ``conf/`` set
+    them (a group's file sets keys under the group's name unless it is ``_global_``), the
+    most often set first."""
+    counts: dict[str, int] = {}
+    for path in sorted(CONF_DIR.rglob("*.yaml")):
+        parts = path.relative_to(CONF_DIR).parts[:-1]
+        text = path.read_text()
+        prefix = "" if "@package _global_" in text else "".join(f"{p}." for p in parts)
+        config = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
+        for key in flatten(config if isinstance(config, dict) else {}):
+            if key.rsplit(".", 1)[-1] == name and not key.startswith(("defaults", "hydra.")):
+                counts[prefix + key] = counts.get(prefix + key, 0) + 1
+    return sorted(counts, key=lambda k: (-counts[k], k))
+
+
+def check_flags(argv: Sequence[str]) -> None:
+    """Refuse ``--name value`` options that Hydra does not have (argparse would print its
+    usage), naming the ``key=value`` override meant."""
+    from hydra._internal.utils import get_args_parser
+
+    known = set(get_args_parser()._option_string_actions)
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if not flag.startswith("-") or flag in known or flag == "-":
+            continue
+        if not eq and i + 1 < len(argv) and "=" not in argv[i + 1]:
+            value = argv[i + 1] if not argv[i + 1].startswith("-") else ""
+        keys = keys_named(flag.lstrip("-").replace("-", "_"))
+        meant = " or ".join(f"{k}={value or '...'}" for k in keys[:3])
+        hint = f"write {meant}" if keys else "write key=value (--cfg job prints every key)"
+        raise ConfigError(
+            f"unknown option {flag}: settings are Hydra overrides key=value, not --options; {hint}"
+        )
 
 
 def run_dir_folder(argv: Sequence[str]) -> Path | None:
@@ -102,6 +139,11 @@ def one_line(exc: Exception) -> str:
     if isinstance(cause, ConfigAttributeError | ConfigKeyError) and cause.parent_node is not None:
         parent, _, key = cause.full_key.rpartition(".")
         near = difflib.get_close_matches(key, [str(k) for k in cause.parent_node], n=1)
+        if near and not parent and (CONF_DIR / near[0]).is_dir():  # a misspelled group
+            return (
+                f"unknown key {key} (did you mean the config group {near[0]}? "
+                f"{near[0]}=<option>, one of: {', '.join(group_options(near[0]))})"
+            )
         hint = f" (did you mean {'.'.join(filter(None, (parent, *near)))}?)" if near else ""
         return (
             f"unknown key {cause.full_key}{hint}; a new key needs a leading +: "
@@ -150,6 +192,7 @@ def run_hydra(main: Callable[[], None], argv: Sequence[str] | None = None) -> No
     mistyped key, bad syntax, an interpolation that fails) are reported in one line too."""
     argv = sys.argv[1:] if argv is None else argv
     with user_errors():
+        check_flags(argv)
         check_overrides(argv)
         check_run_dir(argv)
     try:

@@ -28,6 +28,7 @@ from transformers_lab.builders import (
     check_checkpoint,
     load_checkpoint,
     metrics_dict,
+    resolved_sections,
 )
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.train import finish_wandb, prepare, print_metrics
@@ -68,7 +69,7 @@ def restore(cfg: DictConfig) -> tuple[dict[str, Any], L.LightningDataModule, Any
     datamodule = checkpoint_data(checkpoint, run)
     prepare(datamodule)
     task = build_task(run.task, build_model(run.model, datamodule), datamodule)
-    check_checkpoint(checkpoint, task, cfg.ckpt_path)
+    check_checkpoint(checkpoint, task, cfg.ckpt_path, resolved_sections(run))
     task.load_state_dict(checkpoint["state_dict"])
     return checkpoint, datamodule, task
 

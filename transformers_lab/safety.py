@@ -52,11 +52,20 @@ class NonFiniteError(RunStopped):
 
 
 class Interrupted(RunStopped):
-    """SIGTERM or SIGINT stopped the run after saving a checkpoint."""
+    """SIGTERM or SIGINT stopped the run after saving a checkpoint (``checkpoint``); the
+    best checkpoint so far and its score are ``best`` and ``best_score``."""
 
-    def __init__(self, message: str, signal_name: str, checkpoint: str | None) -> None:
+    def __init__(
+        self,
+        message: str,
+        signal_name: str,
+        checkpoint: str | None,
+        best: str | None = None,
+        best_score: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.signal_name, self.checkpoint = signal_name, checkpoint
+        self.best, self.best_score = best, best_score
         self.exit_code = 128 + getattr(signal, signal_name)  # the shell's convention
 
 
@@ -304,17 +313,21 @@ def interrupted(trainer: L.Trainer, overrides: Sequence[str] = ()) -> Interrupte
     """The entry point's account of a training run stopped by a signal, with the command
     that resumes it: the run's ``overrides`` and the saved ``last.ckpt``."""
     name = signal_name(trainer)
-    last = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
+    callback = trainer.checkpoint_callback
+    last = getattr(callback, "last_model_path", "") or None
+    best = getattr(callback, "best_model_path", "") or None
+    score = getattr(callback, "best_model_score", None)
+    best_score = None if score is None else float(score)
     if last is None:
         message = f"stopped by {name} at global step {trainer.global_step}: nothing saved"
-        return Interrupted(message, name, None)
+        return Interrupted(message, name, None, best, best_score)
     kept = [o for o in overrides if override_key(o) != "ckpt_path"]
     again = " ".join(shlex.quote(o) for o in [*kept, f"ckpt_path={last}"])
     message = (
         f"stopped by {name} at global step {trainer.global_step}: saved {last}; "
         f"resume with tlab-train {again}"
     )
-    return Interrupted(message, name, last)
+    return Interrupted(message, name, last, best, best_score)
 
 
 def interrupted_testing(trainer: L.Trainer, checkpoint: str | None) -> Interrupted:

@@ -7,6 +7,7 @@ tlab-sample ckpt_path=... stream=false     # print each sample once it is comple
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,17 +22,21 @@ from transformers_lab.builders import (
     build_model,
     check_checkpoint,
     load_checkpoint,
+    resolved_sections,
 )
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.eval import checkpoint_data, saved_run
 from transformers_lab.validation import validate_config
 
 
-def load_weights(model: torch.nn.Module, checkpoint: dict[str, Any], path: Any) -> torch.nn.Module:
-    """``model`` with the checkpoint's weights, in eval mode."""
+def load_weights(
+    model: torch.nn.Module, checkpoint: dict[str, Any], path: Any, run: DictConfig
+) -> torch.nn.Module:
+    """``model`` (built from ``run``, the saved config) with the checkpoint's weights, in
+    eval mode."""
     wrapper = torch.nn.Module()
     wrapper.model = model  # the task's parameter names are "model.*"
-    check_checkpoint(checkpoint, wrapper, path)
+    check_checkpoint(checkpoint, wrapper, path, resolved_sections(run))
     wrapper.load_state_dict(checkpoint["state_dict"])
     return model.eval()
 
@@ -52,7 +57,7 @@ def load_generator(cfg: DictConfig) -> tuple[torch.nn.Module, L.LightningDataMod
         raise ConfigError(
             f"tlab-sample needs a GPT checkpoint; {cfg.ckpt_path} holds a {type(model).__name__}"
         )
-    return load_weights(model, checkpoint, cfg.ckpt_path), datamodule
+    return load_weights(model, checkpoint, cfg.ckpt_path, run), datamodule
 
 
 # what a decoder writes for bytes that do not (yet) make a whole UTF-8 character
@@ -90,6 +95,21 @@ class TextStream:
         return piece
 
 
+def encode_prompt(datamodule: L.LightningDataModule, prompt: str) -> list[int]:
+    """The prompt's ids in the checkpoint's vocabulary; a ``ConfigError`` names what is
+    missing from it."""
+    try:
+        ids = datamodule.encode(prompt)
+    except ValueError as exc:  # a character the char tokenizer was not built on
+        raise ConfigError(
+            f"prompt={prompt!r} cannot be encoded: {exc}; the model knows only the "
+            f"characters of its training text, so write the prompt with those"
+        ) from None
+    if not ids:
+        raise ConfigError("the prompt encodes to no tokens; give prompt=<some text>")
+    return ids
+
+
 @torch.no_grad()
 def sample(cfg: DictConfig) -> list[str]:
     """``cfg.num_samples`` continuations of ``cfg.prompt``, printed and returned; with
@@ -99,9 +119,14 @@ def sample(cfg: DictConfig) -> list[str]:
     L.seed_everything(cfg.seed)
     model, datamodule = load_generator(cfg)
     model.to(cfg.device)
-    ids = datamodule.encode(cfg.prompt)
-    if not ids:
-        raise ConfigError("the prompt encodes to no tokens; give prompt=<some text>")
+    ids = encode_prompt(datamodule, cfg.prompt)
+    if len(ids) > model.block_size:  # GPT.stream keeps the last block_size tokens
+        print(
+            f"note: the prompt has {len(ids)} tokens, more than the model's context of "
+            f"{model.block_size}: the model sees only its last {model.block_size} tokens",
+            file=sys.stderr,
+            flush=True,
+        )
     prompt = torch.tensor([ids], dtype=torch.long, device=cfg.device)
     options = {
         "temperature": cfg.temperature,

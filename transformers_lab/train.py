@@ -50,6 +50,7 @@ from transformers_lab.builders import (
     build_task,
     call,
     check_checkpoint,
+    check_resume,
     compile_model,
     load_checkpoint,
     metrics_dict,
@@ -115,6 +116,11 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
     """Fit and test as ``cfg`` says."""
     say(f"run dir: {cfg.paths.output_dir}")
     validate_config(cfg)
+    # resuming: the checkpoint's model, data and task config hold (checked before building)
+    checkpoint = load_checkpoint(cfg.ckpt_path) if cfg.get("ckpt_path") else None
+    if checkpoint is not None:
+        may_change = list(cfg.get("resume_may_change") or ())
+        check_resume(checkpoint, resolved_sections(cfg), cfg.ckpt_path, may_change)
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
     L.seed_everything(cfg.seed, workers=True)
@@ -127,9 +133,8 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
     if cfg.get("compile") and (why := compile_model(model)):
         say(f"compile=true: torch.compile is unavailable here ({why}); training in eager mode")
     resumed_step = None
-    if cfg.get("ckpt_path"):
-        checkpoint = load_checkpoint(cfg.ckpt_path)
-        check_checkpoint(checkpoint, task, cfg.ckpt_path)
+    if checkpoint is not None:  # and its tensors fit (a checkpoint with no saved config)
+        check_checkpoint(checkpoint, task, cfg.ckpt_path, task.run_config)
         resumed_step = checkpoint.get("global_step")
         del checkpoint  # Lightning loads it again to restore the run
 
@@ -175,6 +180,11 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
             except SIGTERMException:
                 raise interrupted_testing(trainer, tested_ckpt) from None
             metrics.update(metrics_dict(tested[0] if tested else {}))
+        elif cfg.get("test"):
+            say(
+                f"test=true: {type(datamodule).__name__} has no test split, so the run ends "
+                "with its validation metrics"
+            )
     except MisconfigurationException as exc:  # Lightning's word on a setting that cannot work
         raise ConfigError(f"Lightning refused the run: {exc}") from exc
     finally:
@@ -246,8 +256,13 @@ def job_overrides() -> list[str]:
     return list(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
 
 
+def identity(overrides: list[str]) -> list[str]:
+    """The overrides that say what a job is: its own, bookkeeping keys left out."""
+    return [o for o in overrides if override_key(o) not in RUN_CONTROL]
+
+
 def what_it_runs(overrides: list[str]) -> list[str]:
-    return sorted(o for o in overrides if override_key(o) not in RUN_CONTROL)
+    return sorted(identity(overrides))
 
 
 def swept_keys(sweep_dir: Path) -> set[str]:
@@ -286,30 +301,39 @@ def name_wandb_run(cfg: DictConfig) -> None:
 def run_job(cfg: DictConfig) -> float | None:
     """Train as ``cfg`` says and record the outcome in ``<run dir>/result.json``.
 
-    In a multirun, a job that raises is recorded as failed and the sweep goes on, unless
-    ``fail_fast=true``. With ``skip_finished=true`` a job whose run dir already holds a
-    finished record of the same overrides is not run again.
+    The record says ``running`` from the start, so a job killed outright is known as
+    such. In a multirun, a job that raises is recorded as failed and the sweep goes on,
+    unless ``fail_fast=true``. With ``skip_finished=true`` (a sweep run again in its own
+    dir) a job whose record shows it finished with the same overrides is not run again,
+    and one that was interrupted or killed resumes from its own ``last.ckpt``.
     """
     out = Path(cfg.paths.output_dir)
     overrides = job_overrides()
-    if cfg.get("skip_finished"):
-        done = read_result(out)
-        if done and done.get("status") == "ok":
-            if what_it_runs(done.get("overrides", [])) == what_it_runs(overrides):
-                print(f"run dir: {out}\nskipped: finished before (skip_finished=true)", flush=True)
-                value = done.get("objective")
-                return math.nan if value is None else value
-            log.warning("%s holds a finished job with other overrides: running again", out)
+    if cfg.get("skip_finished") and (earlier := read_result(out)) is not None:
+        if what_it_runs(earlier.get("overrides", [])) != what_it_runs(overrides):
+            log.warning("%s holds a job with other overrides: running afresh", out)
+        elif earlier.get("status") == "ok":
+            print(f"run dir: {out}\nskipped: finished before (skip_finished=true)", flush=True)
+            value = earlier.get("objective")
+            return math.nan if value is None else value
+        elif earlier.get("status") in ("running", "interrupted") and not cfg.get("ckpt_path"):
+            resume_own_checkpoint(cfg)
     record: dict[str, Any] = {
-        "overrides": overrides,
+        "overrides": identity(overrides),
         "run_dir": str(out),
         "monitor": {"metric": cfg.monitor.metric, "mode": cfg.monitor.mode, "best": None},
     }
     start = time.perf_counter()
+    record_result(out, {**record, "status": "running"}, start)
     try:
         result = fit_and_test(cfg)
     except Interrupted as exc:  # stop the sweep too: the user or the scheduler asked for it
-        record.update(status="interrupted", error=str(exc), checkpoints={"last": exc.checkpoint})
+        record["monitor"]["best"] = exc.best_score
+        record.update(
+            status="interrupted",
+            error=str(exc),
+            checkpoints={"best": exc.best, "last": exc.checkpoint},
+        )
         record_result(out, record, start)
         raise
     except Exception as exc:
@@ -342,6 +366,17 @@ def run_job(cfg: DictConfig) -> float | None:
         log.warning("%s was never logged: the sweeper gets NaN for this job", cfg.monitor.metric)
         return math.nan
     return value
+
+
+def resume_own_checkpoint(cfg: DictConfig) -> None:
+    """Set ``ckpt_path`` to the job's own ``last.ckpt``, if it saved one before it was
+    stopped (else it starts afresh)."""
+    folder = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
+    last = Path(folder or Path(cfg.paths.output_dir) / "checkpoints") / "last.ckpt"
+    if last.is_file():
+        say(f"resuming from {last} (skip_finished=true: this job was stopped before it ended)")
+        with open_dict(cfg):
+            cfg.ckpt_path = str(last)
 
 
 def record_result(out: Path, record: dict[str, Any], start: float) -> None:

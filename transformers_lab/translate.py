@@ -53,7 +53,7 @@ def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule
         )
     datamodule = checkpoint_data(checkpoint, run)
     model = build_model(run.model, datamodule)
-    return load_weights(model, checkpoint, cfg.ckpt_path), datamodule
+    return load_weights(model, checkpoint, cfg.ckpt_path, run), datamodule
 
 
 def check_options(cfg: DictConfig) -> None:

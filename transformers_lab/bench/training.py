@@ -68,8 +68,13 @@ def bare_loop(overrides: list[str], steps: int, workdir: Path) -> tuple[float, f
         betas=tuple(opt_cfg.betas),
         eps=opt_cfg.eps,
     )
+    # the schedule's length as Task.schedule_length sets it: the run's, and a warm-up cut to
+    # a tenth of a run shorter than it
+    warmup = sched_cfg.warmup_steps
+    if sched_cfg.max_steps is None and warmup >= steps:
+        warmup = steps // 10
     schedule = warmup_cosine(
-        optimizer, sched_cfg.warmup_steps, sched_cfg.max_steps or steps, sched_cfg.min_lr_ratio
+        optimizer, warmup, sched_cfg.max_steps or steps, sched_cfg.min_lr_ratio
     )
     clip = cfg.trainer.gradient_clip_val
     every = cfg.trainer.val_check_interval or steps

@@ -93,13 +93,30 @@ class Task(L.LightningModule):
         }
 
     def schedule_length(self) -> dict[str, int]:
-        """``max_steps`` for a schedule that takes one and was not given it."""
+        """``max_steps`` for a schedule that takes one and was not given it; a warning when
+        the one given differs from the run's number of optimizer steps."""
         factory = self.scheduler_factory
         try:
             takes = "max_steps" in inspect.signature(getattr(factory, "func", factory)).parameters
         except (TypeError, ValueError):  # a builtin or odd callable: leave it alone
             return {}
-        if not takes or getattr(factory, "keywords", {}).get("max_steps") is not None:
+        if not takes:
+            return {}
+        given = getattr(factory, "keywords", {}).get("max_steps")
+        if given is not None:
+            if self._trainer is None:  # configured outside a run: nothing to compare with
+                return {}
+            total = self.trainer.estimated_stepping_batches
+            if math.isfinite(total) and int(total) != given and self.trainer.is_global_zero:
+                log.warning(
+                    "scheduler.max_steps=%d but the run has %d optimizer steps: the schedule "
+                    "%s; set scheduler.max_steps=null to make it follow the run",
+                    given,
+                    total,
+                    "is cut short (the learning rate never reaches its floor)"
+                    if given > total
+                    else "ends early (the rest of the run stays at the floor)",
+                )
             return {}
         total = self.trainer.estimated_stepping_batches
         if not math.isfinite(total):
