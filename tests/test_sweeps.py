@@ -18,7 +18,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from transformers_lab.analysis import summary as summary_module
-from transformers_lab.analysis.summary import RESULT_FILE, SUMMARY_FILES, summarize
+from transformers_lab.analysis.curves import history
+from transformers_lab.analysis.summary import RESULT_FILE, SUMMARY_FILES, curve, summarize
 
 TINY = [
     "experiment=mqar",
@@ -152,7 +153,7 @@ def test_tlab_summarize_on_a_partial_sweep_and_after_jobs_were_added(kernel_swee
 
 def test_tlab_summarize_says_what_is_wrong_with_its_argument(tmp_path, capsys):
     assert summary_module.main([str(tmp_path / "nope")]) == 2
-    assert "no sweep directory" in capsys.readouterr().err
+    assert "no sweep or run directory at" in capsys.readouterr().err
     assert summary_module.main([str(tmp_path)]) == 2
     assert "no job directories" in capsys.readouterr().err
 
@@ -307,6 +308,7 @@ STOPPED_SWEEP = [
     "seed=0,1",
     *TINY,
     "trainer.max_epochs=4",
+    "trainer.log_every_n_steps=1",
     "logger=csv",
     "+callbacks.stop._target_=test_sweeps.StopAt",
     "+callbacks.stop.step=5",
@@ -369,3 +371,14 @@ def test_a_sweep_stopped_mid_job_resumes_to_the_summary_of_an_uninterrupted_swee
     rows = [comparable(r) for r in read_csv(got.with_suffix(".csv"))]
     assert rows == [comparable(r) for r in read_csv(want.with_suffix(".csv"))]
     assert all("skip_finished" not in r["overrides"] for r in rows)
+    # the stopped part's metrics.csv was set aside; joined, the curve is the uninterrupted one
+    assert (sweep / "1" / "csv.1" / "metrics.csv").is_file()
+    joined, resumes = history(sweep / "1")
+    assert len(resumes) == 1 and 4 <= resumes[0] <= 6  # where last.ckpt was saved
+    whole, _ = history(uninterrupted_sweep / "1")
+    for metric in ("train/loss", "val/loss"):
+        steps, values = curve(joined, metric)
+        want_steps, want_values = curve(whole, metric)
+        assert steps and steps == want_steps and values == pytest.approx(want_values, rel=1e-4), (
+            metric
+        )

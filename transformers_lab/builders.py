@@ -249,6 +249,16 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
+def checkpoint_step(path: str | Path) -> int | None:
+    """The training step a checkpoint was saved at, or None if it cannot be read (the
+    file is memory-mapped: its tensors are not read)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return int(checkpoint["global_step"])
+    except Exception:  # gone, or not a Lightning checkpoint: the caller falls back
+        return None
+
+
 ABSENT = "(absent)"
 
 

@@ -15,6 +15,7 @@ already finished.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -39,7 +40,14 @@ from lightning.pytorch.utilities.exceptions import (
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from transformers_lab.analysis.summary import SEED_KEYS, read_result, write_result
+from transformers_lab.analysis.curves import RESUMED_AT
+from transformers_lab.analysis.summary import (
+    BOOKKEEPING_KEYS,
+    SEED_KEYS,
+    atomic_write,
+    read_result,
+    write_result,
+)
 from transformers_lab.builders import (
     CONF_DIR,
     ConfigError,
@@ -51,6 +59,7 @@ from transformers_lab.builders import (
     call,
     check_checkpoint,
     check_resume,
+    checkpoint_step,
     compile_model,
     load_checkpoint,
     metrics_dict,
@@ -234,8 +243,6 @@ def objective(cfg: DictConfig, metrics: dict[str, float]) -> float | None:
 
 # ---------------------------------------------------------------- jobs of a sweep
 
-RUN_CONTROL = ("skip_finished", "fail_fast")  # overrides that do not change what a job is
-
 
 def hydra_config() -> DictConfig | None:
     """Hydra's config of this run, or None when ``train`` was called without Hydra."""
@@ -258,7 +265,7 @@ def job_overrides() -> list[str]:
 
 def identity(overrides: list[str]) -> list[str]:
     """The overrides that say what a job is: its own, bookkeeping keys left out."""
-    return [o for o in overrides if override_key(o) not in RUN_CONTROL]
+    return [o for o in overrides if override_key(o) not in BOOKKEEPING_KEYS]
 
 
 def what_it_runs(overrides: list[str]) -> list[str]:
@@ -377,6 +384,20 @@ def resume_own_checkpoint(cfg: DictConfig) -> None:
         say(f"resuming from {last} (skip_finished=true: this job was stopped before it ended)")
         with open_dict(cfg):
             cfg.ckpt_path = str(last)
+        set_aside_metrics(Path(cfg.paths.output_dir), last)
+
+
+def set_aside_metrics(out: Path, checkpoint: Path) -> None:
+    """Move the stopped part's ``csv/`` to ``csv.<k>/`` before the job resumes in its own
+    dir (Lightning's CSV logger would delete its metrics.csv), noting the step the next
+    part starts at, so that ``tlab-summarize --curves`` joins the parts."""
+    folder = out / "csv"
+    if rank_zero_only.rank != 0 or not folder.is_dir():
+        return
+    k = 1 + max((int(p.suffix[1:]) for p in out.glob("csv.*") if p.suffix[1:].isdigit()), default=0)
+    aside = folder.rename(out / f"csv.{k}")
+    marker = {"step": checkpoint_step(checkpoint), "checkpoint": str(checkpoint)}
+    atomic_write(aside / RESUMED_AT, json.dumps(marker) + "\n")
 
 
 def record_result(out: Path, record: dict[str, Any], start: float) -> None:

@@ -8,15 +8,19 @@ writing it twice gives the same files::
 
     tlab-summarize logs/train/multiruns/<time>            # summary.csv, .md, .png
     tlab-summarize logs/train/multiruns/<time> --metric val/loss --mode min
+    tlab-summarize <sweep or run dir> <another> ... --out cmp/   # one table over all
+    tlab-summarize <run dir> --curves                     # curves.png, following resumes
 
-A job directory without ``result.json`` (a job still running, or killed) is listed with
-the status ``incomplete`` and the last metrics of its ``csv/metrics.csv`` if it has one.
+A job directory without ``result.json``, or whose record still says ``running`` (a job
+still running, or killed), is listed as ``incomplete`` with the last metrics of its
+``csv/metrics.csv`` if it has one.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import difflib
 import io
 import json
 import logging
@@ -26,12 +30,15 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from transformers_lab.analysis.curves import history
+from transformers_lab.builders import override_key
 from transformers_lab.data.download import move_into_place
 
 log = logging.getLogger(__name__)
@@ -39,6 +46,12 @@ log = logging.getLogger(__name__)
 RESULT_FILE = "result.json"
 SUMMARY_FILES = ("summary.csv", "summary.md", "summary.png")
 SEED_KEYS = ("seed",)  # overrides that repeat a run rather than change it
+BOOKKEEPING_KEYS = ("skip_finished", "fail_fast")  # overrides that do not change what runs
+STATUSES = ("ok", "failed", "interrupted", "incomplete")
+
+
+class UnknownMetric(ValueError):
+    """A metric was asked for that no run logged."""
 
 
 # ---------------------------------------------------------------- job records
@@ -83,44 +96,48 @@ def read_overrides(run_dir: Path) -> list[str]:
 
 
 def last_csv_metrics(run_dir: Path) -> dict[str, float]:
-    """The last value of every metric in ``csv/metrics.csv`` (for jobs that never ended)."""
+    """The last value of every metric in the run's ``metrics.csv`` files (for jobs that
+    never ended), resumed parts included."""
     metrics: dict[str, float] = {}
-    for path in sorted(run_dir.glob("csv/**/metrics.csv")):
-        with path.open() as f:
-            for row in csv.DictReader(f):
-                for key, value in row.items():
-                    if key not in ("epoch", "step") and value not in ("", None):
-                        metrics[key] = float(value)
+    for row in history(run_dir)[0]:
+        metrics.update({k: v for k, v in row.items() if k not in ("epoch", "step")})
     return metrics
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / RESULT_FILE).is_file() or (path / ".hydra").is_dir()
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
     """The job directories of a sweep: its sub-directories with a Hydra config or a
     record, in job-number order (numbers first, then names)."""
-    found = [
-        p
-        for p in sweep_dir.iterdir()
-        if p.is_dir() and ((p / RESULT_FILE).is_file() or (p / ".hydra").is_dir())
-    ]
+    found = [p for p in sweep_dir.iterdir() if p.is_dir() and is_run_dir(p)]
     return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
 
 
-def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
-    """One record per job directory of ``sweep_dir``."""
-    sweep_dir = Path(sweep_dir)
-    if not sweep_dir.is_dir():
-        raise FileNotFoundError(f"no sweep directory at {sweep_dir}")
+def run_dirs(path: Path) -> list[Path]:
+    """``path`` itself if it is one run's dir, else the job dirs of the sweep it holds."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"no sweep or run directory at {path}")
+    return [path] if is_run_dir(path) else job_dirs(path)
+
+
+def collect(*dirs: str | Path) -> list[dict[str, Any]]:
+    """One record per run: each of ``dirs`` is a sweep dir (all its jobs) or a run dir.
+    With several dirs, a job is named ``<sweep>/<job>`` and ``source`` names its dir."""
     records = []
-    for run_dir in job_dirs(sweep_dir):
-        record = read_result(run_dir)
-        if record is None:
-            record = {
-                "status": "incomplete",
-                "overrides": read_overrides(run_dir),
-                "metrics": last_csv_metrics(run_dir),
-            }
-        record["job"] = run_dir.name
-        records.append(record)
+    for source in map(Path, dirs):
+        for run_dir in run_dirs(source):
+            record = read_result(run_dir) or {"overrides": read_overrides(run_dir)}
+            status = record.get("status")
+            if status in (None, "running"):  # never ended: killed, or running now
+                record["status"] = "incomplete"
+            if status != "ok" and not record.get("metrics"):
+                record["metrics"] = last_csv_metrics(run_dir)
+            several = len(dirs) > 1 and run_dir != source
+            record["job"] = f"{source.name}/{run_dir.name}" if several else run_dir.name
+            record["source"] = source.name
+            records.append(record)
     return records
 
 
@@ -128,8 +145,9 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def override_map(overrides: Sequence[str]) -> dict[str, str]:
-    pairs = (o.lstrip("+~").split("=", 1) for o in overrides if "=" in o)
-    return {key: value for key, value in pairs}
+    """``key -> value`` of a job's overrides, bookkeeping keys left out."""
+    pairs = ((override_key(o), o.split("=", 1)[1]) for o in overrides if "=" in o)
+    return {key: value for key, value in pairs if key not in BOOKKEEPING_KEYS}
 
 
 def swept_keys(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -139,11 +157,14 @@ def swept_keys(records: Sequence[dict[str, Any]]) -> list[str]:
     return [k for k in keys if len({m.get(k) for m in maps}) > 1] or keys
 
 
-def choice_of(record: dict[str, Any], keys: Sequence[str]) -> str:
-    """The job's swept values, seeds aside: the label of its group."""
+def choice_of(record: dict[str, Any], keys: Sequence[str], by_source: bool = False) -> str:
+    """The job's swept values, seeds aside: the label of its group (prefixed with the
+    dir it came from when ``by_source``)."""
     values = override_map(record.get("overrides", []))
-    label = " ".join(f"{k}={values[k]}" for k in keys if k not in SEED_KEYS and k in values)
-    return label or "(all)"
+    choice = [k for k in keys if k not in SEED_KEYS]
+    label = " ".join(f"{k}={values[k]}" for k in choice if k in values)
+    label = label or ("(defaults)" if choice else "(all)")
+    return f"{record['source']}: {label}" if by_source else label
 
 
 def fmt(value: Any) -> str:
@@ -178,12 +199,12 @@ def job_rows(records: Sequence[dict[str, Any]], metric: str) -> list[dict[str, A
 
 
 def group_rows(
-    records: Sequence[dict[str, Any]], metric: str, keys: Sequence[str]
+    records: Sequence[dict[str, Any]], metric: str, keys: Sequence[str], by_source: bool = False
 ) -> list[dict[str, Any]]:
     """Mean ± std of ``metric`` (final and best) over the finished jobs of each choice."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in records:
-        groups.setdefault(choice_of(r, keys), []).append(r)
+        groups.setdefault(choice_of(r, keys, by_source), []).append(r)
     rows = []
     for choice, members in groups.items():
         ok = [r for r in members if r.get("status") == "ok"]
@@ -217,8 +238,24 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
+def logged_metrics(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Every metric some run logged (its final metrics, or its csv for unfinished ones)."""
+    return sorted({k for r in records for k in r.get("metrics") or {}})
+
+
+def check_metric(metric: str, logged: Sequence[str]) -> None:
+    """Refuse a metric that no run logged, naming the logged ones (and the nearest)."""
+    if not logged or metric in logged:
+        return
+    near = difflib.get_close_matches(metric, logged, n=1)
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    raise UnknownMetric(f"no run logged the metric {metric!r}{hint}; logged: {', '.join(logged)}")
+
+
 def pick_metric(records: Sequence[dict[str, Any]], metric: str | None) -> tuple[str, str]:
     """The metric to summarise and its mode: as asked, else the jobs' monitored one."""
+    if metric is not None:
+        check_metric(metric, logged_metrics(records))
     for r in records:
         monitor = r.get("monitor") or {}
         if monitor.get("metric") and metric in (None, monitor["metric"]):
@@ -270,22 +307,37 @@ def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Path) 
     plt.close(fig)
 
 
+def default_out(dirs: Sequence[Path]) -> Path:
+    """Where a summary goes unless ``--out`` says: the one dir it is about, else a new
+    ``logs/summaries/<time>`` under the current dir."""
+    if len(dirs) == 1:
+        return dirs[0]
+    return Path("logs") / "summaries" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
 def summarize(
-    sweep_dir: str | Path, metric: str | None = None, mode: str | None = None
+    dirs: str | Path | Sequence[str | Path],
+    metric: str | None = None,
+    mode: str | None = None,
+    out: str | Path | None = None,
+    by_source: bool = False,
 ) -> dict[str, Any]:
     """Write ``summary.csv`` (one row per job), ``summary.md`` (that table and the
-    grouped view) and ``summary.png`` into ``sweep_dir``; return the tables."""
-    sweep_dir = Path(sweep_dir)
-    records = collect(sweep_dir)
+    grouped view) and ``summary.png`` for the runs of ``dirs`` (sweep or run dirs) into
+    ``out`` (default: the one dir given, else ``logs/summaries/<time>``); return the
+    tables. ``by_source`` keeps each dir's jobs in groups of their own."""
+    dirs = [Path(dirs)] if isinstance(dirs, (str, Path)) else [Path(d) for d in dirs]
+    records = collect(*dirs)
     if not records:
         raise FileNotFoundError(
-            f"no job directories (with .hydra/ or {RESULT_FILE}) in {sweep_dir}"
+            f"no job directories (with .hydra/ or {RESULT_FILE}) in {', '.join(map(str, dirs))}"
         )
+    out = Path(out) if out is not None else default_out(dirs)
     metric, default_mode = pick_metric(records, metric)
     mode = mode or default_mode
     keys = swept_keys(records)
     rows = job_rows(records, metric)
-    groups = group_rows(records, metric, keys)
+    groups = group_rows(records, metric, keys, by_source)
     groups.sort(
         key=lambda g: (g["mean"] is None, -(g["mean"] or 0) if mode == "max" else g["mean"] or 0)
     )
@@ -295,13 +347,15 @@ def summarize(
     writer = csv.DictWriter(table, fieldnames=columns)
     writer.writeheader()
     writer.writerows({c: fmt(row.get(c)) for c in columns} for row in rows)
-    atomic_write(sweep_dir / "summary.csv", table.getvalue())
+    atomic_write(out / "summary.csv", table.getvalue())
 
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "incomplete")}
+    statuses = [*STATUSES, *sorted({r["status"] for r in rows} - set(STATUSES))]
+    counts = {s: sum(r["status"] == s for r in rows) for s in statuses}
     status = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     better = "higher" if mode == "max" else "lower"
+    name = ", ".join(d.name for d in dirs)
     md = [
-        f"# Sweep summary: {sweep_dir.name}",
+        f"# Sweep summary: {name}",
         "",
         f"{len(rows)} jobs ({status}). Metric: `{metric}` ({better} is better).",
         "",
@@ -325,11 +379,93 @@ def summarize(
         markdown_table(rows, [c for c in columns if c != "overrides"] + ["overrides"]),
         "",
     ]
-    atomic_write(sweep_dir / "summary.md", "\n".join(md))
-    tmp_png = sweep_dir / ".summary.png.tmp.png"
-    plot(groups, metric, f"{sweep_dir.name}: {status}", tmp_png)
-    os.replace(tmp_png, sweep_dir / "summary.png")
-    return {"metric": metric, "mode": mode, "jobs": rows, "groups": groups}
+    atomic_write(out / "summary.md", "\n".join(md))
+    tmp_png = out / ".summary.png.tmp.png"
+    plot(groups, metric, f"{name}: {status}", tmp_png)
+    os.replace(tmp_png, out / "summary.png")
+    return {"metric": metric, "mode": mode, "jobs": rows, "groups": groups, "out": out}
+
+
+# ---------------------------------------------------------------- curves
+
+
+def curve(rows: Sequence[dict[str, float]], metric: str) -> tuple[list[float], list[float]]:
+    pairs = [(r["step"], r[metric]) for r in rows if metric in r and "step" in r]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+Histories = dict[str, tuple[list[dict[str, float]], list[int]]]
+
+
+def write_curves(histories: Histories, metrics: Sequence[str], out: Path) -> tuple[Path, Path]:
+    """``curves.csv`` (run, step, metric, value) and ``curves.png`` (one panel per
+    metric, one line per run, dotted lines where a run was resumed) in ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = io.StringIO(newline="")
+    writer = csv.writer(table)
+    writer.writerow(["run", "step", "metric", "value"])
+    fig, axes = plt.subplots(
+        1, len(metrics), figsize=(4.2 * len(metrics), 3.4), dpi=120, squeeze=False
+    )
+    for label, (rows, resumes) in histories.items():
+        for ax, metric in zip(axes[0], metrics, strict=True):
+            steps, values = curve(rows, metric)
+            writer.writerows(
+                [label, int(s), metric, f"{v:.6g}"] for s, v in zip(steps, values, strict=True)
+            )
+            if steps:
+                (line,) = ax.plot(steps, values, label=label, linewidth=1.2)
+                for step in resumes:
+                    ax.axvline(step, color=line.get_color(), linestyle=":", linewidth=0.8)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    resumed = any(resumes for _, resumes in histories.values())
+    if len(histories) > 1 or resumed:
+        axes[0][-1].legend(fontsize=7, title="dotted: resumed" if resumed else None)
+    fig.tight_layout()
+    atomic_write(out / "curves.csv", table.getvalue())
+    tmp = out / ".curves.png.tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out / "curves.png")
+    return out / "curves.png", out / "curves.csv"
+
+
+def plot_curves(
+    dirs: Sequence[str | Path], metric: str | None = None, out: str | Path | None = None
+) -> tuple[Path, Path]:
+    """Learning curves of every run in ``dirs`` (a sweep dir: each of its jobs), each
+    joined across its resumes: ``train/loss`` and ``metric`` (default: the runs'
+    monitored metric), written to ``out`` (default as for the summary)."""
+    dirs = [Path(d) for d in dirs]
+    histories: Histories = {}
+    monitored = []
+    for source in dirs:
+        for run_dir in run_dirs(source):
+            label = (
+                run_dir.name
+                if len(dirs) == 1 or run_dir == source
+                else (f"{source.name}/{run_dir.name}")
+            )
+            histories[label] = history(run_dir)
+            monitored.append(((read_result(run_dir) or {}).get("monitor") or {}).get("metric"))
+    names = sorted({k for rows, _ in histories.values() for row in rows for k in row})
+    names = [n for n in names if n not in ("step", "epoch")]
+    if not names:
+        raise FileNotFoundError(
+            f"no csv/metrics.csv in {', '.join(map(str, dirs))} (runs log one with logger=csv)"
+        )
+    if metric is None:
+        metric = next((m for m in monitored if m in names), "val/loss")
+    check_metric(metric, names)
+    metrics = list(dict.fromkeys(m for m in ("train/loss", metric) if m in names))
+    return write_curves(histories, metrics, Path(out) if out is not None else default_out(dirs))
 
 
 def pm(mean: float | None, std: float | None) -> str:
@@ -376,20 +512,46 @@ class SweepSummary(Callback):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tlab-summarize",
-        description="Rebuild a sweep's summary.csv, summary.md and summary.png from its job "
-        "directories.",
+        description="Summarise sweeps or runs: summary.csv, summary.md and summary.png "
+        "(one table and plot over all the given dirs), or with --curves their learning "
+        "curves, following resumes.",
     )
-    parser.add_argument("sweep_dir", type=Path, help="the multirun directory (hydra.sweep.dir)")
+    parser.add_argument(
+        "dirs",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="a multirun dir (hydra.sweep.dir) or one run's dir; several are compared",
+    )
     parser.add_argument("--metric", help="metric to summarise (default: the jobs' monitored one)")
     parser.add_argument("--mode", choices=("min", "max"), help="whether lower or higher is better")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where to write (default: the one DIR given, else logs/summaries/<time>)",
+    )
+    parser.add_argument(
+        "--by-source",
+        action="store_true",
+        help="keep each DIR's runs in groups of their own (compare two sweeps of one grid)",
+    )
+    parser.add_argument(
+        "--curves",
+        action="store_true",
+        help="write curves.png and curves.csv: train/loss and the metric against the step",
+    )
     args = parser.parse_args(argv)
     try:
-        summary = summarize(args.sweep_dir, args.metric, args.mode)
-    except FileNotFoundError as exc:
+        if args.curves:
+            png, _ = plot_curves(args.dirs, args.metric, args.out)
+            print(f"curves: {png} (and curves.csv)")
+            return 0
+        summary = summarize(args.dirs, args.metric, args.mode, args.out, args.by_source)
+    except (FileNotFoundError, UnknownMetric) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print_summary(summary)
-    print(f"summary: {args.sweep_dir / 'summary.md'}")
+    print(f"summary: {summary['out'] / 'summary.md'}")
     return 0
 
 

@@ -1,0 +1,167 @@
+"""Every ``tlab-*`` command line of the README runs as written, at a tiny budget.
+
+The commands are read from the README's bash blocks. Its placeholders (``<time>``,
+``.../last.ckpt``, ``<sweep A>``) are filled in with runs trained here first: the default
+ViT, a baby GPT on Tiny Shakespeare, the Multi30k Transformer and two small MQAR sweeps.
+Each command gets the budget its row of ``BUDGET`` gives (``debug=limit``: 3 epochs of 3
+batches) and must exit 0. ``SKIPPED`` lists the lines left out, each with its reason; a
+line of the README is in one or the other, or the test that reads them fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+DATA = os.environ.get("TLAB_DATA_DIR")
+
+NO_GPU = "needs GPUs, which CI does not have (the device tool checks them when one is lent)"
+SKIPPED = {
+    "tlab-train experiment=vit_mnist trainer=gpu": NO_GPU,
+    "tlab-train trainer=ddp trainer.devices=4 experiment=gpt_shakespeare": NO_GPU,
+    "tlab-train trainer=ddp trainer.devices=8 +trainer.num_nodes=2 ...": NO_GPU
+    + "; and several nodes",
+    "tlab-train trainer=fsdp trainer.devices=4 experiment=gpt_shakespeare": NO_GPU,
+    "tlab-train trainer=gpu trainer.precision=bf16-mixed compile=true": NO_GPU,
+    "tlab-train -m launcher=slurm": "needs a SLURM cluster (the preset's composition is tested "
+    "in test_sweeps.py)",
+    "tlab-train sweep=attention_kernels launcher=slurm": "needs a SLURM cluster and GPUs",
+}
+
+QUIET = ["trainer.enable_progress_bar=false", "logger=csv"]  # wandb: tested in test_train.py
+TINY = ["debug=limit", *QUIET]  # 3 epochs of 3 training and 2 validation batches
+# extra overrides by the start of a command line (the first that matches)
+BUDGET = [
+    ("tlab-train ckpt_path=", [*TINY, "trainer.max_epochs=4"]),  # one epoch more than saved
+    ("tlab-train debug=", QUIET),
+    ("tlab-train sweep=attention_kernels", [*TINY, "hydra.sweeper.params.seed=0"]),
+    ("tlab-train sweep=lr_optuna", [*TINY, "hydra.sweeper.n_trials=2"]),
+    ("tlab-train", TINY),
+    ("tlab-sample", ["max_new_tokens=20"]),
+    ("tlab-eval", []),
+    ("tlab-translate", []),
+    ("tlab-summarize", []),
+]
+
+
+def readme_commands() -> list[str]:
+    """The ``tlab-*`` lines of the README's bash blocks, continuations joined, comments
+    cut."""
+    lines = []
+    for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", README.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line.startswith("tlab-"):
+                lines.append(re.sub(r"\s+", " ", line))
+    return lines
+
+
+def skip_reason(command: str) -> str | None:
+    return next((why for start, why in SKIPPED.items() if command.startswith(start)), None)
+
+
+def budget(command: str) -> list[str]:
+    return next(extra for start, extra in BUDGET if command.startswith(start))
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_commands_are_found_and_the_skip_table_is_current():
+    assert len(COMMANDS) >= 20 and sum("tlab-summarize" in c for c in COMMANDS) >= 3
+    for start in SKIPPED:  # a skip reason for a line that is gone must go too
+        assert any(c.startswith(start) for c in COMMANDS), start
+
+
+def tlab(
+    program: str, *args: str, cwd: Path, stdin: str | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "TLAB_ROOT": str(cwd), "PYTHONUNBUFFERED": "1"}
+    env.pop("WANDB_API_KEY", None)
+    scripts = Path(sys.executable).parent
+    return subprocess.run(
+        [str(scripts / program), *args],
+        cwd=cwd,
+        env=env,
+        input=stdin or "",
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def only_dir(folder: Path) -> Path:
+    (found,) = [p for p in folder.iterdir() if p.is_dir()]
+    return found
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """What the placeholders stand for: three trained runs and two sweeps."""
+    if not DATA:
+        pytest.skip("the README's data sets: set TLAB_DATA_DIR (../shared/data in CI)")
+    root = tmp_path_factory.mktemp("readme")
+    made: dict[str, Path] = {"root": root}
+    for name, preset in (("vit", []), ("gpt", ["experiment=baby_gpt"])):
+        proc = tlab("tlab-train", *preset, *TINY, f"hydra.run.dir=runs/{name}", cwd=root)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        made[name] = root / "runs" / name
+    proc = tlab(
+        "tlab-train", "experiment=transformer_multi30k", *TINY, "task.bleu_batches=1",
+        "hydra.run.dir=runs/transformer", cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    made["transformer"] = root / "runs" / "transformer"
+    for name, kernels in (("sweep_a", "softmax,dot"), ("sweep_b", "fastmax_p1")):
+        proc = tlab(
+            "tlab-train", "-m", "experiment=mqar", f"attention={kernels}", *TINY,
+            f"hydra.sweep.dir=sweeps/{name}", cwd=root,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        made[name] = root / "sweeps" / name
+    (root / "sentences.txt").write_text("A dog runs.\nTwo men talk.\n")
+    return made
+
+
+def fill_in(command: str, runs: dict[str, Path]) -> str:
+    """The command with each placeholder replaced by a run made here."""
+    program = command.split()[0]
+    model = {"tlab-sample": "gpt", "tlab-translate": "transformer"}.get(program, "vit")
+    ckpts = runs[model] / "checkpoints"
+    for old, new in (
+        ("logs/train/runs/<time>", runs["vit"]),
+        ("logs/train/multiruns/<time>", runs["sweep_a"]),
+        ("<sweep A>", runs["sweep_a"]),
+        ("<sweep B>", runs["sweep_b"]),
+        ("<run dir>", runs["vit"]),
+        (".../", f"{ckpts}/"),
+        ("ckpt_path=... ", f"ckpt_path={ckpts}/last.ckpt "),
+    ):
+        command = command.replace(old, str(new))
+    if command.endswith("ckpt_path=..."):
+        command = command[: -len("...")] + f"{ckpts}/last.ckpt"
+    assert "<" not in command and "..." not in command, f"a placeholder left in {command!r}"
+    return command
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_readme_command_runs_as_written(command, runs):
+    if (why := skip_reason(command)) is not None:
+        pytest.skip(why)
+    program, *args = shlex.split(fill_in(command, runs))
+    stdin = "A dog runs.\n" if program == "tlab-translate" and "text=" not in command else None
+    proc = tlab(program, *args, *budget(command), cwd=runs["root"], stdin=stdin)
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if program in ("tlab-sample", "tlab-translate"):
+        assert proc.stdout.strip(), "no text came out"
+    if "--curves" in args:
+        assert (Path(args[0]) / "curves.png").is_file()
