@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install train ablate test test-fast lint format bench bench-training notebooks clean
+.PHONY: help install train ablate test test-fast lint format docs bench bench-training notebooks clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -27,6 +27,9 @@ ablate: install  ## the kernel ablation on MQAR: 6 kernels x 2 seeds, offline, 2
 
 test: install  ## run the whole test suite (what CI runs)
 	WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)
+
+docs: install  ## rewrite the README's kernel table from the registered kernels
+	$(PY) -m transformers_lab.attention --readme README.md
 
 test-fast: install  ## run the tests not marked slow
 	WANDB_MODE=offline $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

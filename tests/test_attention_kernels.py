@@ -1,8 +1,10 @@
-"""Every kernel against its formula written naively, and against the kernel contract."""
+"""Every kernel against the contract (``attention.check``: its own float64 reference,
+masks, decode, gradients), the check itself against broken kernels, and what is
+particular to each kernel."""
 
 from __future__ import annotations
 
-import math
+import functools
 
 import pytest
 import torch
@@ -14,22 +16,22 @@ from transformers_lab.attention import (
     AttentionKernel,
     CosineAttention,
     FastmaxAttention,
+    SoftmaxAttention,
     build_kernel,
 )
+from transformers_lab.attention import check as check_module
+from transformers_lab.attention.check import check_kernel, kernel_factory
 
 B, H, D = 2, 3, 8
 NAMES = sorted(KERNELS)
-KERNEL_CONFIGS = [
-    ("softmax", {}),
-    ("dot", {}),
-    ("cosine", {}),
-    ("additive", {}),
+# every registered kernel with its defaults, and the options that take other code paths
+KERNEL_CONFIGS = [(name, {}) for name in NAMES] + [
     ("additive", {"attn_dim": 5, "bias": False}),
+    ("additive", {"memory_budget_mb": 1e-3}),  # one query per chunk
     ("fastmax", {"p": 1, "impl": "linear"}),
     ("fastmax", {"p": 2, "impl": "linear"}),
     ("fastmax", {"p": 2, "scale": 2.5, "normalize": False, "chunk_size": 3, "impl": "linear"}),
     ("fastmax", {"p": 2, "impl": "quadratic"}),
-    ("fastmax", {"p": 2}),  # auto: quadratic for these short sequences
 ]
 CONFIG_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in KERNEL_CONFIGS]
 
@@ -56,149 +58,124 @@ def padding(nk: int) -> torch.Tensor:
     return mask
 
 
-def naive_scores(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Each kernel's score (or, for fastmax, the positive weight), by its textbook formula,
-    in float64, one (query, key) pair of loops at a time where it is cheap enough."""
-    q, k = q.double(), k.double()
-    if kernel.name in ("softmax", "dot"):
-        return torch.einsum("bhid,bhjd->bhij", q, k) * kernel.scale
-    if kernel.name == "cosine":
-        cos = torch.einsum("bhid,bhjd->bhij", q, k)
-        cos = cos / (q.norm(dim=-1)[..., :, None] * k.norm(dim=-1)[..., None, :])
-        tau = torch.exp(torch.clamp(kernel.log_tau.double(), max=math.log(100.0)))
-        return tau * cos
-    if kernel.name == "additive":
-        wq, wk, w = kernel.w_q.double(), kernel.w_k.double(), kernel.w.double()
-        pre = torch.einsum("bhid,hda->bhia", q, wq)[:, :, :, None, :]
-        pre = pre + torch.einsum("bhjd,hda->bhja", k, wk)[:, :, None, :, :]
-        if kernel.b is not None:
-            pre = pre + kernel.b.double()[None, :, None, None, :]
-        return torch.einsum("bhija,ha->bhij", torch.tanh(pre), w)
-    raise AssertionError(kernel.name)
-
-
-def naive_weights(kernel, q, k, causal, key_padding_mask):
-    nq, nk = q.shape[2], k.shape[2]
-    allowed = torch.ones(B, 1, nq, nk, dtype=torch.bool)
-    for i in range(nq):
-        for j in range(nk):
-            if causal and j > i + (nk - nq):
-                allowed[:, :, i, j] = False
-    if key_padding_mask is not None:
-        allowed &= ~key_padding_mask[:, None, None, :]
-    if kernel.name == "fastmax":
-        qd, kd = q.double(), k.double()
-        if kernel.normalize:
-            qd = qd / qd.norm(dim=-1, keepdim=True)
-            kd = kd / kd.norm(dim=-1, keepdim=True)
-        x = kernel.scale * torch.einsum("bhid,bhjd->bhij", qd, kd)
-        f = sum(x**m / math.factorial(m) for m in range(kernel.p + 1))
-    else:
-        s = naive_scores(kernel, q, k)
-        f = torch.exp(s - s.amax(dim=-1, keepdim=True))
-    f = torch.where(allowed, f, torch.zeros_like(f))
-    den = f.sum(dim=-1, keepdim=True)
-    return torch.where(den > 0, f / den, torch.zeros_like(f))
-
-
-SHAPES = [(7, 7), (3, 9), (9, 4)]
-
-
 @pytest.mark.parametrize(("name", "options"), KERNEL_CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(("nq", "nk"), SHAPES)
-@pytest.mark.parametrize("padded", [False, True])
-def test_forward_matches_naive_formula(name, options, causal, nq, nk, padded):
-    kernel = make(name, **options)
-    q, k, v = qkv(nq, nk, dv=5)
-    mask = padding(nk) if padded else None
-    expected = naive_weights(kernel, q, k, causal, mask) @ v
-    out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
-    assert out.shape == (B, H, nq, 5)
-    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
-
-    # float32 within 1e-5 relative of the float64 formula
-    kernel32 = kernel.float()
-    out32 = kernel32(q.float(), k.float(), v.float(), causal=causal, key_padding_mask=mask)
-    assert out32.dtype == torch.float32
-    torch.testing.assert_close(out32.double(), expected, rtol=1e-5, atol=1e-5)
+def test_every_kernel_passes_the_contract(name, options):
+    assert check_kernel(kernel_factory(name, options)) == []
 
 
-@pytest.mark.parametrize(("name", "options"), KERNEL_CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_weights_rows_sum_to_one_and_forward_is_weights_at_v(name, options, causal):
-    kernel = make(name, **options)
-    q, k, v = qkv(6, 10)
-    mask = padding(10)
-    w = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
-    assert w.shape == (B, H, 6, 10)
-    torch.testing.assert_close(w.sum(-1), torch.ones(B, H, 6, dtype=w.dtype))
-    assert (w >= 0).all()
-    assert (w[1, :, :, -2:] == 0).all(), "padded keys must get zero weight"
-    out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
-    torch.testing.assert_close(out, w @ v)
+def test_every_kernel_declares_itself():
+    for name, cls in KERNELS.items():
+        assert cls.name == name and isinstance(cls.normalized, bool)
+        assert cls.reference_weights is not AttentionKernel.reference_weights, name
+        kernel = build_kernel(name, head_dim=D, num_heads=H)
+        grows = kernel.state_size(1000) > kernel.state_size(10)
+        assert grows != cls.linear, name
 
 
-@pytest.mark.parametrize(("name", "options"), KERNEL_CONFIGS, ids=CONFIG_IDS)
-def test_causal_outputs_ignore_the_future(name, options):
-    kernel = make(name, **options)
-    q, k, v = qkv(10, 10)
-    out = kernel(q, k, v, causal=True)
-    i = 4
-    q2, k2, v2 = q.clone(), k.clone(), v.clone()
-    for t in (q2, k2, v2):
-        t[:, :, i + 1 :] = 100 * torch.randn_like(t[:, :, i + 1 :])
-    out2 = kernel(q2, k2, v2, causal=True)
-    torch.testing.assert_close(out2[:, :, : i + 1], out[:, :, : i + 1], rtol=0, atol=1e-12)
-    assert not torch.allclose(out2[:, :, i + 1 :], out[:, :, i + 1 :])
+# ---------------------------------------------------------------- the check catches
 
 
-@pytest.mark.parametrize(("name", "options"), KERNEL_CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_padded_keys_change_nothing(name, options, causal):
-    kernel = make(name, **options)
-    q, k, v = qkv(5, 8)
-    mask = padding(8)
-    out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
-    k2, v2 = k.clone(), v.clone()
-    k2[1, :, -2:] = 1e3 * torch.randn_like(k2[1, :, -2:])
-    v2[1, :, -2:] = 1e3 * torch.randn_like(v2[1, :, -2:])
-    out2 = kernel(q, k2, v2, causal=causal, key_padding_mask=mask)
-    torch.testing.assert_close(out2, out, rtol=0, atol=1e-12)
+class Leaky(SoftmaxAttention, register=False):
+    """Ignores causal: sees the future."""
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None):
+        return super().forward(q, k, v, key_padding_mask=key_padding_mask)
 
 
-@pytest.mark.parametrize(("name", "options"), KERNEL_CONFIGS, ids=CONFIG_IDS)
-def test_fully_masked_query_gives_zeros_and_finite_gradients(name, options):
-    kernel = make(name, **options)
-    q, k, v = qkv(4, 4, requires_grad=True)
-    mask = torch.zeros(B, 4, dtype=torch.bool)
-    mask[1] = True  # every key of batch 1 is padding
-    # causal with Nq > Nk also leaves the first queries with no key
-    for out in (
-        kernel(q, k, v, key_padding_mask=mask),
-        kernel(q, k[:, :, :2], v[:, :, :2], causal=True),
-    ):
-        assert torch.isfinite(out).all()
-        out.sum().backward()
-        for t in (q, k, v):
-            assert torch.isfinite(t.grad).all()
-    assert (kernel(q, k, v, key_padding_mask=mask)[1] == 0).all()
-    assert (kernel(q, k[:, :, :2], v[:, :, :2], causal=True)[:, :, :2] == 0).all()
-    assert (kernel.weights(q, k, key_padding_mask=mask)[1] == 0).all()
+class Unnormalised(SoftmaxAttention, register=False):
+    """Rows that sum to 2, while declaring normalized."""
+
+    def weights(self, q, k, **kw):
+        return 2 * super().weights(q, k, **kw)
+
+    def forward(self, q, k, v, **kw):
+        return 2 * super().forward(q, k, v, **kw)
+
+    def reference_weights(self, q, k, **kw):
+        return 2 * super().reference_weights(q, k, **kw)
 
 
-@pytest.mark.parametrize(("name", "options"), KERNEL_CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_gradcheck_float64(name, options, causal):
-    kernel = make(name, **options)
-    q, k, v = qkv(4, 5, requires_grad=True)
-    q, k, v = (t.detach()[:1, :, :, :].requires_grad_() for t in (q, k, v))
-    mask = torch.tensor([[False, False, False, False, True]])
+class ForgetfulDecode(SoftmaxAttention, register=False):
+    """Decodes each token as if it were the first."""
 
-    def fn(q, k, v):
-        return kernel(q, k, v, causal=causal, key_padding_mask=mask)
+    def decode(self, q, k, v, state=None, *, key_padding_mask=None):
+        return super().decode(q, k, v, None, key_padding_mask=key_padding_mask)
 
-    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-6)
+
+class PaddingBlind(SoftmaxAttention, register=False):
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None):
+        return super().forward(q, k, v, causal=causal)
+
+
+class SlightlyOff(SoftmaxAttention, register=False):
+    """A forward 1e-7 away from its reference (a float32 accumulation, say)."""
+
+    def forward(self, q, k, v, **kw):
+        return super().forward(q, k, v, **kw) * (1 + 1e-7)
+
+
+@pytest.mark.parametrize(
+    ("cls", "caught"),
+    [
+        (Leaky, {"reference", "weights", "future", "decode"}),
+        (Unnormalised, {"rows"}),
+        (ForgetfulDecode, {"decode"}),
+        (PaddingBlind, {"reference", "weights", "padding", "masked"}),
+        (SlightlyOff, {"reference", "weights"}),
+    ],
+)
+def test_the_check_names_what_a_broken_kernel_breaks(cls, caught):
+    failures = check_kernel(functools.partial(cls))
+    assert {line.split(":", 1)[0] for line in failures} == caught, failures
+    assert all("\n" not in line for line in failures)
+
+
+def test_the_check_command_prints_a_line_per_failure_and_its_status(capsys):
+    assert check_module.main(["softmax"]) == 0
+    assert capsys.readouterr().out.startswith("ok: softmax passes the 12 checks")
+    assert check_module.main([f"{__name__}.ForgetfulDecode"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out and all(
+        line.startswith(f"FAIL {__name__}.ForgetfulDecode: decode: ") for line in out
+    )
+    assert check_module.main(["fastmax", "p=1", "impl=linear"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["fastmx"], "unknown kernel 'fastmx' (did you mean fastmax?); give a registered name"),
+        (["nowhere.Kernel"], "cannot import nowhere for nowhere.Kernel"),
+        (["torch.nn.Linear"], "torch.nn.Linear is not an AttentionKernel subclass"),
+        (["fastmax", "p=3"], "unsupported Taylor order p=3"),
+        (["fastmax", "p"], "options are key=value, got 'p'"),
+        (["no/such.yaml"], "no kernel config at no/such.yaml"),
+    ],
+)
+def test_the_check_command_refuses_a_target_it_cannot_build(argv, message, capsys):
+    assert check_module.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_the_readme_kernel_table_is_written_from_the_registry():
+    from pathlib import Path
+
+    from transformers_lab.attention.__main__ import kernel_table, with_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert with_table(readme, kernel_table()) == readme, "the table is stale: run make docs"
+    assert all(f"| `{name}` |" in kernel_table() for name in NAMES)
+
+
+def test_a_kernel_name_cannot_be_taken_twice():
+    with pytest.raises(TypeError, match="the attention kernel name 'softmax' is taken by"):
+
+        class Impostor(SoftmaxAttention):
+            name = "softmax"
+
+    assert KERNELS["softmax"] is SoftmaxAttention
 
 
 def test_softmax_equals_sdpa():
@@ -260,7 +237,7 @@ def test_additive_gradients_of_inputs_and_parameters_match_the_formula(bias):
     mask = padding(6)
     params = list(kernel.parameters())
     out = kernel(q, k, v, causal=True, key_padding_mask=mask)
-    reference = naive_weights(kernel, q, k, True, mask) @ v
+    reference = kernel.reference_weights(q, k, causal=True, key_padding_mask=mask) @ v
     torch.testing.assert_close(out, reference)
     weights = torch.randn_like(out)  # a loss that weighs every output differently
     got = torch.autograd.grad((out * weights).sum(), [q, k, v, *params])
@@ -270,7 +247,7 @@ def test_additive_gradients_of_inputs_and_parameters_match_the_formula(bias):
         torch.testing.assert_close(a, b, msg=lambda m, name=name: f"d{name}: {m}")
 
 
-@pytest.mark.parametrize("name", ["softmax", "dot", "cosine", "additive", "fastmax"])
+@pytest.mark.parametrize("name", NAMES)
 def test_dropout_acts_in_training_only(name):
     kernel = make(name, dropout=0.5)
     q, k, v = qkv(6, 6)
@@ -297,25 +274,12 @@ def test_fastmax_dropout_drops_whole_keys_identically_in_every_path():
         torch.testing.assert_close(a, w @ (v * keep))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_kv_cache_decode_equals_full_causal_forward(name):
-    kernel = make(name)
-    q, k, v = qkv(9, 9)
-    full = kernel(q, k, v, causal=True)
-    state, outs = None, []
-    for start, stop in ((0, 4), (4, 5), (5, 6), (6, 9)):  # a prefill, then steps
-        out, state = kernel.decode(
-            q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], state
-        )
-        outs.append(out)
-    torch.testing.assert_close(torch.cat(outs, dim=2), full)
-
-
 # ---------------------------------------------------------------- bad input
 
 
 def test_unknown_kernel_name_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="unknown attention kernel 'flash'.*softmax.*fastmax"):
+    message = "unknown attention kernel 'flash'; valid kernels are: .*fastmax.*softmax"
+    with pytest.raises(ValueError, match=message):
         build_kernel("flash", head_dim=D, num_heads=H)
 
 

@@ -63,6 +63,14 @@ def readme_commands() -> list[str]:
     return lines
 
 
+def readme_block(first_line: str) -> str:
+    """The README code block that starts with ``first_line``."""
+    for block in re.findall(r"```\w*\n(.*?)```", README.read_text(), re.S):
+        if block.startswith(first_line + "\n"):
+            return block
+    raise AssertionError(f"no README block starts with {first_line!r}")
+
+
 def skip_reason(command: str) -> str | None:
     return next((why for start, why in SKIPPED.items() if command.startswith(start)), None)
 
@@ -84,6 +92,7 @@ def tlab(
     program: str, *args: str, cwd: Path, stdin: str | None = None
 ) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "TLAB_ROOT": str(cwd), "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")])  # my_kernels
     env.pop("WANDB_API_KEY", None)
     scripts = Path(sys.executable).parent
     return subprocess.run(
@@ -127,6 +136,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         assert proc.returncode == 0, proc.stderr[-3000:]
         made[name] = root / "sweeps" / name
     (root / "sentences.txt").write_text("A dog runs.\nTwo men talk.\n")
+    for path in ("my_kernels/distance.py", "my_conf/attention/distance.yaml"):  # the user's kernel
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(readme_block(f"# {path}"))
+    (root / "my_kernels" / "__init__.py").write_text("")
     return made
 
 
@@ -141,6 +154,7 @@ def fill_in(command: str, runs: dict[str, Path]) -> str:
         ("<sweep A>", runs["sweep_a"]),
         ("<sweep B>", runs["sweep_b"]),
         ("<run dir>", runs["vit"]),
+        ("$PWD", runs["root"]),
         (".../", f"{ckpts}/"),
         ("ckpt_path=... ", f"ckpt_path={ckpts}/last.ckpt "),
     ):

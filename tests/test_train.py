@@ -441,9 +441,9 @@ def test_the_run_dir_is_read_from_the_command_line_as_hydra_reads_it(monkeypatch
 def test_an_unknown_group_option_lists_the_valid_ones():
     with pytest.raises(ConfigError) as err:
         check_overrides(["attention=fastmx"])
+    options = ", ".join(sorted(p.stem for p in (CONF_DIR / "attention").glob("*.yaml")))
     assert str(err.value) == (
-        "unknown attention 'fastmx'; valid options are: additive, cosine, dot, fastmax, "
-        "fastmax_p1, fastmax_p2, softmax (conf/attention/)"
+        f"unknown attention 'fastmx'; valid options are: {options} (conf/attention/)"
     )
     with pytest.raises(ConfigError, match="unknown experiment 'nope'; valid options are: baby"):
         check_overrides(["model=gpt", "experiment=nope"])

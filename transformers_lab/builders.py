@@ -93,6 +93,20 @@ def compose_config(name: str, overrides: list[str], output_dir: str | Path) -> D
     return cfg
 
 
+def attention_configs() -> dict[str, dict[str, Any]]:
+    """Every option of the ``attention`` group in ``conf/attention/``, composed (its
+    defaults applied), as plain dicts with ``_target_``, by option name."""
+    from hydra import compose, initialize_config_dir
+
+    options = sorted(p.stem for p in (CONF_DIR / "attention").glob("*.yaml"))
+    configs = {}
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for name in options:
+            cfg = compose("train", overrides=[f"attention={name}"])
+            configs[name] = OmegaConf.to_container(cfg.attention, resolve=True)
+    return configs
+
+
 def target_class(config: DictConfig) -> type:
     """The class (or function) a config's ``_target_`` names."""
     module, _, name = str(config._target_).rpartition(".")

@@ -26,35 +26,76 @@ SWEEP_FUNCTION = re.compile(r"^\w+\(.*\)$")
 INFO_FLAGS = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc"}
 
 
-def group_options(group: str) -> list[str]:
-    """The options of a config group: the ``.yaml`` files in ``conf/<group>/``."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def group_options(group: str, dirs: Sequence[Path] = (CONF_DIR,)) -> list[str]:
+    """The options of a config group: the ``.yaml`` files in ``<dir>/<group>/`` of each of
+    ``dirs`` (``conf/`` and the user's config dirs)."""
+    return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
 
 
-def unknown_option(group: str, choice: str) -> ConfigError:
-    """The error for an option that ``conf/<group>/`` does not have."""
+def unknown_option(group: str, choice: str, dirs: Sequence[Path] = (CONF_DIR,)) -> ConfigError:
+    """The error for an option that no config dir has in ``group``."""
+    where = ", ".join(f"conf/{group}/" if d == CONF_DIR else str(d / group) + "/" for d in dirs)
     return ConfigError(
-        f"unknown {group} {choice!r}; valid options are: {', '.join(group_options(group))} "
-        f"(conf/{group}/)"
+        f"unknown {group} {choice!r}; valid options are: "
+        f"{', '.join(group_options(group, dirs))} ({where})"
     )
 
 
+def search_dirs(argv: Sequence[str]) -> list[Path] | None:
+    """``conf/`` and the config dirs the command line adds (``hydra.searchpath=[...]``
+    entries ``file://<dir>`` or ``pkg://<package>``, ``--config-dir``); None when one of
+    them cannot be found from here (Hydra will say)."""
+    import importlib.util
+
+    dirs = [CONF_DIR]
+    entries: list[str] = []
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key.lstrip("+") == "hydra.searchpath" and eq:
+            entries += [e.strip().strip("'\"") for e in value.strip("[]").split(",") if e.strip()]
+        elif key in ("--config-dir", "-cd"):
+            entries.append(value if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
+    for entry in entries:
+        scheme, sep, rest = entry.partition("://")
+        if not sep:
+            scheme, rest = "file", entry
+        if scheme == "file":
+            dirs.append(Path(rest))
+        elif scheme == "pkg":
+            package, _, sub = rest.partition("/")
+            try:
+                spec = importlib.util.find_spec(package)
+            except (ImportError, ValueError):
+                return None
+            if spec is None or not spec.submodule_search_locations:
+                return None
+            dirs.append(Path(next(iter(spec.submodule_search_locations))) / sub)
+        else:
+            return None
+    return dirs
+
+
 def check_overrides(argv: Sequence[str]) -> None:
-    """Refuse ``group=option`` overrides whose option does not exist, listing the valid
-    ones (Hydra would print its search path and a hint to set HYDRA_FULL_ERROR)."""
+    """Refuse ``group=option`` overrides whose option exists in no config dir, listing
+    the valid ones (Hydra would print its search path and a hint to set
+    HYDRA_FULL_ERROR). The user's config dirs on ``hydra.searchpath`` count."""
+    dirs = search_dirs(argv)
+    if dirs is None:
+        return
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~").split("@")[0]
-        if key.startswith("hydra") or "." in key or not (CONF_DIR / key).is_dir():
+        if key.startswith("hydra") or "." in key or not any((d / key).is_dir() for d in dirs):
             continue
         if SWEEP_FUNCTION.match(value):
             continue
         for choice in value.strip("[]").split(","):  # a sweep (a,b) or a list ([a,b])
             choice = choice.strip()
-            if choice not in ("null", "") and not (CONF_DIR / key / f"{choice}.yaml").is_file():
-                raise unknown_option(key, choice)
+            if choice in ("null", "") or any((d / key / f"{choice}.yaml").is_file() for d in dirs):
+                continue
+            raise unknown_option(key, choice, dirs)
 
 
 def keys_named(name: str) -> list[str]:

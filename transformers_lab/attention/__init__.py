@@ -2,42 +2,50 @@
 
 Each kernel is an ``nn.Module`` built per layer as ``factory(head_dim=..., num_heads=...)``
 and called as ``kernel(q, k, v, causal=..., key_padding_mask=...)``; see ``base`` for the
-contract. ``build_kernel("fastmax", head_dim=32, num_heads=4, p=2)`` builds one by name.
+contract. A kernel class registers itself under its ``name`` when its module is imported;
+every module of this package is imported here, so a new kernel is one file (and its yaml
+in ``conf/attention/``). ``build_kernel("fastmax", head_dim=32, num_heads=4, p=2)`` builds
+one by name; ``python -m transformers_lab.attention.check NAME`` checks one against the
+contract.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
-from transformers_lab.attention.additive import AdditiveAttention
 from transformers_lab.attention.base import (
+    REGISTRY,
     AttentionKernel,
     Memory,
     attention_mask,
     masked_softmax,
 )
-from transformers_lab.attention.fastmax import FastmaxAttention
-from transformers_lab.attention.softmax import CosineAttention, DotAttention, SoftmaxAttention
 
-KERNELS: dict[str, type[AttentionKernel]] = {
-    cls.name: cls
-    for cls in (
-        SoftmaxAttention,
-        DotAttention,
-        CosineAttention,
-        AdditiveAttention,
-        FastmaxAttention,
-    )
-}
+# import every kernel module of the package, so that its classes register themselves
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_") and _module.name not in ("base", "naive", "check"):
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+from transformers_lab.attention.additive import AdditiveAttention  # noqa: E402
+from transformers_lab.attention.fastmax import FastmaxAttention  # noqa: E402
+from transformers_lab.attention.softmax import (  # noqa: E402
+    CosineAttention,
+    DotAttention,
+    SoftmaxAttention,
+)
+
+KERNELS = REGISTRY  # the registered kernels, by name (the user's own included, once imported)
 
 
 def kernel_class(name: str) -> type[AttentionKernel]:
     """The kernel class registered under ``name``."""
     try:
-        return KERNELS[name]
+        return REGISTRY[name]
     except KeyError:
         raise ValueError(
-            f"unknown attention kernel {name!r}; valid kernels are: {', '.join(KERNELS)}"
+            f"unknown attention kernel {name!r}; valid kernels are: {', '.join(sorted(REGISTRY))}"
         ) from None
 
 
@@ -48,6 +56,7 @@ def build_kernel(name: str, *, head_dim: int, num_heads: int, **options: Any) ->
 
 __all__ = [
     "KERNELS",
+    "REGISTRY",
     "AdditiveAttention",
     "AttentionKernel",
     "CosineAttention",

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from transformers_lab.attention import naive
 from transformers_lab.attention.base import AttentionKernel, attention_mask, masked_softmax
 
 # The transient memory of one chunk, in (B, H, C, Nk, attn_dim) tensors: the forward holds
@@ -78,6 +79,7 @@ class AdditiveAttention(AttentionKernel):
     """
 
     name = "additive"
+    formula = "softmax(wᵀ tanh(W_q q + W_k k + b))"
 
     def __init__(
         self,
@@ -138,6 +140,19 @@ class AdditiveAttention(AttentionKernel):
             for start in range(0, q.shape[2], rows)
         ]
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+
+    def reference_weights(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        """softmax_j of ``w_h · tanh(W_q,h q_i + W_k,h k_j + b_h)``, one pair at a time
+        over a (B, H, Nq, Nk, A) tensor, in float64."""
+        q, k = q.double(), k.double()
+        pre = torch.einsum("bhid,hda->bhia", q, self.w_q.double())[:, :, :, None, :]
+        pre = pre + torch.einsum("bhjd,hda->bhja", k, self.w_k.double())[:, :, None, :, :]
+        if self.b is not None:
+            pre = pre + self.b.double()[None, :, None, None, :]
+        scores = torch.einsum("bhija,ha->bhij", torch.tanh(pre), self.w.double())
+        return naive.softmax_rows(scores, naive.pair_mask(q, k, causal, key_padding_mask))
 
     def weights(
         self,

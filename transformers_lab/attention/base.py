@@ -10,15 +10,20 @@ A kernel maps per-head queries, keys and values to per-head outputs::
   change any output.
 - A query whose every key is masked outputs zeros, never NaN.
 
-``weights(q, k, ...)`` returns the explicit ``(B, H, Nq, Nk)`` attention matrix (rows sum
-to 1, or are all zero for a fully masked query), so that ``forward == weights @ v`` when
-dropout is off.
+``weights(q, k, ...)`` returns the explicit ``(B, H, Nq, Nk)`` attention matrix, so that
+``forward == weights @ v`` when dropout is off. Its rows sum to 1 (or are all zero for a
+fully masked query) when the kernel declares ``normalized = True``.
+
+A kernel class registers itself under its ``name`` when it is defined (``REGISTRY``), and
+carries its own reference, ``reference_weights``: the weights by its formula, written
+naively in float64, against which ``python -m transformers_lab.attention.check`` holds
+the fast paths. A new kernel is one file and one yaml.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -69,8 +74,20 @@ class Memory:
     state: Tensor | None = None
 
 
+REGISTRY: dict[str, type[AttentionKernel]] = {}  # name -> class, filled as classes are defined
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 class AttentionKernel(nn.Module):
-    """Base class of the kernels. Subclasses implement ``forward`` and ``weights``.
+    """Base class of the kernels. Subclasses implement ``forward``, ``weights`` and
+    ``reference_weights``, and set the class attributes below.
+
+    A subclass that sets ``name`` in its own body is registered under it; a helper base
+    class that sets none, or a subclass defined with ``register=False`` (a variant built
+    for a test), is not.
 
     Args:
         head_dim: D, the query/key size of one head (kernels with parameters size them by it).
@@ -78,7 +95,23 @@ class AttentionKernel(nn.Module):
         dropout: probability of dropping attention weights during training.
     """
 
-    name: str = "kernel"
+    name: ClassVar[str] = "kernel"
+    formula: ClassVar[str] = ""  # the weights, in one line (the README's kernel table)
+    normalized: ClassVar[bool] = True  # every row of weights() sums to 1 (or is all zero)
+    linear: ClassVar[bool] = False  # decode keeps a state whose size does not grow with n
+
+    def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if not register or name is None:
+            return
+        earlier = REGISTRY.get(name)
+        if earlier is not None and qualified_name(earlier) != qualified_name(cls):
+            raise TypeError(
+                f"the attention kernel name {name!r} is taken by {qualified_name(earlier)}; "
+                f"give {qualified_name(cls)} another name"
+            )
+        REGISTRY[name] = cls
 
     def __init__(self, head_dim: int, num_heads: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -116,6 +149,26 @@ class AttentionKernel(nn.Module):
     ) -> Tensor:
         """The explicit attention matrix (B, H, Nq, Nk), without dropout."""
         raise NotImplementedError
+
+    def reference_weights(
+        self,
+        q: Tensor,
+        k: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The weights by the kernel's formula, written naively in float64 (see
+        ``attention.naive``), with the kernel's own parameters: the reference that
+        ``forward`` and ``weights`` are checked against. Not for speed."""
+        raise NotImplementedError(f"{type(self).__name__} has no reference_weights")
+
+    def state_size(self, n: int, value_dim: int | None = None) -> int:
+        """Numbers ``decode`` keeps per sequence after ``n`` tokens, all heads together:
+        a KV cache holds every key and value (it grows with n); a linear kernel's state
+        does not grow."""
+        value_dim = self.head_dim if value_dim is None else value_dim
+        return self.num_heads * n * (self.head_dim + value_dim)
 
     def decode(
         self,

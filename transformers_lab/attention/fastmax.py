@@ -28,10 +28,13 @@ features come out of the matrix products contiguous.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformers_lab.attention import naive
 from transformers_lab.attention.base import AttentionKernel, Memory, attention_mask
 
 SUPPORTED_P = (1, 2)
@@ -373,6 +376,8 @@ class FastmaxAttention(AttentionKernel):
     """
 
     name = "fastmax"
+    formula = "Σ_{m≤p} (s q·k)^m / m!, normalised over keys"
+    linear = True
     IMPLS = ("auto", "linear", "quadratic")
 
     def __init__(
@@ -490,6 +495,22 @@ class FastmaxAttention(AttentionKernel):
             )
             a = polynomial_matrix(qs, ks, self.p, allowed)  # (B, H, Nq, Nk)
             return safe_divide(a, a.sum(dim=-1, keepdim=True)).to(q.dtype)
+
+    def reference_weights(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        """``f(x_ij) / sum_j f(x_ij)`` with ``f(x) = sum_{m<=p} x^m / m!`` and
+        ``x = s q·k`` (of unit q and k when normalize), in float64."""
+        if self.normalize:
+            q, k = naive.unit(q), naive.unit(k)
+        x = self.scale * naive.dot(q, k)
+        f = sum(x**m / math.factorial(m) for m in range(self.p + 1))
+        return naive.normalise_rows(f, naive.pair_mask(q, k, causal, key_padding_mask))
+
+    def state_size(self, n: int, value_dim: int | None = None) -> int:
+        """The recurrent state ``sum_j [v_j, 1] phi(k_j)^T``: H (Dv + 1) F, whatever n."""
+        value_dim = self.head_dim if value_dim is None else value_dim
+        return self.num_heads * (value_dim + 1) * feature_dim(self.head_dim, self.p)
 
     def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
         """The factorised state of every key: reading it costs O(1) in the memory length."""

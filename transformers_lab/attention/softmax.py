@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformers_lab.attention import naive
 from transformers_lab.attention.base import AttentionKernel, attention_mask, masked_softmax
 
 
@@ -24,6 +25,7 @@ class SoftmaxAttention(AttentionKernel):
     """
 
     name = "softmax"
+    formula = "softmax(q·k/√D)"
 
     def __init__(
         self, head_dim: int, num_heads: int, dropout: float = 0.0, scale: float | None = None
@@ -37,6 +39,16 @@ class SoftmaxAttention(AttentionKernel):
     def prepare(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, float]:
         """The (q', k', s) with scores ``s · q'·k'``; the identity transform here."""
         return q, k, self.scale
+
+    def reference_scores(self, q: Tensor, k: Tensor) -> Tensor:
+        """``s q·k`` in float64."""
+        return self.scale * naive.dot(q, k)
+
+    def reference_weights(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        allowed = naive.pair_mask(q, k, causal, key_padding_mask)
+        return naive.softmax_rows(self.reference_scores(q, k), allowed)
 
     def weights(
         self,
@@ -91,6 +103,7 @@ class DotAttention(SoftmaxAttention):
     """Unscaled multiplicative attention, ``softmax(q·k) v`` (Luong et al., 2015)."""
 
     name = "dot"
+    formula = "softmax(q·k)"
 
     def __init__(self, head_dim: int, num_heads: int, dropout: float = 0.0) -> None:
         super().__init__(head_dim, num_heads, dropout, scale=1.0)
@@ -110,6 +123,7 @@ class CosineAttention(SoftmaxAttention):
     """
 
     name = "cosine"
+    formula = "softmax(τ_h·cos(q,k))"
 
     def __init__(
         self,
@@ -137,3 +151,8 @@ class CosineAttention(SoftmaxAttention):
         q = F.normalize(q, dim=-1, eps=self.eps) * self.tau().to(q.dtype)
         k = F.normalize(k, dim=-1, eps=self.eps)
         return q, k, 1.0
+
+    def reference_scores(self, q: Tensor, k: Tensor) -> Tensor:
+        """``tau_h cos(q, k)`` in float64, tau clamped at max_tau."""
+        tau = torch.exp(torch.clamp(self.log_tau.double(), max=self.max_log_tau))
+        return tau * naive.dot(naive.unit(q), naive.unit(k))

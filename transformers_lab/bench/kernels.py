@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import functools
 import gc
 import json
 import math
@@ -53,21 +54,33 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 from torch import Tensor
 
-from transformers_lab.attention import AttentionKernel, build_kernel
+from transformers_lab.attention import AttentionKernel
+from transformers_lab.builders import attention_configs
 
-# variant name -> (registered kernel name, kernel options)
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "softmax": ("softmax", {}),
-    "dot": ("dot", {}),
-    "cosine": ("cosine", {}),
-    "additive": ("additive", {}),
-    "fastmax_p1": ("fastmax", {"p": 1, "impl": "linear"}),
-    "fastmax_p2": ("fastmax", {"p": 2, "impl": "linear"}),
-    "fastmax_p2_quadratic": ("fastmax", {"p": 2, "impl": "quadratic"}),
+BASELINE = "softmax"  # the variant the others' time and memory are divided by
+# Variants beyond the attention options: another code path of one option, for comparison.
+PATH_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "fastmax_p2_quadratic": ("fastmax_p2", {"impl": "quadratic"}),  # the N x N reference
 }
-# Variants that build an N x N matrix with extra width; skipped above --quadratic-max-n.
+
+
+@functools.cache
+def variants() -> dict[str, dict[str, Any]]:
+    """Variant name -> kernel config (``_target_`` and options): every option of
+    ``conf/attention/`` (options that compose to the same config count once, under the
+    last name: fastmax is fastmax_p2), softmax first, then ``PATH_VARIANTS``."""
+    options = attention_configs()
+    unique = {json.dumps(c, sort_keys=True): name for name, c in options.items()}
+    names = sorted(unique.values(), key=lambda n: (n != BASELINE, n))  # the baseline first
+    found = {name: options[name] for name in names}
+    for name, (base, extra) in PATH_VARIANTS.items():
+        found[name] = {**options[base], **extra}
+    return found
+
+
 QUADRATIC_VARIANTS = frozenset({"additive", "fastmax_p2_quadratic"})
 
 DTYPES: dict[str, torch.dtype] = {
@@ -140,19 +153,19 @@ class Spec:
 def validate_variants(names: Iterable[str]) -> list[str]:
     """``names`` as a list; a ValueError listing the valid variants if one is unknown."""
     names = list(names)
-    unknown = [name for name in names if name not in VARIANTS]
+    unknown = [name for name in names if name not in variants()]
     if unknown:
         raise ValueError(
             f"unknown variant(s) {', '.join(map(repr, unknown))}; "
-            f"valid variants are: {', '.join(VARIANTS)}"
+            f"valid variants are: {', '.join(variants())}"
         )
     return names
 
 
 def build_variant(spec: Spec) -> AttentionKernel:
     """The kernel of ``spec.variant``, on the spec's device and dtype."""
-    kernel_name, options = VARIANTS[spec.variant]
-    kernel = build_kernel(kernel_name, head_dim=spec.head_dim, num_heads=spec.heads, **options)
+    factory = instantiate(variants()[spec.variant])
+    kernel = factory(head_dim=spec.head_dim, num_heads=spec.heads)
     return kernel.to(device=spec.device, dtype=DTYPES[spec.dtype])
 
 
@@ -457,7 +470,7 @@ def ratio_table(rows: Sequence[Row], causal: bool) -> list[str]:
     ns = sorted({r["n"] for r in rows if r["causal"] == causal})
     body = []
     for n in ns:
-        base = ok.get(("softmax", n))
+        base = ok.get((BASELINE, n))
         for variant in variants:
             row = ok.get((variant, n))
             if row is None:
@@ -557,9 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kernels",
         nargs="+",
-        default=list(VARIANTS),
+        default=list(variants()),
         metavar="VARIANT",
-        help=f"variants to run (default all: {', '.join(VARIANTS)})",
+        help=f"variants to run (default all: {', '.join(variants())})",
     )
     parser.add_argument(
         "--repeats",

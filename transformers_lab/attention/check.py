@@ -1,0 +1,399 @@
+"""The kernel contract, checked on any kernel, the user's own included::
+
+    python -m transformers_lab.attention.check fastmax p=1
+    python -m transformers_lab.attention.check my_package.kernels.MyKernel scale=0.5
+    python -m transformers_lab.attention.check my_conf/attention/mine.yaml
+
+TARGET is a registered name, a dotted path ``package.module.Class``, or a kernel's yaml
+(``_target_`` and ``_partial_: true``, as in ``conf/attention/``); ``key=value`` pairs are
+kernel options. The checks, on float64 inputs with the kernel's learned parameters moved
+off their initial values:
+
+- ``shapes``: self- and cross-attention (Nq != Nk, Dv != D) give (B, H, Nq, Dv), finite;
+- ``reference``: ``forward`` equals the kernel's own ``reference_weights @ v`` within
+  1e-10 (and within 1e-5 in float32), causal or not, padded or not;
+- ``weights``: ``weights`` equals the reference, and ``forward == weights @ v``;
+- ``rows``: a kernel that declares ``normalized`` has rows that sum to 1;
+- ``alignment``: causal with Nq < Nk aligns the queries to the last Nq keys;
+- ``future``: a causal output does not change when later keys and values do;
+- ``padding``: padded keys and values change nothing;
+- ``masked``: a query with no key to see gives zeros and finite gradients;
+- ``decode``: ``decode`` token by token, and in chunks, equals the causal ``forward``;
+- ``state``: the decode state holds ``state_size(n)`` numbers, constant for a ``linear``
+  kernel;
+- ``memory``: ``read_memory(q, memory(k, v))`` equals the non-causal ``forward``;
+- ``gradcheck``: float64 gradients of q, k, v (and the parameters) agree with finite
+  differences.
+
+One line per failure, and exit status 1 if any; ``ok`` and exit status 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from transformers_lab.attention.base import REGISTRY, AttentionKernel
+
+B, H, D, DV = 2, 3, 8, 5
+SHAPES = [(7, 7), (3, 9), (9, 4)]  # (Nq, Nk): self, fewer queries, more queries
+Factory = Callable[..., AttentionKernel]
+
+
+class CheckError(ValueError):
+    """The target cannot be resolved or built."""
+
+
+# ---------------------------------------------------------------- the target
+
+
+def kernel_factory(target: str, options: dict[str, Any] | None = None) -> Factory:
+    """A factory ``f(head_dim=, num_heads=)`` for TARGET (a registered name, a dotted class
+    path or a kernel yaml) with ``options``."""
+    options = dict(options or {})
+    if target.endswith((".yaml", ".yml")):
+        from hydra.utils import instantiate
+        from omegaconf import OmegaConf
+
+        path = Path(target)
+        if not path.is_file():
+            raise CheckError(f"no kernel config at {path}")
+        config = OmegaConf.load(path)
+        config.merge_with(options)
+        config._partial_ = True
+        return instantiate(config)
+    if target in REGISTRY:
+        return functools.partial(REGISTRY[target], **options)
+    if "." not in target:
+        near = difflib.get_close_matches(target, list(REGISTRY), n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise CheckError(
+            f"unknown kernel {target!r}{hint}; give a registered name "
+            f"({', '.join(sorted(REGISTRY))}), a class as package.module.Class, or a yaml"
+        )
+    module_name, _, class_name = target.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CheckError(f"cannot import {module_name} for {target} ({exc})") from exc
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, AttentionKernel)):
+        raise CheckError(f"{target} is not an AttentionKernel subclass")
+    return functools.partial(cls, **options)
+
+
+def build(factory: Factory) -> AttentionKernel:
+    """The float64 kernel under test, its parameters moved off their initial values (so
+    that a reference that ignored one would be caught), in eval mode."""
+    kernel = factory(head_dim=D, num_heads=H).double()
+    with torch.no_grad():
+        for p in kernel.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return kernel.eval()
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def qkv(nq: int, nk: int, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, Tensor]:
+    return (
+        torch.randn(B, H, nq, D, dtype=dtype),
+        torch.randn(B, H, nk, D, dtype=dtype),
+        torch.randn(B, H, nk, DV, dtype=dtype),
+    )
+
+
+def padding(nk: int) -> Tensor:
+    """Batch 0 unpadded, batch 1 with its last two keys padded."""
+    mask = torch.zeros(B, nk, dtype=torch.bool)
+    mask[1, -2:] = True
+    return mask
+
+
+def cases() -> list[tuple[int, int, bool, bool]]:
+    return [
+        (nq, nk, causal, padded)
+        for nq, nk in SHAPES
+        for causal in (False, True)
+        for padded in (False, True)
+    ]
+
+
+def describe(nq: int, nk: int, causal: bool, padded: bool) -> str:
+    return f"Nq={nq} Nk={nk}{' causal' if causal else ''}{' padded' if padded else ''}"
+
+
+def gap(a: Tensor, b: Tensor, rtol: float, atol: float) -> str | None:
+    """None when a and b agree within rtol, atol; else how far apart they are."""
+    if a.shape != b.shape:
+        return f"shape {tuple(a.shape)} != {tuple(b.shape)}"
+    if torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=False):
+        return None
+    diff = (a.double() - b.double()).abs().nan_to_num(torch.inf)
+    return f"max abs diff {diff.max().item():.3g}"
+
+
+def check_shapes(kernel: AttentionKernel) -> list[str]:
+    failures = []
+    for nq, nk, causal, padded in cases():
+        q, k, v = qkv(nq, nk)
+        out = kernel(q, k, v, causal=causal, key_padding_mask=padding(nk) if padded else None)
+        if tuple(out.shape) != (B, H, nq, DV) or not torch.isfinite(out).all():
+            failures.append(
+                f"{describe(nq, nk, causal, padded)}: got shape {tuple(out.shape)}, finite="
+                f"{bool(torch.isfinite(out).all())}; want ({B}, {H}, {nq}, {DV}), finite"
+            )
+    return failures
+
+
+def check_reference(kernel: AttentionKernel) -> list[str]:
+    failures = []
+    kernel32 = copy.deepcopy(kernel).float()
+    for nq, nk, causal, padded in cases():
+        q, k, v = qkv(nq, nk)
+        mask = padding(nk) if padded else None
+        want = kernel.reference_weights(q, k, causal=causal, key_padding_mask=mask) @ v
+        out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
+        if (why := gap(out, want, 1e-10, 1e-12)) is not None:
+            failures.append(f"{describe(nq, nk, causal, padded)}, float64: {why} (want 1e-10)")
+        out32 = kernel32(q.float(), k.float(), v.float(), causal=causal, key_padding_mask=mask)
+        if (why := gap(out32, want, 1e-5, 1e-5)) is not None:
+            failures.append(f"{describe(nq, nk, causal, padded)}, float32: {why} (want 1e-5)")
+    return failures
+
+
+def check_weights(kernel: AttentionKernel) -> list[str]:
+    failures = []
+    for nq, nk, causal, padded in cases():
+        q, k, v = qkv(nq, nk)
+        mask = padding(nk) if padded else None
+        w = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
+        ref = kernel.reference_weights(q, k, causal=causal, key_padding_mask=mask)
+        if (why := gap(w, ref, 1e-10, 1e-12)) is not None:
+            failures.append(f"{describe(nq, nk, causal, padded)}: weights != reference, {why}")
+        out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
+        if (why := gap(out, w @ v, 1e-10, 1e-12)) is not None:
+            failures.append(f"{describe(nq, nk, causal, padded)}: forward != weights @ v, {why}")
+    return failures
+
+
+def check_rows(kernel: AttentionKernel) -> list[str]:
+    if not type(kernel).normalized:
+        return []
+    failures = []
+    for nq, nk, causal, padded in cases():
+        q, k, _ = qkv(nq, nk)
+        mask = padding(nk) if padded else None
+        w = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
+        sums = w.sum(-1)
+        seen = w.abs().sum(-1) > 0  # a row with no key to see is all zero
+        if not torch.allclose(sums[seen], torch.ones_like(sums[seen]), atol=1e-10):
+            worst = (sums[seen] - 1).abs().max().item()
+            failures.append(
+                f"{describe(nq, nk, causal, padded)}: a row sums to 1 {worst:+.3g} although "
+                "the kernel declares normalized = True"
+            )
+    return failures
+
+
+def check_alignment(kernel: AttentionKernel) -> list[str]:
+    q, k, v = qkv(9, 9)
+    full = kernel(q, k, v, causal=True)
+    last = kernel(q[:, :, -3:], k, v, causal=True)
+    why = gap(last, full[:, :, -3:], 1e-10, 1e-12)
+    return [] if why is None else [f"Nq=3 Nk=9 causal: not the last 3 rows of Nq=Nk=9, {why}"]
+
+
+def check_future(kernel: AttentionKernel) -> list[str]:
+    q, k, v = qkv(9, 9)
+    out = kernel(q, k, v, causal=True)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 5:] += torch.randn_like(k2[:, :, 5:])
+    v2[:, :, 5:] += torch.randn_like(v2[:, :, 5:])
+    changed = kernel(q, k2, v2, causal=True)
+    why = gap(changed[:, :, :5], out[:, :, :5], 1e-10, 1e-12)
+    return [] if why is None else [f"outputs 0..4 change with keys 5..8 (a leak), {why}"]
+
+
+def check_padding(kernel: AttentionKernel) -> list[str]:
+    failures = []
+    for causal in (False, True):
+        q, k, v = qkv(7, 7)
+        mask = padding(7)
+        out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
+        k2, v2 = k.clone(), v.clone()
+        k2[1, :, -2:] = 100 * torch.randn_like(k2[1, :, -2:])
+        v2[1, :, -2:] = 100 * torch.randn_like(v2[1, :, -2:])
+        changed = kernel(q, k2, v2, causal=causal, key_padding_mask=mask)
+        if (why := gap(changed, out, 1e-10, 1e-12)) is not None:
+            failures.append(f"{'causal: ' if causal else ''}padded keys change the output, {why}")
+    return failures
+
+
+def check_masked(kernel: AttentionKernel) -> list[str]:
+    q, k, v = (t.requires_grad_() for t in qkv(4, 6))
+    mask = torch.zeros(B, 6, dtype=torch.bool)
+    mask[1] = True  # batch 1: every key is padding
+    out = kernel(q, k, v, key_padding_mask=mask)
+    failures = []
+    if not (torch.isfinite(out).all() and (out[1] == 0).all()):
+        failures.append("a query with every key masked does not give zeros (or is not finite)")
+    out.sum().backward()
+    if not all(torch.isfinite(t.grad).all() for t in (q, k, v) if t.grad is not None):
+        failures.append("gradients through a fully masked query are not finite")
+    return failures
+
+
+def state_numbers(state: Any) -> int:
+    """The numbers a decode state holds (its floating-point tensors, masks aside)."""
+    if isinstance(state, Tensor):
+        return state.numel() if state.is_floating_point() else 0
+    if isinstance(state, (tuple, list)):
+        return sum(state_numbers(s) for s in state)
+    if isinstance(state, dict):
+        return sum(state_numbers(s) for s in state.values())
+    return 0
+
+
+def check_decode(kernel: AttentionKernel) -> list[str]:
+    failures = []
+    for padded in (False, True):
+        q, k, v = qkv(9, 9)
+        mask = padding(9) if padded else None
+        want = kernel(q, k, v, causal=True, key_padding_mask=mask)
+        tag = "padded, " if padded else ""
+        for name, edges in (("token by token", list(range(10))), ("chunks of 4", [0, 4, 8, 9])):
+            state, outs = None, []
+            for a, b in zip(edges[:-1], edges[1:], strict=True):
+                step_mask = None if mask is None else mask[:, a:b]
+                out, state = kernel.decode(
+                    q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state, key_padding_mask=step_mask
+                )
+                outs.append(out)
+            if (why := gap(torch.cat(outs, dim=2), want, 1e-10, 1e-12)) is not None:
+                failures.append(f"{tag}{name}: decode != causal forward, {why}")
+    return failures
+
+
+def check_state(kernel: AttentionKernel) -> list[str]:
+    failures = []
+    sizes = {}
+    for n in (4, 12):
+        q, k, v = qkv(n, n)
+        _, state = kernel.decode(q, k, v, None)
+        held = state_numbers(state) // B
+        sizes[n] = declared = kernel.state_size(n, DV)
+        if held != declared:
+            failures.append(
+                f"after {n} tokens the state holds {held} numbers, state_size says {declared}"
+            )
+    if type(kernel).linear and sizes[4] != sizes[12]:
+        failures.append(f"a linear kernel's state grows with n: {sizes[4]} -> {sizes[12]}")
+    return failures
+
+
+def check_memory(kernel: AttentionKernel) -> list[str]:
+    q, k, v = qkv(5, 7)
+    mask = padding(7)
+    want = kernel(q, k, v, key_padding_mask=mask)
+    got = kernel.read_memory(q, kernel.memory(k, v, mask))
+    why = gap(got, want, 1e-10, 1e-12)
+    return [] if why is None else [f"read_memory(memory(k, v)) != forward, {why}"]
+
+
+def check_gradients(kernel: AttentionKernel) -> list[str]:
+    failures = []
+    small = copy.deepcopy(kernel)
+    params = [p for p in small.parameters() if p.requires_grad]
+    for causal in (False, True):
+        q, k, v = (t[:1, :, :4].clone().requires_grad_() for t in qkv(4, 4))
+
+        def fn(q: Tensor, k: Tensor, v: Tensor, *_: Tensor, causal: bool = causal) -> Tensor:
+            return small(q, k, v, causal=causal)
+
+        try:
+            torch.autograd.gradcheck(fn, (q, k, v, *params), eps=1e-6, atol=1e-5, rtol=1e-4)
+        except Exception as exc:  # gradcheck raises GradcheckError with a long report
+            first = str(exc).strip().splitlines()[0]
+            failures.append(f"{'causal' if causal else 'non-causal'}: {first}")
+    return failures
+
+
+CHECKS: dict[str, Callable[[AttentionKernel], list[str]]] = {
+    "shapes": check_shapes,
+    "reference": check_reference,
+    "weights": check_weights,
+    "rows": check_rows,
+    "alignment": check_alignment,
+    "future": check_future,
+    "padding": check_padding,
+    "masked": check_masked,
+    "decode": check_decode,
+    "state": check_state,
+    "memory": check_memory,
+    "gradcheck": check_gradients,
+}
+
+
+def check_kernel(factory: Factory, checks: Sequence[str] | None = None, seed: int = 0) -> list[str]:
+    """Run the contract on the kernel ``factory`` builds; one line per failure."""
+    torch.manual_seed(seed)
+    kernel = build(factory)
+    failures = []
+    for name in checks or CHECKS:
+        try:
+            found = CHECKS[name](kernel)
+        except Exception as exc:  # a check that raises is a failure, said in one line
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            found = [f"raised {type(exc).__name__}: {message}"]
+        failures += [f"{name}: {line}" for line in found]
+    return failures
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    import yaml
+
+    options = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise CheckError(f"options are key=value, got {pair!r}")
+        options[key] = yaml.safe_load(value)
+    return options
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m transformers_lab.attention.check",
+        description="Check an attention kernel against the contract of transformers_lab.",
+    )
+    parser.add_argument("target", help="registered name, package.module.Class, or a kernel yaml")
+    parser.add_argument("options", nargs="*", help="kernel options, key=value")
+    args = parser.parse_args(argv)
+    try:
+        factory = kernel_factory(args.target, parse_options(args.options))
+        failures = check_kernel(factory)
+    except (CheckError, TypeError, ValueError) as exc:  # the kernel cannot even be built
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for line in failures:
+        print(f"FAIL {args.target}: {line}")
+    if failures:
+        return 1
+    print(f"ok: {args.target} passes the {len(CHECKS)} checks ({', '.join(CHECKS)})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
