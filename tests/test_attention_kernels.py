@@ -324,14 +324,17 @@ def test_unsupported_p_and_negative_p1_are_refused():
 @pytest.mark.parametrize("p", [1, 2])
 def test_fastmax_auto_takes_the_cheaper_exact_path(p, monkeypatch):
     from transformers_lab.attention import fastmax as fm
+    from transformers_lab.attention.fastmax import kernel as fm_kernel
 
     kernel = make("fastmax", p=p)  # impl=auto
     dim = fm.feature_dim(D, p)
     assert kernel.path(dim) == "quadratic" and kernel.path(dim + 1) == "linear"
     taken = []
     for name in ("quadratic", "chunked_causal"):
-        real = getattr(fm, name)
-        monkeypatch.setattr(fm, name, lambda *a, _f=real, _n=name: taken.append(_n) or _f(*a))
+        real = getattr(fm_kernel, name)
+        monkeypatch.setattr(
+            fm_kernel, name, lambda *a, _f=real, _n=name: taken.append(_n) or _f(*a)
+        )
     linear = make("fastmax", p=p, impl="linear")
     for n in (dim, dim + 1):
         q, k, v = qkv(n, n)

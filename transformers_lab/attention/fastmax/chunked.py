@@ -1,0 +1,121 @@
+"""The causal linear path: inside each chunk of C tokens the exact polynomial of the
+C x C scores, across chunks a running prefix state (never an N x D^p x Dv tensor)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from transformers_lab.attention.fastmax.features import (
+    chunks_t,
+    feature_dim,
+    feature_weights,
+    features_t,
+    features_t_vjp,
+    first_order_only,
+    poly,
+    weighted_state,
+)
+
+
+class _ChunkLoop(torch.autograd.Function):
+    """The causal chunk recurrence with a hand-written backward pass.
+
+    Inputs are square and whole chunks: q, k (B, H, N, D), v_aug (B, H, N, Dv + 1) with N
+    a multiple of C, and the initial state (B, H, Dv + 1, F). Chunk by chunk, the output
+    is the exact masked polynomial of the chunk plus phi(q) read against the state, and
+    then the chunk's keys join the state. Only the inputs and the state before each chunk
+    are saved: the features are recomputed in the backward pass, one chunk at a time, so
+    no N x F tensor is ever held and every step works on cache-sized blocks.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v_aug, state, p, c):  # type: ignore[override]
+        b, h, n, _ = q.shape
+        w = feature_weights(q.shape[-1], p, q.dtype, q.device)
+        future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+        ut_q, ut_k = chunks_t(q, c), chunks_t(k, c)  # (B, H, nc, E, C)
+        out = torch.empty_like(v_aug)
+        state = state.clone()  # updated in place below
+        keep = any(ctx.needs_input_grad[:4])
+        before = q.new_empty(b, h, n // c, *state.shape[-2:]) if keep else None
+        for i in range(n // c):
+            rows = slice(i * c, (i + 1) * c)
+            qi, ki, vi = q[:, :, rows], k[:, :, rows], v_aug[:, :, rows]
+            if keep:
+                before[:, :, i] = state
+            phi_q = features_t(ut_q[:, :, i], p)  # (B, H, F, C)
+            phi_k = features_t(ut_k[:, :, i], p)
+            scores = poly(qi @ ki.mT, p).masked_fill_(future, 0.0)  # (B, H, C, C)
+            out[:, :, rows] = scores @ vi + phi_q.mT @ state.mT
+            state += (vi.mT @ phi_k.mT).mul_(w)
+        ctx.p, ctx.c = p, c
+        if keep:
+            ctx.save_for_backward(q, k, v_aug, before)
+        return out, state
+
+    @staticmethod
+    def backward(ctx, d_out, d_state):  # type: ignore[override]
+        first_order_only()
+        q, k, v_aug, before = ctx.saved_tensors
+        p, c = ctx.p, ctx.c
+        n = q.shape[2]
+        w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
+        future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+        ut_q, ut_k = chunks_t(q, c), chunks_t(k, c)  # (B, H, nc, E, C)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
+        d_s = d_state.clone()  # gradient w.r.t. the state that chunk i's keys join
+        for i in reversed(range(n // c)):
+            rows = slice(i * c, (i + 1) * c)
+            qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v_aug[:, :, rows], d_out[:, :, rows]
+            phi_q = features_t(ut_q[:, :, i], p)  # (B, H, F, C)
+            phi_k = features_t(ut_k[:, :, i], p).mul(w)
+            x = qi @ ki.mT
+            scores = poly(x, p).masked_fill_(future, 0.0)
+            # through the state: out_i = phi_q^T S^T, and later states gain v_i (w phi_k)^T
+            dv[:, :, rows] = scores.mT @ doi + phi_k.mT @ d_s.mT
+            d_phi_k = (d_s.mT @ vi.mT).mul_(w)  # (B, H, F, C)
+            d_phi_q = before[:, :, i].mT @ doi.mT
+            d_s += doi.mT @ phi_q.mT
+            # through the chunk's own polynomial, poly'(x) = 1 (p=1) or 1 + x (p=2)
+            dx = (doi @ vi.mT).masked_fill_(future, 0.0)
+            if p == 2:
+                dx.mul_(x.add_(1.0))
+            d_ut_q = features_t_vjp(ut_q[:, :, i], d_phi_q, p)[..., 1:, :]  # (B, H, D, C)
+            d_ut_k = features_t_vjp(ut_k[:, :, i], d_phi_k, p)[..., 1:, :]
+            dq[:, :, rows] = dx @ ki + d_ut_q.mT
+            dk[:, :, rows] = dx.mT @ qi + d_ut_k.mT
+        return dq, dk, dv, d_s, None, None
+
+
+def chunked_causal(
+    q: Tensor,
+    k: Tensor,
+    v_aug: Tensor,
+    p: int,
+    chunk_size: int,
+    state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Causal linear path. Returns the output and the state after the last key.
+
+    ``state`` (B, H, Dv + 1, F) is ``weighted_state`` of the keys seen before ``k``.
+    Queries are aligned to the last Nq keys, as in the kernel contract.
+    """
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    if state is None:
+        state = q.new_zeros(b, h, v_aug.shape[-1], feature_dim(q.shape[-1], p))
+    if nk > nq:  # keys before the first query are visible to every query
+        split = nk - nq
+        state = state + weighted_state(v_aug[:, :, :split], k[:, :, :split], p)
+        k, v_aug = k[:, :, split:], v_aug[:, :, split:]
+    elif nq > nk:  # queries before the first key see nothing: prepend empty keys
+        k = F.pad(k, (0, 0, nq - nk, 0))
+        v_aug = F.pad(v_aug, (0, 0, nq - nk, 0))
+    c = min(chunk_size, nq)
+    pad = -nq % c  # empty trailing keys and discarded trailing queries
+    if pad:
+        q, k, v_aug = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v_aug))
+    out, state = _ChunkLoop.apply(q, k, v_aug, state, p, c)
+    return out[:, :, :nq], state

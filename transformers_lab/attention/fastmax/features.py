@@ -1,0 +1,125 @@
+"""Fastmax's feature map: phi(u) = the monomials of [1, u] up to degree p, in the
+feature-major layout the linear paths use, its vector-Jacobian product, the weights that
+turn phi(q) . phi(k) into the Taylor polynomial, and the state of a set of keys."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED_P = (1, 2)
+
+
+def poly(x: Tensor, p: int) -> Tensor:
+    """The Taylor polynomial of exp of order p: 1 + x (+ x^2 / 2)."""
+    return 1.0 + x if p == 1 else 1.0 + x + 0.5 * x * x
+
+
+def feature_dim(head_dim: int, p: int) -> int:
+    """Number of features of ``feature_map``: D + 1 for p=1, (D + 1)(floor((D + 1)/2) + 1)
+    for p=2 (1 + D + D(D+1)/2 when D is even)."""
+    e = head_dim + 1
+    return e if p == 1 else e * (e // 2 + 1)
+
+
+def feature_map(u: Tensor, p: int) -> Tensor:
+    """phi(u), (..., N, D) -> (..., N, F): the monomials of u~ = [1, u] of degree p.
+
+    For p=2 they are u~_a u~_(a+r mod E) for the shifts r = 0..E/2 of E = D + 1 entries:
+    every unordered pair once (for even E the last shift holds each of its pairs twice,
+    and ``feature_weights`` halves them). The result is a transposed view of the
+    feature-major ``features_t``.
+    """
+    ut_t = F.pad(u, (1, 0), value=1.0).transpose(-2, -1).contiguous()  # (..., E, N)
+    return features_t(ut_t, p).transpose(-2, -1)
+
+
+def chunks_t(u: Tensor, c: int) -> Tensor:
+    """u~^T of every chunk: (B, H, N, D) -> (B, H, N / C, E, C), each block contiguous.
+
+    Whole-sequence rows N floats apart would alias in the cache when N is a power of two.
+    """
+    b, h, n, _ = u.shape
+    ut = F.pad(u, (1, 0), value=1.0).reshape(b, h, n // c, c, -1)
+    return ut.transpose(-2, -1).contiguous()
+
+
+def rolled_t(ut_t: Tensor, shifts: int) -> Tensor:
+    """(..., E, N) -> (..., R, E, N) view with rolled[..., r, a, :] = ut_t[..., (a + r) % E, :]."""
+    e = ut_t.shape[-2]
+    doubled = torch.cat([ut_t, ut_t[..., : shifts - 1, :]], dim=-2)  # (..., E + R - 1, N)
+    return doubled.unfold(-2, e, 1).transpose(-2, -1)
+
+
+def features_t(ut_t: Tensor, p: int) -> Tensor:
+    """Feature-major phi: u~^T (..., E, N) -> phi^T (..., F, N).
+
+    Tokens run along the last, contiguous axis, so the products are plain vector
+    multiplies of shifted rows, with no gather.
+    """
+    if p == 1:
+        return ut_t
+    e, n = ut_t.shape[-2:]
+    shifts = e // 2 + 1
+    rolled = rolled_t(ut_t, shifts)
+    if torch.is_grad_enabled() and ut_t.requires_grad:
+        return (ut_t.unsqueeze(-3) * rolled).flatten(-3, -2)
+    # Without autograd, write into a contiguous tensor: the overlapping strides of
+    # ``rolled`` would otherwise give the product a scattered layout and flatten a copy.
+    out = ut_t.new_empty(*ut_t.shape[:-2], shifts, e, n)
+    return torch.mul(ut_t.unsqueeze(-3), rolled, out=out).flatten(-3, -2)
+
+
+def features_t_vjp(ut_t: Tensor, grad_t: Tensor, p: int) -> Tensor:
+    """d(sum(grad_t * features_t(ut_t, p))) / d ut_t, shape (..., E, N)."""
+    if p == 1:
+        return grad_t
+    e, n = ut_t.shape[-2:]
+    shifts = e // 2 + 1
+    g = grad_t.unflatten(-2, (shifts, e))  # g[r, a] multiplies u~_a u~_((a + r) % E)
+    left = (g * rolled_t(ut_t, shifts)).sum(-3)  # the derivative through u~_a
+    # through u~_((a + r) % E): d u~_b += sum_r g[r, (b - r) % E] u~_((b - r) % E)
+    h = torch.cat([g * ut_t.unsqueeze(-3)] * 2, dim=-2)  # (..., R, 2E, N): h[r, j] = h[r, j % E]
+    skewed = h.as_strided(  # skewed[..., r, b, :] = h[..., r, b - r + E, :]
+        (*h.shape[:-3], shifts, e, n),
+        (*h.stride()[:-3], (2 * e - 1) * n, n, 1),
+        h.storage_offset() + e * n,
+    )
+    return left + skewed.sum(-3)
+
+
+def feature_weights(
+    head_dim: int, p: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> Tensor:
+    """w with ``(w * phi(a)) . phi(b) = poly(a . b, p)``, shape (feature_dim,)."""
+    e = head_dim + 1
+    if p == 1:
+        return torch.ones(e, dtype=dtype, device=device)
+    w = torch.ones(e // 2 + 1, e, dtype=dtype, device=device)
+    w[0] = 0.5  # squares u~_a^2: (1 + x)^2 / 2 holds them with weight 1/2
+    w[0, 0] = 1.0  # the constant 1 * 1: 1/2 from (1 + x)^2 / 2, plus the other 1/2 of f
+    if e % 2 == 0:
+        w[-1] = 0.5  # the shift by E/2 meets each of its pairs twice
+    return w.flatten()
+
+
+def weighted_state(v_aug: Tensor, k: Tensor, p: int) -> Tensor:
+    """sum over keys of v_aug (w * phi(k))^T: (..., N, Dv + 1), (..., N, D) -> (..., Dv + 1, F)."""
+    w = feature_weights(k.shape[-1], p, k.dtype, k.device)
+    return (v_aug.transpose(-2, -1) @ feature_map(k, p)) * w
+
+
+def read_state(q: Tensor, state: Tensor, p: int) -> Tensor:
+    """phi(q) @ state^T: (..., Nq, D), (..., Dv + 1, F) -> (..., Nq, Dv + 1)."""
+    return feature_map(q, p) @ state.transpose(-2, -1)
+
+
+def first_order_only() -> None:
+    """The hand-written backward passes are first-order: refuse ``create_graph``, whose
+    result would silently miss the second-order terms."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "fastmax's linear paths support first-order gradients only (create_graph=True "
+            "was asked for); use attention.impl=quadratic for higher-order gradients"
+        )
