@@ -64,7 +64,8 @@ def test_captured_gpt_maps_are_causal_distributions_for_every_kernel(kernel):
     assert list(maps) == ["blocks.0.attn", "blocks.1.attn"]
     for weights in maps.values():
         assert weights.shape == (3, 2, 10, 10)
-        torch.testing.assert_close(weights.sum(-1), torch.ones(3, 2, 10))
+        if KERNELS[kernel].normalized:  # sigmoid and relu weigh each key on its own
+            torch.testing.assert_close(weights.sum(-1), torch.ones(3, 2, 10))
         assert (weights >= 0).all()
         assert torch.triu(weights, diagonal=1).abs().max() == 0  # lower-triangular
     assert all(r.causal for r in capture.records)
@@ -82,7 +83,9 @@ def test_captured_encoder_decoder_maps_respect_padding_for_every_kernel(kernel):
     assert encoder.shape == (2, 2, 6, 6) and cross.shape == (2, 2, 4, 6)
     assert decoder.shape == (2, 2, 4, 4)
     for weights in (encoder, cross, decoder):
-        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+        if KERNELS[kernel].normalized:
+            torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+        assert (weights >= 0).all() and weights.abs().max() > 0
     assert encoder[0, :, :, 4:].abs().max() == 0 and cross[0, :, :, 4:].abs().max() == 0
     assert torch.triu(decoder, diagonal=1).abs().max() == 0
 

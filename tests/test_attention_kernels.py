@@ -21,6 +21,7 @@ from transformers_lab.attention import (
 )
 from transformers_lab.attention import check as check_module
 from transformers_lab.attention.check import check_kernel, kernel_factory
+from transformers_lab.attention.performer import PerformerAttention
 
 B, H, D = 2, 3, 8
 NAMES = sorted(KERNELS)
@@ -32,6 +33,11 @@ KERNEL_CONFIGS = [(name, {}) for name in NAMES] + [
     ("fastmax", {"p": 2, "impl": "linear"}),
     ("fastmax", {"p": 2, "scale": 2.5, "normalize": False, "chunk_size": 3, "impl": "linear"}),
     ("fastmax", {"p": 2, "impl": "quadratic"}),
+    ("linear", {"impl": "linear", "chunk_size": 3}),  # the shared engine with p = 0
+    ("based", {"impl": "linear", "chunk_size": 3, "feature_dim": 5}),
+    ("performer", {"impl": "linear", "chunk_size": 3, "num_features": 7, "seed": 1}),
+    ("sigmoid", {"bias": -1.5, "scale": 0.7}),
+    ("relu", {"scale": 2.0}),
 ]
 CONFIG_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in KERNEL_CONFIGS]
 
@@ -176,6 +182,66 @@ def test_a_kernel_name_cannot_be_taken_twice():
             name = "softmax"
 
     assert KERNELS["softmax"] is SoftmaxAttention
+
+
+def test_based_is_fastmax_p2_without_normalisation_on_its_projections():
+    based = make("based", feature_dim=6)
+    q, k, v = qkv(7, 9)
+    project = lambda x, w: torch.einsum("bhnd,hdf->bhnf", x, w)  # noqa: E731
+    fastmax = FastmaxAttention(head_dim=6, num_heads=H, p=2, normalize=False, scale=6**-0.5)
+    want = fastmax(project(q, based.w_q), project(k, based.w_k), v, causal=True)
+    torch.testing.assert_close(based(q, k, v, causal=True), want)
+    assert based.state_size(1, D) == H * (D + 1) * (1 + 6 + 6 * 7 // 2)
+
+
+def test_performer_features_are_seeded_orthogonal_and_redrawn_in_training_only():
+    a = PerformerAttention(head_dim=D, num_heads=H, num_features=12, seed=5)
+    b = PerformerAttention(head_dim=D, num_heads=H, num_features=12, seed=5)
+    assert a.omega.shape == (H, 12, D) and torch.equal(a.omega, b.omega)
+    assert not torch.equal(a.omega, PerformerAttention(D, H, num_features=12, seed=6).omega)
+    torch.manual_seed(3)
+    c = PerformerAttention(head_dim=D, num_heads=H, num_features=12)
+    torch.manual_seed(3)
+    assert torch.equal(c.omega, PerformerAttention(D, H, num_features=12).omega)
+    block = a.omega[0, :D] / a.omega[0, :D].norm(dim=-1, keepdim=True)  # one block of D rows
+    torch.testing.assert_close(block @ block.T, torch.eye(D), atol=1e-5, rtol=0)
+    q, k, v = qkv(5, 5, dtype=torch.float32)
+    before = a.omega.clone()
+    a.eval()(q, k, v)
+    assert torch.equal(a.omega, before)  # no redraw unless asked
+    redrawing = PerformerAttention(head_dim=D, num_heads=H, num_features=12, seed=5, redraw=True)
+    redrawing.eval()(q, k, v)
+    assert torch.equal(redrawing.omega, before)
+    redrawing.train()(q, k, v)
+    assert not torch.equal(redrawing.omega, before)
+
+
+def test_performer_estimates_softmax_without_bias():
+    """The error falls as 1/sqrt(m): an estimator with a bias (non-uniform rotations, a
+    wrong scale) would level off."""
+    q, k, _ = qkv(6, 6)
+    q, k = q / 2, k / 2  # moderate scores: the estimator's variance grows with exp(|q||k|)
+    want = (q @ k.transpose(-2, -1) / D**0.5).softmax(-1)
+
+    def error(m: int) -> float:
+        kernel = PerformerAttention(head_dim=D, num_heads=H, num_features=m, seed=0).double()
+        return (kernel.weights(q, k) - want).abs().mean().item()
+
+    few, many = error(128), error(8192)  # 64 times the features: about 8 times closer
+    assert many < 0.004 and many < few / 4, (few, many)
+
+
+def test_sigmoid_and_relu_weigh_each_key_by_the_count_of_visible_keys():
+    q, k, _ = qkv(4, 4)
+    s = q @ k.transpose(-2, -1) / D**0.5
+    n = torch.tensor([1.0, 2.0, 3.0, 4.0])[:, None]  # causal: query i sees i + 1 keys
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    sigmoid = make("sigmoid").weights(q, k, causal=True)
+    torch.testing.assert_close(sigmoid, torch.sigmoid(s - n.log()) * causal)
+    assert make("sigmoid", bias=0.5).weights(q, k)[0, 0, 0, 0] == torch.sigmoid(s[0, 0, 0, 0] + 0.5)
+    relu = make("relu").weights(q, k, causal=True)
+    torch.testing.assert_close(relu, torch.relu(s) / n * causal)
+    assert not KERNELS["sigmoid"].normalized and not KERNELS["relu"].normalized
 
 
 def test_softmax_equals_sdpa():
@@ -324,7 +390,7 @@ def test_unsupported_p_and_negative_p1_are_refused():
 @pytest.mark.parametrize("p", [1, 2])
 def test_fastmax_auto_takes_the_cheaper_exact_path(p, monkeypatch):
     from transformers_lab.attention import fastmax as fm
-    from transformers_lab.attention.fastmax import kernel as fm_kernel
+    from transformers_lab.attention.fastmax import feature_kernel as fm_kernel
 
     kernel = make("fastmax", p=p)  # impl=auto
     dim = fm.feature_dim(D, p)

@@ -37,7 +37,8 @@ def kernel_table(everyone: bool = False) -> str:
             continue
         summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".").replace("``", "`")
         rows = "yes" if cls.normalized else "no"
-        lines.append(f"| `{name}` | {cls.formula} | {summary} | {rows} | {state(cls)} |")
+        cells = [f"`{name}`", cls.formula, summary, rows, state(cls)]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 
 

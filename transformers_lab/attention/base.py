@@ -53,6 +53,14 @@ def attention_mask(
     return allowed
 
 
+def visible_keys(allowed: Tensor | None, nq: int, nk: int) -> Tensor:
+    """How many keys each query may see, shaped to divide a (·, ·, Nq, Nk) tensor: all
+    Nk when nothing is masked."""
+    if allowed is None:
+        return torch.full((nq, 1), nk)
+    return allowed.sum(dim=-1, keepdim=True)
+
+
 def masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:
     """Softmax over the last dim that gives masked entries (and fully masked rows) zero."""
     if allowed is None:

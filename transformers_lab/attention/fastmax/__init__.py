@@ -24,8 +24,9 @@ one module each, agree to rounding:
 - ``recurrent``: ``recurrent_step``, one new token, state in and state out, O(1) work per
   token.
 
-``features`` holds phi, its weights and its vector-Jacobian product; ``kernel`` the
-``FastmaxAttention`` module that picks a path.
+``features`` holds phi, its weights and its vector-Jacobian product (and p = 0, features
+a kernel computed itself); ``feature_kernel`` the module every linear kernel is, which
+picks a path; ``kernel`` fastmax's own features.
 
 States are stored value-major, (B, H, Dv + 1, F), so that the gradients w.r.t. the
 features come out of the matrix products contiguous.
@@ -33,6 +34,11 @@ features come out of the matrix products contiguous.
 
 from transformers_lab.attention.fastmax.chunked import chunked_causal
 from transformers_lab.attention.fastmax.factorized import factorized
+from transformers_lab.attention.fastmax.feature_kernel import (
+    FeatureKernel,
+    normalise_output,
+    safe_divide,
+)
 from transformers_lab.attention.fastmax.features import (
     SUPPORTED_P,
     feature_dim,
@@ -44,17 +50,14 @@ from transformers_lab.attention.fastmax.features import (
     read_state,
     weighted_state,
 )
-from transformers_lab.attention.fastmax.kernel import (
-    FastmaxAttention,
-    normalise_output,
-    safe_divide,
-)
+from transformers_lab.attention.fastmax.kernel import FastmaxAttention
 from transformers_lab.attention.fastmax.naive import polynomial_matrix, quadratic
 from transformers_lab.attention.fastmax.recurrent import recurrent_step
 
 __all__ = [
     "SUPPORTED_P",
     "FastmaxAttention",
+    "FeatureKernel",
     "chunked_causal",
     "factorized",
     "feature_dim",

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from transformers_lab.attention.fastmax.features import (
     chunks_t,
+    constant,
     feature_dim,
     feature_weights,
     features_t,
@@ -35,7 +36,7 @@ class _ChunkLoop(torch.autograd.Function):
         b, h, n, _ = q.shape
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)
         future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
-        ut_q, ut_k = chunks_t(q, c), chunks_t(k, c)  # (B, H, nc, E, C)
+        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (B, H, nc, E, C)
         out = torch.empty_like(v_aug)
         state = state.clone()  # updated in place below
         keep = any(ctx.needs_input_grad[:4])
@@ -63,7 +64,7 @@ class _ChunkLoop(torch.autograd.Function):
         n = q.shape[2]
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
         future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
-        ut_q, ut_k = chunks_t(q, c), chunks_t(k, c)  # (B, H, nc, E, C)
+        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (B, H, nc, E, C)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
         d_s = d_state.clone()  # gradient w.r.t. the state that chunk i's keys join
         for i in reversed(range(n // c)):
@@ -82,8 +83,10 @@ class _ChunkLoop(torch.autograd.Function):
             dx = (doi @ vi.mT).masked_fill_(future, 0.0)
             if p == 2:
                 dx.mul_(x.add_(1.0))
-            d_ut_q = features_t_vjp(ut_q[:, :, i], d_phi_q, p)[..., 1:, :]  # (B, H, D, C)
-            d_ut_k = features_t_vjp(ut_k[:, :, i], d_phi_k, p)[..., 1:, :]
+            d_ut_q = features_t_vjp(ut_q[:, :, i], d_phi_q, p)[
+                ..., constant(p) :, :
+            ]  # (B, H, D, C)
+            d_ut_k = features_t_vjp(ut_k[:, :, i], d_phi_k, p)[..., constant(p) :, :]
             dq[:, :, rows] = dx @ ki + d_ut_q.mT
             dk[:, :, rows] = dx.mT @ qi + d_ut_k.mT
         return dq, dk, dv, d_s, None, None

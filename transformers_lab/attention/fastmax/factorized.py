@@ -9,6 +9,7 @@ from torch import Tensor
 
 from transformers_lab.attention.fastmax.features import (
     chunks_t,
+    constant,
     feature_weights,
     features_t,
     features_t_vjp,
@@ -38,7 +39,7 @@ class _FactorizedLoop(torch.autograd.Function):
     def forward(ctx, q, k, v_aug, p, cq, ck):  # type: ignore[override]
         b, h, nq, _ = q.shape
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)
-        ut_q, ut_k = chunks_t(q, cq), chunks_t(k, ck)  # (B, H, n / C, E, C)
+        ut_q, ut_k = chunks_t(q, cq, p), chunks_t(k, ck, p)  # (B, H, n / C, E, C)
         state = q.new_zeros(b, h, v_aug.shape[-1], w.shape[0])  # (B, H, Dv + 1, F)
         for i in range(k.shape[2] // ck):
             vi = v_aug[:, :, i * ck : (i + 1) * ck]
@@ -56,19 +57,21 @@ class _FactorizedLoop(torch.autograd.Function):
         q, k, v_aug, state = ctx.saved_tensors
         p, cq, ck = ctx.p, ctx.cq, ctx.ck
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
-        ut_q, ut_k = chunks_t(q, cq), chunks_t(k, ck)
+        ut_q, ut_k = chunks_t(q, cq, p), chunks_t(k, ck, p)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
         d_s = torch.zeros_like(state)
         for i in range(q.shape[2] // cq):
             rows = slice(i * cq, (i + 1) * cq)
             doi = d_out[:, :, rows]
-            d_ut_q = features_t_vjp(ut_q[:, :, i], state.mT @ doi.mT, p)[..., 1:, :]
+            d_ut_q = features_t_vjp(ut_q[:, :, i], state.mT @ doi.mT, p)[..., constant(p) :, :]
             dq[:, :, rows] = d_ut_q.mT
             d_s += doi.mT @ features_t(ut_q[:, :, i], p).mT
         for i in range(k.shape[2] // ck):
             rows = slice(i * ck, (i + 1) * ck)
             vi = v_aug[:, :, rows]
             dv[:, :, rows] = features_t(ut_k[:, :, i], p).mul(w).mT @ d_s.mT
-            d_ut_k = features_t_vjp(ut_k[:, :, i], (d_s.mT @ vi.mT).mul_(w), p)[..., 1:, :]
+            d_ut_k = features_t_vjp(ut_k[:, :, i], (d_s.mT @ vi.mT).mul_(w), p)[
+                ..., constant(p) :, :
+            ]
             dk[:, :, rows] = d_ut_k.mT
         return dq, dk, dv, None, None, None

@@ -1,6 +1,9 @@
-"""Fastmax's feature map: phi(u) = the monomials of [1, u] up to degree p, in the
-feature-major layout the linear paths use, its vector-Jacobian product, the weights that
-turn phi(q) . phi(k) into the Taylor polynomial, and the state of a set of keys."""
+"""The feature maps of the linear paths: phi(u) = the monomials of [1, u] up to degree p
+(fastmax's Taylor polynomial for p = 1, 2), or, for p = 0, u itself: features that a
+kernel computed (elu + 1, random features, a learned projection), scored by their plain
+dot product. In the feature-major layout the linear paths use, with its vector-Jacobian
+product, the weights that turn phi(q) . phi(k) into the polynomial, and the state of a
+set of keys. p = 0 is how every linear kernel shares fastmax's engine."""
 
 from __future__ import annotations
 
@@ -8,19 +11,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SUPPORTED_P = (1, 2)
+SUPPORTED_P = (1, 2)  # fastmax's orders; 0 is the engine's "features given"
 
 
 def poly(x: Tensor, p: int) -> Tensor:
-    """The Taylor polynomial of exp of order p: 1 + x (+ x^2 / 2)."""
+    """The Taylor polynomial of exp of order p: 1 + x (+ x^2 / 2); x itself for p=0."""
+    if p == 0:
+        return x
     return 1.0 + x if p == 1 else 1.0 + x + 0.5 * x * x
 
 
+def constant(p: int) -> int:
+    """How many leading entries of u~ are the constant 1: none for p=0, else one."""
+    return 0 if p == 0 else 1
+
+
 def feature_dim(head_dim: int, p: int) -> int:
-    """Number of features of ``feature_map``: D + 1 for p=1, (D + 1)(floor((D + 1)/2) + 1)
-    for p=2 (1 + D + D(D+1)/2 when D is even)."""
-    e = head_dim + 1
-    return e if p == 1 else e * (e // 2 + 1)
+    """Number of features of ``feature_map``: D for p=0, D + 1 for p=1,
+    (D + 1)(floor((D + 1)/2) + 1) for p=2 (1 + D + D(D+1)/2 when D is even)."""
+    e = head_dim + constant(p)
+    return e if p < 2 else e * (e // 2 + 1)
 
 
 def feature_map(u: Tensor, p: int) -> Tensor:
@@ -31,17 +41,18 @@ def feature_map(u: Tensor, p: int) -> Tensor:
     and ``feature_weights`` halves them). The result is a transposed view of the
     feature-major ``features_t``.
     """
-    ut_t = F.pad(u, (1, 0), value=1.0).transpose(-2, -1).contiguous()  # (..., E, N)
+    ut_t = F.pad(u, (constant(p), 0), value=1.0).transpose(-2, -1).contiguous()  # (..., E, N)
     return features_t(ut_t, p).transpose(-2, -1)
 
 
-def chunks_t(u: Tensor, c: int) -> Tensor:
-    """u~^T of every chunk: (B, H, N, D) -> (B, H, N / C, E, C), each block contiguous.
+def chunks_t(u: Tensor, c: int, p: int) -> Tensor:
+    """u~^T of every chunk: (B, H, N, D) -> (B, H, N / C, E, C), each block contiguous
+    (u~ = [1, u], or u for p=0).
 
     Whole-sequence rows N floats apart would alias in the cache when N is a power of two.
     """
     b, h, n, _ = u.shape
-    ut = F.pad(u, (1, 0), value=1.0).reshape(b, h, n // c, c, -1)
+    ut = F.pad(u, (constant(p), 0), value=1.0).reshape(b, h, n // c, c, -1)
     return ut.transpose(-2, -1).contiguous()
 
 
@@ -58,7 +69,7 @@ def features_t(ut_t: Tensor, p: int) -> Tensor:
     Tokens run along the last, contiguous axis, so the products are plain vector
     multiplies of shifted rows, with no gather.
     """
-    if p == 1:
+    if p < 2:
         return ut_t
     e, n = ut_t.shape[-2:]
     shifts = e // 2 + 1
@@ -73,7 +84,7 @@ def features_t(ut_t: Tensor, p: int) -> Tensor:
 
 def features_t_vjp(ut_t: Tensor, grad_t: Tensor, p: int) -> Tensor:
     """d(sum(grad_t * features_t(ut_t, p))) / d ut_t, shape (..., E, N)."""
-    if p == 1:
+    if p < 2:
         return grad_t
     e, n = ut_t.shape[-2:]
     shifts = e // 2 + 1
@@ -93,8 +104,8 @@ def feature_weights(
     head_dim: int, p: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None
 ) -> Tensor:
     """w with ``(w * phi(a)) . phi(b) = poly(a . b, p)``, shape (feature_dim,)."""
-    e = head_dim + 1
-    if p == 1:
+    e = head_dim + constant(p)
+    if p < 2:
         return torch.ones(e, dtype=dtype, device=device)
     w = torch.ones(e // 2 + 1, e, dtype=dtype, device=device)
     w[0] = 0.5  # squares u~_a^2: (1 + x)^2 / 2 holds them with weight 1/2

@@ -1,0 +1,212 @@
+"""The module every linear kernel is: ``FeatureKernel``.
+
+A linear kernel maps queries and keys to features u (``features``) and weighs key j for
+query i by ``f(u_q_i . u_k_j)``, normalised over the keys, with f the polynomial of order
+``p`` (``features.poly``): for fastmax and Based p = 1 or 2, whose monomials the engine
+expands itself; for kernels that compute their features outright (elu + 1, random
+features) p = 0 and f(x) = x. Every path then runs on fastmax's engine: the N x N
+reference (``naive``), the non-causal state (``factorized``), the chunked causal form
+(``chunked``) and the recurrent step (``recurrent``). A subclass gives ``features``,
+``feature_count`` and its ``reference_weights``; the rest is here.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from transformers_lab.attention.base import AttentionKernel, Memory, attention_mask
+from transformers_lab.attention.fastmax.chunked import chunked_causal
+from transformers_lab.attention.fastmax.factorized import factorized
+from transformers_lab.attention.fastmax.features import feature_dim, read_state, weighted_state
+from transformers_lab.attention.fastmax.naive import polynomial_matrix, quadratic
+from transformers_lab.attention.fastmax.recurrent import recurrent_step
+
+
+def safe_divide(num: Tensor, den: Tensor) -> Tensor:
+    """num / den, with zeros where den is 0 (a query that saw no key)."""
+    return num / den.masked_fill(den == 0, 1.0)
+
+
+def normalise_output(out_aug: Tensor) -> Tensor:
+    """Split [numerator, denominator] and divide; a query that saw no key gives zeros."""
+    return safe_divide(out_aug[..., :-1], out_aug[..., -1:])
+
+
+class FeatureKernel(AttentionKernel):
+    """Base of the linear kernels (see the module docstring).
+
+    Args:
+        p: the order of the polynomial of the feature dot product (0: f(x) = x).
+        chunk_size: C, the tokens processed at once by the linear paths.
+        impl: ``"linear"`` (factorized / chunked), ``"quadratic"`` (the N x N reference)
+            or ``"auto"``: quadratic while the keys are no more than the feature
+            dimension, where the N x N form is the cheaper, linear beyond. Both give the
+            same result; incremental decoding always uses the recurrent state.
+        dropout: drops whole keys. During training each (batch, head, key) is kept with
+            probability 1 - dropout and its value scaled by 1 / (1 - dropout); the
+            normaliser is unchanged, so, as with dropout on an attention matrix, the
+            expected output is unchanged. Dropping single (query, key) weights would need
+            the N x N matrix that the linear paths never build.
+
+    Under autocast (fp16 / bf16) the states are accumulated in float32.
+    """
+
+    linear = True
+    IMPLS: ClassVar[tuple[str, ...]] = ("auto", "linear", "quadratic")
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        *,
+        p: int,
+        chunk_size: int = 128,
+        impl: str = "auto",
+    ) -> None:
+        super().__init__(head_dim, num_heads, dropout)
+        if chunk_size < 1:
+            raise ValueError(f"{self.name}: chunk_size must be >= 1, got {chunk_size}")
+        if impl not in self.IMPLS:
+            raise ValueError(f"{self.name}: unknown impl {impl!r}; choose one of {self.IMPLS}")
+        self.p = p
+        self.chunk_size = chunk_size
+        self.impl = impl
+
+    # ------------------------------------------------------------ what a subclass gives
+
+    @property
+    def feature_count(self) -> int:
+        """The size of ``features``' output (the engine expands it by ``p``)."""
+        return self.head_dim
+
+    def features(self, x: Tensor, role: str) -> Tensor:
+        """Queries (``role="q"``) or keys (``"k"``), (B, H, N, D), as the engine's u."""
+        return x
+
+    # ------------------------------------------------------------ the paths
+
+    def path(self, num_keys: int) -> str:
+        """The implementation ``forward`` takes for ``num_keys`` keys."""
+        if self.impl != "auto":
+            return self.impl
+        return "quadratic" if num_keys <= feature_dim(self.feature_count, self.p) else "linear"
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}, impl={self.impl}"
+
+    def prepare(
+        self, q: Tensor, k: Tensor, v: Tensor | None, key_padding_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Features of q and k, and v_aug = [v, 1] with dropped and padded keys zeroed.
+
+        Low-precision inputs are promoted to float32, where the states accumulate.
+        """
+        if q.dtype in (torch.float16, torch.bfloat16):
+            q, k = q.float(), k.float()
+            v = None if v is None else v.float()
+        q, k = self.features(q, "q"), self.features(k, "k")
+        pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None]
+        if pad is not None:
+            k = k.masked_fill(pad, 0.0)
+        if v is None:
+            return q, k, None
+        if self.training and self.dropout > 0:
+            keep = torch.rand(*v.shape[:3], 1, device=v.device) >= self.dropout
+            v = v * keep.to(v.dtype) / (1.0 - self.dropout)
+        v_aug = torch.cat([v, v.new_ones(*v.shape[:3], 1)], dim=-1)  # (B, H, Nk, Dv + 1)
+        if pad is not None:
+            v_aug = v_aug.masked_fill(pad, 0.0)
+        return q, k, v_aug
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        self.check_inputs(q, k, v, key_padding_mask)
+        with torch.autocast(q.device.type, enabled=False):
+            qs, ks, v_aug = self.prepare(q, k, v, key_padding_mask)
+            if self.path(k.shape[2]) == "quadratic":
+                out = quadratic(qs, ks, v_aug, self.p, causal)
+            elif causal:
+                out, _ = chunked_causal(qs, ks, v_aug, self.p, self.chunk_size)
+            else:
+                out = factorized(qs, ks, v_aug, self.p, self.chunk_size)
+            return normalise_output(out).to(v.dtype)
+
+    def weights(
+        self,
+        q: Tensor,
+        k: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        self.check_inputs(q, k, None, key_padding_mask)
+        with torch.autocast(q.device.type, enabled=False):
+            qs, ks, _ = self.prepare(q, k, None, None)
+            allowed = attention_mask(
+                q.shape[2],
+                k.shape[2],
+                causal=causal,
+                key_padding_mask=key_padding_mask,
+                device=q.device,
+            )
+            a = polynomial_matrix(qs, ks, self.p, allowed)  # (B, H, Nq, Nk)
+            return safe_divide(a, a.sum(dim=-1, keepdim=True)).to(q.dtype)
+
+    def state_size(self, n: int, value_dim: int | None = None) -> int:
+        """The recurrent state ``sum_j [v_j, 1] phi(k_j)^T``: H (Dv + 1) F, whatever n."""
+        value_dim = self.head_dim if value_dim is None else value_dim
+        return self.num_heads * (value_dim + 1) * feature_dim(self.feature_count, self.p)
+
+    def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
+        """The factorised state of every key: reading it costs O(1) in the memory length."""
+        self.check_inputs(k[:, :, :1], k, v, key_padding_mask)
+        with torch.autocast(k.device.type, enabled=False):
+            _, ks, v_aug = self.prepare(k[:, :, :1], k, v, key_padding_mask)
+            return Memory(state=weighted_state(v_aug, ks, self.p))
+
+    def read_memory(self, q: Tensor, memory: Memory) -> Tensor:
+        if memory.state is None:
+            raise ValueError(f"{self.name}.read_memory needs a memory made by its memory()")
+        with torch.autocast(q.device.type, enabled=False):
+            qs, _, _ = self.prepare(q, q, None, None)
+            return normalise_output(read_state(qs, memory.state, self.p)).to(q.dtype)
+
+    def decode(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        state: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Causal attention of T new tokens given the recurrent state of the past ones.
+
+        The state is ``sum_j [v_j, 1] phi(k_j)^T`` over the keys seen so far, shape
+        (B, H, Dv + 1, F): its size, and the work per new token, do not grow with the
+        context.
+        """
+        self.check_inputs(q, k, v, key_padding_mask)
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(
+                f"{self.name}.decode: q and k must hold the same new tokens, got "
+                f"{q.shape[2]} queries and {k.shape[2]} keys"
+            )
+        with torch.autocast(q.device.type, enabled=False):
+            qs, ks, v_aug = self.prepare(q, k, v, key_padding_mask)
+            if q.shape[2] == 1:
+                out, state = recurrent_step(qs, ks, v_aug, self.p, state)
+            else:
+                out, state = chunked_causal(qs, ks, v_aug, self.p, self.chunk_size, state)
+            return normalise_output(out).to(v.dtype), state
