@@ -33,6 +33,8 @@ KERNEL_CONFIGS = [(name, {}) for name in NAMES] + [
     ("fastmax", {"p": 2, "impl": "linear"}),
     ("fastmax", {"p": 2, "scale": 2.5, "normalize": False, "chunk_size": 3, "impl": "linear"}),
     ("fastmax", {"p": 2, "impl": "quadratic"}),
+    ("fastmax", {"normalize": "sequence_max", "impl": "linear"}),  # checked non-causal
+    ("fastmax", {"learn_scale": True, "scale": 2.0, "impl": "linear", "chunk_size": 4}),
     ("linear", {"impl": "linear", "chunk_size": 3}),  # the shared engine with p = 0
     ("based", {"impl": "linear", "chunk_size": 3, "feature_dim": 5}),
     ("performer", {"impl": "linear", "chunk_size": 3, "num_features": 7, "seed": 1}),
@@ -182,6 +184,60 @@ def test_a_kernel_name_cannot_be_taken_twice():
             name = "softmax"
 
     assert KERNELS["softmax"] is SoftmaxAttention
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_fastmax_sequence_max_is_the_authors_fastmax_function(p):
+    """The non-causal formula of ``fastmax_function`` (armingerami/fastmax, model.py) with
+    normalize=1, lim=1, a0=1, a1=1, a2=1/2, written out with its own sums: q and k divided
+    by the largest token norm of their sequence, per batch and head; then
+    (a0 sum v + a1 q (k^T v) + a2 q2 (k2^T v)) / (a0 n + a1 q sum k + a2 q2 sum k2), with
+    q2 = q (x) q flattened."""
+    q, k, v = qkv(6, 9, dv=5)
+    qn = q / q.norm(dim=3).amax(dim=2)[..., None, None]
+    kn = k / k.norm(dim=3).amax(dim=2)[..., None, None]
+    num = v.sum(-2, keepdim=True) + qn @ (kn.transpose(-2, -1) @ v)
+    den = k.shape[2] + qn @ kn.sum(-2)[..., None]
+    if p == 2:
+        q2 = (qn[..., :, None] * qn[..., None, :]).flatten(-2)
+        k2 = (kn[..., :, None] * kn[..., None, :]).flatten(-2)
+        num = num + 0.5 * q2 @ (k2.transpose(-2, -1) @ v)
+        den = den + 0.5 * q2 @ k2.sum(-2)[..., None]
+    for impl in ("quadratic", "linear"):
+        kernel = make("fastmax", p=p, normalize="sequence_max", impl=impl)
+        torch.testing.assert_close(kernel(q, k, v), num / den)
+
+
+def test_fastmax_sequence_max_is_refused_where_attention_is_causal():
+    from transformers_lab.models import GPT, EncoderClassifier
+
+    kernel = make("fastmax", normalize="sequence_max")
+    q, k, v = qkv(4, 4)
+    with pytest.raises(ValueError, match="sequence_max divides every token by the largest"):
+        kernel(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="would see the future"):
+        kernel.decode(q, k, v)
+    factory = functools.partial(FastmaxAttention, normalize="sequence_max")
+    with pytest.raises(ValueError, match="GPT attends causally: fastmax normalize=sequence_max"):
+        GPT(vocab_size=10, block_size=8, n_layer=1, n_head=2, d_model=8, attention=factory)
+    encoder = EncoderClassifier(num_classes=3, vocab_size=10, max_len=8, n_layer=1, n_head=2,
+                                d_model=8, attention=factory)  # fmt: skip
+    assert encoder(torch.randint(0, 10, (2, 8))).shape[0] == 2
+    with pytest.raises(ValueError, match="normalize must be true, false, 'token' or"):
+        FastmaxAttention(head_dim=D, num_heads=H, normalize="max")
+
+
+def test_fastmax_learns_its_scale_per_head_within_its_bound():
+    kernel = FastmaxAttention(head_dim=D, num_heads=H, scale=0.5, learn_scale=True)
+    torch.testing.assert_close(kernel.temperature(), torch.full((H, 1, 1), 0.5))
+    q, k, v = qkv(5, 5, dtype=torch.float32)
+    kernel(q, k, v, causal=True).sum().backward()
+    assert kernel.log_scale.grad is not None and kernel.log_scale.grad.abs().sum() > 0
+    p1 = FastmaxAttention(head_dim=D, num_heads=H, p=1, scale=0.5, learn_scale=True)
+    with torch.no_grad():
+        p1.log_scale.fill_(3.0)
+    torch.testing.assert_close(p1.temperature(), torch.ones(H, 1, 1))  # p=1 stays positive
+    assert not hasattr(make("fastmax"), "log_scale")
 
 
 def test_based_is_fastmax_p2_without_normalisation_on_its_projections():

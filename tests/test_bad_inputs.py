@@ -151,6 +151,11 @@ CASES = [
         "one of: additive, based, cosine",
     ),
     case("train", ["data.batch_size=${nope}"], "Interpolation key 'nope' not found"),
+    case(  # the authors' normalisation reads the whole sequence: no causal model takes it
+        "train",
+        ["experiment=mqar", "attention=fastmax", "attention.normalize=sequence_max"],
+        "attention: GPT attends causally: fastmax normalize=sequence_max divides every token",
+    ),
     # tlab-eval
     case("eval", [], "ckpt_path is required"),
     case("eval", ["ckpt_path={tmp}/nope.ckpt"], "no checkpoint at"),

@@ -17,7 +17,7 @@ import torch
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PRECISION_INPUT_STR
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.builders import ConfigError, call, checkpoint_file
+from transformers_lab.builders import ConfigError, call, checkpoint_file, target_class
 from transformers_lab.cli import unknown_option
 from transformers_lab.models.common import check_sampling
 from transformers_lab.nn.attention import as_kernel_factory, head_size
@@ -181,9 +181,13 @@ def check_attention(model: DictConfig) -> None:
             continue
         try:  # a kernel config (a partial) or a kernel's name
             factory = as_kernel_factory(kernel if isinstance(kernel, str) else call(kernel, key))
-            factory(head_dim=head_dim, num_heads=model.n_head)
+            built = factory(head_dim=head_dim, num_heads=model.n_head)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
+        model_class = target_class(model) if "_target_" in model else None
+        causal = key == "attention" and getattr(model_class, "causal_self_attention", False)
+        if causal and (why := built.causal_refusal()):
+            raise ConfigError(f"{key}: {model_class.__name__} attends causally: {why}")
 
 
 def validate_config(cfg: DictConfig) -> None:

@@ -171,6 +171,12 @@ class AttentionKernel(nn.Module):
         ``forward`` and ``weights`` are checked against. Not for speed."""
         raise NotImplementedError(f"{type(self).__name__} has no reference_weights")
 
+    def causal_refusal(self) -> str | None:
+        """Why this kernel, as configured, cannot attend causally (None: it can). A
+        kernel that reads the whole sequence (a max over it) must say so: the models
+        refuse it where they mask causally, and the check tests it without a mask."""
+        return None
+
     def state_size(self, n: int, value_dim: int | None = None) -> int:
         """Numbers ``decode`` keeps per sequence after ``n`` tokens, all heads together:
         a KV cache holds every key and value (it grows with n); a linear kernel's state

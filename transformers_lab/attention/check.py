@@ -23,7 +23,11 @@ off their initial values:
   kernel;
 - ``memory``: ``read_memory(q, memory(k, v))`` equals the non-causal ``forward``;
 - ``gradcheck``: float64 gradients of q, k, v (and the parameters) agree with finite
-  differences.
+  differences;
+- ``refusal``: a kernel whose ``causal_refusal()`` says it cannot be causal (fastmax with
+  ``normalize=sequence_max``) refuses a causal call and decoding with that reason; it is
+  checked without a causal mask, in place of ``alignment``, ``future``, ``decode`` and
+  ``state``.
 
 One line per failure, and exit status 1 if any; ``ok`` and exit status 0 otherwise.
 """
@@ -119,11 +123,13 @@ def padding(nk: int) -> Tensor:
     return mask
 
 
-def cases() -> list[tuple[int, int, bool, bool]]:
+def cases(kernel: AttentionKernel) -> list[tuple[int, int, bool, bool]]:
+    """(Nq, Nk, causal, padded); causal ones only for a kernel that can be causal."""
+    modes = (False,) if kernel.causal_refusal() else (False, True)
     return [
         (nq, nk, causal, padded)
         for nq, nk in SHAPES
-        for causal in (False, True)
+        for causal in modes
         for padded in (False, True)
     ]
 
@@ -144,7 +150,7 @@ def gap(a: Tensor, b: Tensor, rtol: float, atol: float) -> str | None:
 
 def check_shapes(kernel: AttentionKernel) -> list[str]:
     failures = []
-    for nq, nk, causal, padded in cases():
+    for nq, nk, causal, padded in cases(kernel):
         q, k, v = qkv(nq, nk)
         out = kernel(q, k, v, causal=causal, key_padding_mask=padding(nk) if padded else None)
         if tuple(out.shape) != (B, H, nq, DV) or not torch.isfinite(out).all():
@@ -158,7 +164,7 @@ def check_shapes(kernel: AttentionKernel) -> list[str]:
 def check_reference(kernel: AttentionKernel) -> list[str]:
     failures = []
     kernel32 = copy.deepcopy(kernel).float()
-    for nq, nk, causal, padded in cases():
+    for nq, nk, causal, padded in cases(kernel):
         q, k, v = qkv(nq, nk)
         mask = padding(nk) if padded else None
         want = kernel.reference_weights(q, k, causal=causal, key_padding_mask=mask) @ v
@@ -173,7 +179,7 @@ def check_reference(kernel: AttentionKernel) -> list[str]:
 
 def check_weights(kernel: AttentionKernel) -> list[str]:
     failures = []
-    for nq, nk, causal, padded in cases():
+    for nq, nk, causal, padded in cases(kernel):
         q, k, v = qkv(nq, nk)
         mask = padding(nk) if padded else None
         w = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
@@ -190,7 +196,7 @@ def check_rows(kernel: AttentionKernel) -> list[str]:
     if not type(kernel).normalized:
         return []
     failures = []
-    for nq, nk, causal, padded in cases():
+    for nq, nk, causal, padded in cases(kernel):
         q, k, _ = qkv(nq, nk)
         mask = padding(nk) if padded else None
         w = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
@@ -226,7 +232,7 @@ def check_future(kernel: AttentionKernel) -> list[str]:
 
 def check_padding(kernel: AttentionKernel) -> list[str]:
     failures = []
-    for causal in (False, True):
+    for causal in (False,) if kernel.causal_refusal() else (False, True):
         q, k, v = qkv(7, 7)
         mask = padding(7)
         out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
@@ -314,7 +320,7 @@ def check_gradients(kernel: AttentionKernel) -> list[str]:
     failures = []
     small = copy.deepcopy(kernel)
     params = [p for p in small.parameters() if p.requires_grad]
-    for causal in (False, True):
+    for causal in (False,) if kernel.causal_refusal() else (False, True):
         q, k, v = (t[:1, :, :4].clone().requires_grad_() for t in qkv(4, 4))
 
         def fn(q: Tensor, k: Tensor, v: Tensor, *_: Tensor, causal: bool = causal) -> Tensor:
@@ -328,6 +334,26 @@ def check_gradients(kernel: AttentionKernel) -> list[str]:
     return failures
 
 
+def check_refusal(kernel: AttentionKernel) -> list[str]:
+    """A kernel that cannot be causal refuses a causal call and decoding with its reason."""
+    why = kernel.causal_refusal()
+    q, k, v = qkv(4, 4)
+    failures = []
+    for name, call in (
+        ("forward(causal=True)", lambda: kernel(q, k, v, causal=True)),
+        ("decode", lambda: kernel.decode(q, k, v, None)),
+    ):
+        try:
+            call()
+        except ValueError as exc:
+            if str(exc) != why:
+                failures.append(f"{name} refused with {str(exc)!r}, not its causal_refusal()")
+        else:
+            failures.append(f"{name} ran although causal_refusal() says: {why}")
+    return failures
+
+
+CAUSAL_ONLY = ("alignment", "future", "decode", "state")  # replaced by "refusal" where refused
 CHECKS: dict[str, Callable[[AttentionKernel], list[str]]] = {
     "shapes": check_shapes,
     "reference": check_reference,
@@ -341,7 +367,14 @@ CHECKS: dict[str, Callable[[AttentionKernel], list[str]]] = {
     "state": check_state,
     "memory": check_memory,
     "gradcheck": check_gradients,
+    "refusal": check_refusal,
 }
+
+
+def checks_for(kernel: AttentionKernel) -> list[str]:
+    """The checks a kernel gets: the causal ones, or, if it cannot be causal, its refusal."""
+    skip = CAUSAL_ONLY if kernel.causal_refusal() is not None else ("refusal",)
+    return [name for name in CHECKS if name not in skip]
 
 
 def check_kernel(factory: Factory, checks: Sequence[str] | None = None, seed: int = 0) -> list[str]:
@@ -349,7 +382,8 @@ def check_kernel(factory: Factory, checks: Sequence[str] | None = None, seed: in
     torch.manual_seed(seed)
     kernel = build(factory)
     failures = []
-    for name in checks or CHECKS:
+    checks = checks_for(kernel) if checks is None else checks
+    for name in checks:
         try:
             found = CHECKS[name](kernel)
         except Exception as exc:  # a check that raises is a failure, said in one line
@@ -384,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         factory = kernel_factory(args.target, parse_options(args.options))
         failures = check_kernel(factory)
+        ran = checks_for(build(factory))
     except (CheckError, TypeError, ValueError) as exc:  # the kernel cannot even be built
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -391,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"FAIL {args.target}: {line}")
     if failures:
         return 1
-    print(f"ok: {args.target} passes the {len(CHECKS)} checks ({', '.join(CHECKS)})")
+    print(f"ok: {args.target} passes the {len(ran)} checks ({', '.join(ran)})")
     return 0
 
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from transformers_lab.models.common import block_stack, final_norm, sample_next
 from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
+from transformers_lab.nn.attention import refuse_causal
 
 
 class GPT(nn.Module):
+    causal_self_attention: ClassVar[bool] = True  # its kernel must support causal=True
+
     """Token and position embeddings, a stack of causal Blocks, a final norm and an LM head
     tied to the token embedding.
 
@@ -67,6 +70,7 @@ class GPT(nn.Module):
             bias=bias,
             norm_first=norm_first,
         )
+        refuse_causal(self.blocks, "GPT")
         self.norm = final_norm(d_model, bias, norm_first)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)

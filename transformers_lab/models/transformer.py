@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -11,9 +11,11 @@ from torch import Tensor, nn
 from transformers_lab.attention import Memory
 from transformers_lab.models.common import block_stack, final_norm, reorder_cache
 from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
+from transformers_lab.nn.attention import refuse_causal
 
 
 class Transformer(nn.Module):
+    causal_self_attention: ClassVar[bool] = True  # the decoder's self-attention
     """Encoder over the source, decoder over the target with cross-attention to the source.
 
     Args:
@@ -86,6 +88,7 @@ class Transformer(nn.Module):
             n_decoder_layers, d_model, n_head, attention, cross_attention or attention, **options
         )
         self.encoder_norm = final_norm(d_model, bias, norm_first)
+        refuse_causal([block.attn for block in self.decoder], "the Transformer's decoder")
         self.decoder_norm = final_norm(d_model, bias, norm_first)
         self.out = nn.Linear(d_model, tgt_vocab_size, bias=False)
         # Xavier init of the projections and embeddings, as in the reference implementation;

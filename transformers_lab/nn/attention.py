@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -29,6 +29,15 @@ def head_size(d_model: int, num_heads: int) -> int:
 def as_kernel_factory(kernel: KernelFactory | str) -> KernelFactory:
     """A kernel factory from a factory or from a registered kernel name."""
     return partial(kernel_class(kernel)) if isinstance(kernel, str) else kernel
+
+
+def refuse_causal(modules: Iterable[nn.Module], model: str) -> None:
+    """Raise a ValueError if a kernel of ``modules``, which ``model`` calls causally,
+    cannot attend causally (its ``causal_refusal``)."""
+    for module in modules:
+        for kernel in module.modules():
+            if isinstance(kernel, AttentionKernel) and (why := kernel.causal_refusal()):
+                raise ValueError(f"{model} attends causally: {why}")
 
 
 class MultiHeadAttention(nn.Module):

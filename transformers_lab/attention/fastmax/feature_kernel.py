@@ -108,8 +108,10 @@ class FeatureKernel(AttentionKernel):
         if q.dtype in (torch.float16, torch.bfloat16):
             q, k = q.float(), k.float()
             v = None if v is None else v.float()
-        q, k = self.features(q, "q"), self.features(k, "k")
         pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None]
+        if pad is not None:  # padding is zero before the features too (a max over keys)
+            k = k.masked_fill(pad, 0.0)
+        q, k = self.features(q, "q"), self.features(k, "k")
         if pad is not None:
             k = k.masked_fill(pad, 0.0)
         if v is None:
@@ -152,7 +154,7 @@ class FeatureKernel(AttentionKernel):
     ) -> Tensor:
         self.check_inputs(q, k, None, key_padding_mask)
         with torch.autocast(q.device.type, enabled=False):
-            qs, ks, _ = self.prepare(q, k, None, None)
+            qs, ks, _ = self.prepare(q, k, None, key_padding_mask)
             allowed = attention_mask(
                 q.shape[2],
                 k.shape[2],

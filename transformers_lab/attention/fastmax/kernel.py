@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from transformers_lab.attention import naive
 from transformers_lab.attention.fastmax.feature_kernel import FeatureKernel
@@ -20,8 +21,14 @@ class FastmaxAttention(FeatureKernel):
         p: Taylor order, 1 or 2. ``p=2`` is positive for every score. ``p=1`` is positive
             only when ``|s q.k| <= 1``, so it requires ``normalize=True`` and ``scale <= 1``.
         scale: s, multiplies q.k before the polynomial.
-        normalize: divide every query and key by its own L2 norm over the head dimension.
-            The norm of each token uses that token alone, so nothing leaks from the future.
+        normalize: ``true`` (or ``"token"``): divide every query and key by its own L2
+            norm; the norm of each token uses that token alone, so nothing leaks from the
+            future. ``"sequence_max"``: the authors' choice (``fastmax_function`` of
+            armingerami/fastmax): divide every query (key) by the largest query (key) norm
+            of its sequence, per batch and head; that norm reads later tokens, so it is
+            refused with ``causal=True``. ``false``: q and k as they come.
+        learn_scale: learn s per head, as ``log s`` (initially ``scale``; at most 1 for
+            p=1, where larger would make weights negative), as cosine learns its τ.
         chunk_size: C, the tokens processed at once by the linear paths.
         impl: ``"linear"`` (factorized / chunked), ``"quadratic"`` (the reference) or
             ``"auto"``: quadratic while the keys are no more than the feature dimension
@@ -48,7 +55,8 @@ class FastmaxAttention(FeatureKernel):
         dropout: float = 0.0,
         p: int = 2,
         scale: float = 1.0,
-        normalize: bool = True,
+        normalize: bool | str = True,
+        learn_scale: bool = False,
         chunk_size: int = 128,
         impl: str = "auto",
         eps: float = 1e-6,
@@ -58,7 +66,15 @@ class FastmaxAttention(FeatureKernel):
             raise ValueError(
                 f"fastmax: unsupported Taylor order p={p!r}; supported orders are {SUPPORTED_P}"
             )
-        if p == 1 and (not normalize or scale > 1.0):
+        modes = {True: "token", False: "none", "token": "token", "none": "none"}
+        modes["sequence_max"] = "sequence_max"
+        if normalize not in modes:
+            raise ValueError(
+                f"fastmax: normalize must be true, false, 'token' or 'sequence_max', "
+                f"got {normalize!r}"
+            )
+        self.norm_mode = modes[normalize]
+        if p == 1 and (self.norm_mode == "none" or scale > 1.0):
             raise ValueError(
                 "fastmax p=1 gives negative attention weights when |scale * q.k| > 1: "
                 f"got normalize={normalize}, scale={scale}. Set normalize=true and scale <= 1, "
@@ -68,24 +84,69 @@ class FastmaxAttention(FeatureKernel):
             raise ValueError(f"fastmax: scale must be positive, got {scale}")
         self.scale = float(scale)
         self.normalize = normalize
+        self.learn_scale = learn_scale
         self.eps = eps
+        self.max_log_scale = 0.0 if p == 1 else math.inf  # p=1: s <= 1
+        if learn_scale:
+            self.log_scale = nn.Parameter(torch.full((num_heads, 1, 1), math.log(scale)))
+
+    def temperature(self) -> Tensor | float:
+        """s: the float ``scale``, or the learned per-head (H, 1, 1), clamped for p=1."""
+        if not self.learn_scale:
+            return self.scale
+        return self.log_scale.clamp(max=self.max_log_scale).exp()
+
+    def causal_refusal(self) -> str | None:
+        """Why this kernel cannot attend causally, or None."""
+        if self.norm_mode != "sequence_max":
+            return None
+        return (
+            "fastmax normalize=sequence_max divides every token by the largest norm of its "
+            "whole sequence, so each position would see the future; use it without a causal "
+            "mask (an encoder, a ViT), or normalize=true (each token by its own norm)"
+        )
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, **kw) -> Tensor:
+        if causal and (why := self.causal_refusal()):
+            raise ValueError(why)
+        return super().forward(q, k, v, causal=causal, **kw)
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, state=None, **kw):  # type: ignore[override]
+        if why := self.causal_refusal():
+            raise ValueError(why)
+        return super().decode(q, k, v, state, **kw)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, p={self.p}, scale={self.scale}, normalize={self.normalize}"
+        return (
+            f"{super().extra_repr()}, p={self.p}, scale={self.scale}, "
+            f"normalize={self.normalize}, learn_scale={self.learn_scale}"
+        )
 
     def features(self, x: Tensor, role: str) -> Tensor:
-        """Each token divided by its own L2 norm (when normalize); queries times s."""
-        if self.normalize:
+        """Queries and keys normalised as ``normalize`` says; queries times s."""
+        if self.norm_mode == "token":
             x = F.normalize(x, dim=-1, eps=self.eps)
-        return x * self.scale if role == "q" else x
+        elif self.norm_mode == "sequence_max":
+            largest = x.norm(dim=-1, keepdim=True).amax(dim=-2, keepdim=True)
+            x = x / largest.clamp(min=self.eps)
+        if role != "q":
+            return x
+        return x * self.temperature().to(x.dtype) if self.learn_scale else x * self.scale
 
     def reference_weights(
         self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
     ) -> Tensor:
         """``f(x_ij) / sum_j f(x_ij)`` with ``f(x) = sum_{m<=p} x^m / m!`` and
-        ``x = s q·k`` (of unit q and k when normalize), in float64."""
-        if self.normalize:
+        ``x = s q·k`` (q and k normalised as ``normalize`` says), in float64."""
+        if self.norm_mode == "token":
             q, k = naive.unit(q), naive.unit(k)
-        x = self.scale * naive.dot(q, k)
+        elif self.norm_mode == "sequence_max":  # padded keys are zero (prepare) and count not
+            keep = None if key_padding_mask is None else ~key_padding_mask[:, None, :, None]
+            k = k.double() if keep is None else torch.where(keep, k.double(), 0.0)
+            q = q.double() / q.double().norm(dim=-1).amax(dim=-1)[..., None, None]
+            k = k / k.norm(dim=-1).amax(dim=-1)[..., None, None]
+        s = self.temperature()
+        s = s.double() if isinstance(s, Tensor) else s
+        x = s * naive.dot(q, k)
         f = sum(x**m / math.factorial(m) for m in range(self.p + 1))
         return naive.normalise_rows(f, naive.pair_mask(q, k, causal, key_padding_mask))
