@@ -151,6 +151,11 @@ CASES = [
         "one of: additive, based, cosine",
     ),
     case("train", ["data.batch_size=${nope}"], "Interpolation key 'nope' not found"),
+    case(
+        "train",
+        ["experiment=mqar", "model.pos_encoding=rope", "model.d_model=66", "model.n_head=6"],
+        "model.pos_encoding=rope needs an even head dim, but d_model=66 / n_head=6 = 11",
+    ),
     case(  # the authors' normalisation reads the whole sequence: no causal model takes it
         "train",
         ["experiment=mqar", "attention=fastmax", "attention.normalize=sequence_max"],

@@ -36,7 +36,7 @@ def short_runs(tmp_path_factory) -> dict[str, tuple[dict[str, float], Path]]:
     """`experiment=baby_gpt trainer.max_steps=300` for each position encoding."""
     root = tmp_path_factory.mktemp("positions")
     runs = {}
-    for pos in ("learned", "sinusoidal", "fourier"):
+    for pos in ("learned", "sinusoidal", "fourier", "rope"):
         cfg = compose_config("train", [*SHORT, f"model.pos_encoding={pos}"], root / pos)
         result = fit_and_test(cfg)
         runs[pos] = (result.metrics, Path(result.checkpoints["last"]))
@@ -57,10 +57,10 @@ def test_the_unigram_level_is_what_the_test_compares_with():
 
 @pytest.mark.slow
 @needs_text
-@pytest.mark.parametrize("pos", ["learned", "sinusoidal", "fourier"])
+@pytest.mark.parametrize("pos", ["learned", "sinusoidal", "fourier", "rope"])
 def test_every_position_encoding_learns_in_300_steps(short_runs, pos):
     """Sinusoidal and fourier stayed at 3.35 (the unigram level) before their tables were
-    scaled to the token embeddings; all three now reach about 2.39."""
+    scaled to the token embeddings; all three now reach about 2.39, as does rope."""
     metrics, _ = short_runs[pos]
     assert metrics["val/loss"] < 2.8, metrics
 

@@ -115,18 +115,22 @@ def test_gpt_init_scales_residual_projections():
     assert abs(proj - 0.02 / 4) < 0.001  # 0.02 / sqrt(2 * 8)
 
 
+@pytest.mark.parametrize("positions", ["learned", "rope"])
 @pytest.mark.parametrize("name", KERNEL_NAMES)
-def test_gpt_is_causal(name):
-    model = tiny_gpt(name)
+def test_gpt_is_causal(name, positions):
+    model = tiny_gpt(name, pos_encoding=positions)
     idx = torch.randint(0, V, (2, 12))
     changed = idx.clone()
     changed[:, 7:] = torch.randint(0, V, (2, 5))
     torch.testing.assert_close(model(changed)[:, :7], model(idx)[:, :7], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("positions", ["learned", "rope"])
 @pytest.mark.parametrize("name", KERNEL_NAMES)
-def test_gpt_cached_decoding_equals_full_forward(name):
-    model = tiny_gpt(name)
+def test_gpt_cached_decoding_equals_full_forward(name, positions):
+    """With RoPE the cache carries the count of tokens seen: the new ones' rotations
+    start there."""
+    model = tiny_gpt(name, pos_encoding=positions)
     idx = torch.randint(0, V, (2, 15))
     full = model(idx)
     logits, cache = model.forward_cached(idx[:, :6])
@@ -197,9 +201,12 @@ def test_padded_source_tokens_change_nothing(name):
     torch.testing.assert_close(model.decode(tgt, scrambled, pad), model.decode(tgt, memory, pad))
 
 
-@pytest.mark.parametrize("name", ["softmax", "fastmax"])
-def test_transformer_cached_greedy_equals_full_recompute(name):
-    model = tiny_transformer(name)
+@pytest.mark.parametrize(
+    ("name", "positions"), [("softmax", "sinusoidal"), ("fastmax", "sinusoidal"),
+                            ("softmax", "rope"), ("linear", "rope")]
+)  # fmt: skip
+def test_transformer_cached_greedy_equals_full_recompute(name, positions):
+    model = tiny_transformer(name, pos_encoding=positions)
     src = source_batch()
     memory, pad = model.encode(src)
     ys = torch.full((3, 1), model.bos_id)
@@ -368,8 +375,11 @@ def test_bad_input_gets_clear_errors():
         ViT(image_size=30, patch_size=4)
     with pytest.raises(ValueError, match="unknown activation 'swish'"):
         tiny_gpt(act="swish")
-    with pytest.raises(ValueError, match="unknown positional encoding 'rope'"):
-        tiny_gpt(pos_encoding="rope")
+    with pytest.raises(
+        ValueError,
+        match="unknown positional encoding 'nope'; valid ones are: sinusoidal, learned, fourier, ",
+    ):
+        tiny_gpt(pos_encoding="nope")
     with pytest.raises(ValueError, match="share_embeddings needs one vocabulary"):
         Transformer(10, 12, share_embeddings=True)
     with pytest.raises(ValueError, match="either vocab_size"):

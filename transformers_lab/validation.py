@@ -175,6 +175,11 @@ def check_attention(model: DictConfig) -> None:
         head_dim = head_size(model.d_model, model.n_head)
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
+    if model.get("pos_encoding") == "rope" and head_dim % 2:
+        raise ConfigError(
+            f"model.pos_encoding=rope needs an even head dim, but d_model={model.d_model} / "
+            f"n_head={model.n_head} = {head_dim}; change d_model or n_head"
+        )
     for key in ("attention", "cross_attention"):
         kernel = model.get(key)
         if kernel is None:

@@ -37,6 +37,8 @@ def reorder_cache(state: Any, index: Tensor) -> Any:
         return None
     if isinstance(state, Tensor):
         return state.index_select(0, index)
+    if not isinstance(state, (tuple, list)):  # a count (RoPE's position), the same for all
+        return state
     return type(state)(reorder_cache(s, index) for s in state)
 
 

@@ -33,7 +33,8 @@ class EncoderClassifier(nn.Module):
         patch_stride, patch_padding: the patch convolution's stride (None: the patch size,
             non-overlapping patches) and zero padding of the image border.
         d_model, n_layer, n_head, mlp_ratio, dropout, act, bias, norm_first: as in GPT.
-        pos_encoding: sinusoidal, learned, fourier or none.
+        pos_encoding: sinusoidal, learned, fourier, rope or none.
+        rope_theta: the base of RoPE's frequencies (``pos_encoding=rope``).
         pool: ``cls`` (a learned class token, prepended), ``mean`` (average over the
             non-padded tokens) or ``none`` (a prediction per token).
         head: ``linear``, or ``mlp`` (Linear, activation, Linear).
@@ -61,6 +62,7 @@ class EncoderClassifier(nn.Module):
         bias: bool = True,
         norm_first: bool = True,
         pos_encoding: str = "sinusoidal",
+        rope_theta: float = 10000.0,
         pool: str = "mean",
         head: str = "linear",
         pad_id: int | None = None,
@@ -102,6 +104,7 @@ class EncoderClassifier(nn.Module):
             dropout=dropout,
             bias=bias,
             norm_first=norm_first,
+            rope_theta=rope_theta if pos_encoding == "rope" else None,
         )
         self.norm = final_norm(d_model, bias, norm_first)
         if head == "linear":
@@ -168,6 +171,7 @@ class ViT(EncoderClassifier):
         bias: bool = True,
         norm_first: bool = True,
         pos_encoding: str = "learned",
+        rope_theta: float = 10000.0,
         pool: str = "cls",
         head: str = "linear",
         attention: KernelFactory | str = "softmax",
@@ -188,6 +192,7 @@ class ViT(EncoderClassifier):
             bias=bias,
             norm_first=norm_first,
             pos_encoding=pos_encoding,
+            rope_theta=rope_theta,
             pool=pool,
             head=head,
             attention=attention,

@@ -28,7 +28,9 @@ class Transformer(nn.Module):
         bias: biases in the linear layers and LayerNorms.
         norm_first: pre-norm; False (the default) is the paper's post-norm.
         max_len: longest source or target sequence, the positions table.
-        pos_encoding: sinusoidal (the paper), learned, fourier or none.
+        pos_encoding: sinusoidal (the paper), learned, fourier, rope (in the encoder's
+            and the decoder's self-attention) or none.
+        rope_theta: the base of RoPE's frequencies (``pos_encoding=rope``).
         share_embeddings: one embedding table for source and target (same vocabulary).
         tie_output: the output projection shares the target embedding.
         pad_id, bos_id, eos_id: special token ids; source tokens equal to pad_id are
@@ -52,6 +54,7 @@ class Transformer(nn.Module):
         norm_first: bool = False,
         max_len: int = 256,
         pos_encoding: str = "sinusoidal",
+        rope_theta: float = 10000.0,
         share_embeddings: bool = False,
         tie_output: bool = True,
         pad_id: int = 0,
@@ -82,6 +85,7 @@ class Transformer(nn.Module):
             "dropout": dropout,
             "bias": bias,
             "norm_first": norm_first,
+            "rope_theta": rope_theta if pos_encoding == "rope" else None,
         }
         self.encoder = block_stack(n_encoder_layers, d_model, n_head, attention, **options)
         self.decoder = block_stack(

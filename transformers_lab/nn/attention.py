@@ -9,6 +9,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from transformers_lab.attention import AttentionKernel, Memory, kernel_class
+from transformers_lab.nn.rotary import Rotary
 
 KernelFactory = Callable[..., AttentionKernel]
 # A cross-attention context: the memory (B, Nk, dim), or the kernel's prepared Memory of
@@ -57,6 +58,8 @@ class MultiHeadAttention(nn.Module):
         bias: bias in the projections.
         dropout: dropout on the output projection (the residual branch). Dropout on the
             attention weights belongs to the kernel.
+        rope_theta: rotate queries and keys by their positions before the kernel (RoPE,
+            ``nn.rotary``) with this base; None: no rotation. Self-attention only.
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class MultiHeadAttention(nn.Module):
         context_dim: int | None = None,
         bias: bool = True,
         dropout: float = 0.0,
+        rope_theta: float | None = None,
     ) -> None:
         super().__init__()
         if context_dim is not None and not cross:
@@ -84,6 +88,9 @@ class MultiHeadAttention(nn.Module):
             self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
+        if rope_theta is not None and cross:
+            raise ValueError("rope_theta is for self-attention: a context has positions of its own")
+        self.rotary = None if rope_theta is None else Rotary(self.head_dim, rope_theta)
         self.kernel = as_kernel_factory(kernel)(head_dim=self.head_dim, num_heads=num_heads)
         if not isinstance(self.kernel, AttentionKernel):
             raise TypeError(
@@ -121,7 +128,10 @@ class MultiHeadAttention(nn.Module):
         if context is not None:
             raise ValueError("a self-attention layer takes no context; build it with cross=True")
         q, k, v = self.qkv_proj(x).split(self.d_model, dim=-1)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        return q, k, v
 
     def _check_x(self, x: Tensor) -> None:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
@@ -171,6 +181,16 @@ class MultiHeadAttention(nn.Module):
         """Causal self-attention of new tokens x (B, T, d_model) over the cached past."""
         if self.cross:
             raise ValueError("decode() is for self-attention; cross-attention keys are fixed")
-        q, k, v = self.project(x, None)
-        out, state = self.kernel.decode(q, k, v, state, key_padding_mask=key_padding_mask)
-        return self.merge_heads(out), state
+        if self.rotary is None:
+            q, k, v = self.project(x, None)
+            out, state = self.kernel.decode(q, k, v, state, key_padding_mask=key_padding_mask)
+            return self.merge_heads(out), state
+        # with RoPE the state also counts the tokens seen: the new ones' positions follow
+        kernel_state, seen = (None, 0) if state is None else state
+        self._check_x(x)
+        q, k, v = (self.split_heads(t) for t in self.qkv_proj(x).split(self.d_model, dim=-1))
+        q, k = self.rotary(q, seen), self.rotary(k, seen)
+        out, kernel_state = self.kernel.decode(
+            q, k, v, kernel_state, key_padding_mask=key_padding_mask
+        )
+        return self.merge_heads(out), (kernel_state, seen + x.shape[1])

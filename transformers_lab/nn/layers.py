@@ -23,7 +23,7 @@ ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "elu": nn.ELU,
     "mish": nn.Mish,
 }
-POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "fourier", "none")
+POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "fourier", "rope", "none")
 
 
 def activation(name: str) -> nn.Module:
@@ -74,6 +74,8 @@ class PositionalEncoding(nn.Module):
         fourier: learned Fourier features: sin and cos of the position times learned
             frequencies (initialised to the sinusoidal ones), so the model can retune
             the frequencies of the fixed table.
+        rope: nothing added here: the blocks rotate queries and keys instead (RoPE,
+            ``nn.rotary``; models pass ``rope_theta`` to their self-attention).
         none: no positions (the attention kernel sees a bag of tokens).
 
     ``scale`` multiplies the sinusoidal and fourier vectors (sines and cosines, whose
@@ -119,7 +121,7 @@ class PositionalEncoding(nn.Module):
                 f"(max_len={self.max_len}); crop the input or build the model with a longer "
                 "context (block_size / max_len)"
             )
-        if self.kind == "none":
+        if self.kind in ("none", "rope"):
             return None
         if self.kind == "fourier":
             position = torch.arange(offset, offset + length, device=self.freqs.device)
@@ -225,6 +227,7 @@ class Block(nn.Module):
         dropout: dropout on the residual branches (attention and MLP outputs).
         bias: biases in the linear layers and LayerNorms.
         norm_first: pre-norm (True) or post-norm (False, as in Vaswani et al.).
+        rope_theta: RoPE in the self-attention with this base (None: none).
     """
 
     def __init__(
@@ -239,10 +242,13 @@ class Block(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         norm_first: bool = True,
+        rope_theta: float | None = None,
     ) -> None:
         super().__init__()
         self.norm_first = norm_first
-        self.attn = MultiHeadAttention(d_model, num_heads, attention, bias=bias, dropout=dropout)
+        self.attn = MultiHeadAttention(
+            d_model, num_heads, attention, bias=bias, dropout=dropout, rope_theta=rope_theta
+        )
         self.norm_attn = nn.LayerNorm(d_model, bias=bias)
         self.cross = None
         if cross_attention is not None:

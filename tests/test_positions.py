@@ -1,0 +1,93 @@
+"""Positions that act on queries and keys: RoPE's rotations and its relative property."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from transformers_lab.attention import build_kernel
+from transformers_lab.models import GPT, EncoderClassifier, ViT
+from transformers_lab.nn import MultiHeadAttention
+from transformers_lab.nn.rotary import Rotary
+
+B, H, N, D = 2, 3, 7, 8
+
+
+def test_rope_rotates_each_pair_by_position_times_its_frequency():
+    rotary = Rotary(D, theta=100.0).double()
+    x = torch.randn(1, 1, 5, D, dtype=torch.float64)
+    out = rotary(x, offset=3)
+    for m in range(5):
+        for i in range(D // 2):
+            angle = (m + 3) * 100.0 ** (-2 * i / D)
+            a, b = x[0, 0, m, i], x[0, 0, m, i + D // 2]
+            want = (
+                a * math.cos(angle) - b * math.sin(angle),
+                a * math.sin(angle) + b * math.cos(angle),
+            )
+            got = (out[0, 0, m, i], out[0, 0, m, i + D // 2])
+            torch.testing.assert_close(torch.stack(got), torch.tensor(want, dtype=torch.float64))
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))  # a rotation
+
+
+@pytest.mark.parametrize(
+    ("kernel", "options"), [("softmax", {}), ("fastmax", {"p": 2}), ("fastmax", {"p": 1})]
+)
+def test_rope_weights_depend_on_relative_positions_only(kernel, options):
+    """Every position shifted by the same offset: the same weights (q·k of rotated vectors
+    depends on m - n), for softmax and for a linear kernel whose weights are a function of
+    q·k (fastmax normalises each token by its own norm, which a rotation keeps)."""
+    rotary = Rotary(D).double()
+    attention = build_kernel(kernel, head_dim=D, num_heads=H, **options).double()
+    q = torch.randn(B, H, N, D, dtype=torch.float64)
+    k = torch.randn(B, H, N, D, dtype=torch.float64)
+    at_zero = attention.weights(rotary(q), rotary(k), causal=True)
+    for offset in (1, 17, 1000):
+        shifted = attention.weights(rotary(q, offset), rotary(k, offset), causal=True)
+        torch.testing.assert_close(shifted, at_zero, rtol=1e-9, atol=1e-12)
+    plain = attention.weights(q, k, causal=True)
+    assert not torch.allclose(plain, at_zero)  # the rotation did change the weights
+
+
+def test_rope_in_multi_head_attention_decodes_from_where_the_cache_ends():
+    torch.manual_seed(0)
+    for kernel in ("softmax", "linear", "fastmax"):
+        mha = MultiHeadAttention(16, 2, kernel, rope_theta=500.0).double().eval()
+        x = torch.randn(2, 9, 16, dtype=torch.float64)
+        full = mha(x, causal=True)
+        out, state = mha.decode(x[:, :4])
+        steps = [out]
+        for t in range(4, 9):
+            out, state = mha.decode(x[:, t : t + 1], state)
+            steps.append(out)
+        assert state[1] == 9  # the tokens seen
+        torch.testing.assert_close(torch.cat(steps, dim=1), full)
+
+
+def test_rope_reaches_every_models_self_attention_and_no_cross_attention():
+    gpt = GPT(10, 8, n_layer=2, n_head=2, d_model=8, pos_encoding="rope", rope_theta=50.0)
+    assert all(b.attn.rotary is not None and b.attn.rotary.theta == 50.0 for b in gpt.blocks)
+    assert gpt.pos.table_rows(8) is None  # nothing added to the embeddings
+    vit = ViT(image_size=8, patch_size=4, num_classes=3, d_model=8, n_layer=1, n_head=2,
+              pos_encoding="rope")  # fmt: skip
+    assert vit.blocks[0].attn.rotary is not None
+    assert vit(torch.randn(2, 1, 8, 8)).shape == (2, 3)
+    enc = EncoderClassifier(3, vocab_size=10, max_len=8, d_model=8, n_layer=1, n_head=2)
+    assert enc.blocks[0].attn.rotary is None  # sinusoidal by default
+    from transformers_lab.models import Transformer
+
+    t = Transformer(10, 10, d_model=8, n_head=2, n_encoder_layers=1, n_decoder_layers=1,
+                    max_len=8, pos_encoding="rope")  # fmt: skip
+    assert t.encoder[0].attn.rotary is not None and t.decoder[0].attn.rotary is not None
+    assert t.decoder[0].cross.rotary is None
+
+
+def test_rope_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="rope needs an even head dim .* got head_dim=3"):
+        GPT(10, 8, n_layer=1, n_head=2, d_model=6, pos_encoding="rope")
+    with pytest.raises(ValueError, match="rope_theta must be greater than 1"):
+        Rotary(4, theta=1.0)
+    with pytest.raises(ValueError, match="rope_theta is for self-attention"):
+        MultiHeadAttention(8, 2, cross=True, rope_theta=1e4)
