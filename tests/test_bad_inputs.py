@@ -156,6 +156,12 @@ CASES = [
         ["experiment=mqar", "model.pos_encoding=rope", "model.d_model=66", "model.n_head=6"],
         "model.pos_encoding=rope needs an even head dim, but d_model=66 / n_head=6 = 11",
     ),
+    case(
+        "train",
+        ["experiment=mqar", "model.pos_encoding=alibi", "attention=performer"],
+        "attention: pos_encoding=alibi adds a bias to the attention scores, which "
+        "attention=performer never forms",
+    ),
     case(  # the authors' normalisation reads the whole sequence: no causal model takes it
         "train",
         ["experiment=mqar", "attention=fastmax", "attention.normalize=sequence_max"],

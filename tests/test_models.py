@@ -125,11 +125,15 @@ def test_gpt_is_causal(name, positions):
     torch.testing.assert_close(model(changed)[:, :7], model(idx)[:, :7], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("positions", ["learned", "rope"])
+@pytest.mark.parametrize("positions", ["learned", "rope", "alibi"])
 @pytest.mark.parametrize("name", KERNEL_NAMES)
 def test_gpt_cached_decoding_equals_full_forward(name, positions):
     """With RoPE the cache carries the count of tokens seen: the new ones' rotations
-    start there."""
+    start there; ALiBi's distances follow from the keys in the cache."""
+    if positions == "alibi" and not KERNELS[name].forms_scores:
+        with pytest.raises(ValueError, match="pos_encoding=alibi adds a bias"):
+            tiny_gpt(name, pos_encoding=positions)
+        return
     model = tiny_gpt(name, pos_encoding=positions)
     idx = torch.randint(0, V, (2, 15))
     full = model(idx)
@@ -203,7 +207,7 @@ def test_padded_source_tokens_change_nothing(name):
 
 @pytest.mark.parametrize(
     ("name", "positions"), [("softmax", "sinusoidal"), ("fastmax", "sinusoidal"),
-                            ("softmax", "rope"), ("linear", "rope")]
+                            ("softmax", "rope"), ("linear", "rope"), ("additive", "alibi")]
 )  # fmt: skip
 def test_transformer_cached_greedy_equals_full_recompute(name, positions):
     model = tiny_transformer(name, pos_encoding=positions)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from transformers_lab.attention import build_kernel
+from transformers_lab.attention import KERNELS, build_kernel
 from transformers_lab.models import GPT, EncoderClassifier, ViT
 from transformers_lab.nn import MultiHeadAttention
 from transformers_lab.nn.rotary import Rotary
@@ -91,3 +91,62 @@ def test_rope_refuses_what_it_cannot_do():
         Rotary(4, theta=1.0)
     with pytest.raises(ValueError, match="rope_theta is for self-attention"):
         MultiHeadAttention(8, 2, cross=True, rope_theta=1e4)
+
+
+# ---------------------------------------------------------------- ALiBi
+
+
+def paper_slopes(n: int) -> list[float]:
+    """Press et al. (2022): for 2^k heads the geometric sequence 2^(-8/n), 2^(-16/n), ...;
+    otherwise the 2^floor(log2 n) slopes, then the odd-numbered ones of twice as many."""
+    m = 2 ** math.floor(math.log2(n))
+    slopes = [2 ** (-8 * (i + 1) / m) for i in range(m)]
+    return slopes + [2 ** (-8 * (2 * i + 1) / (2 * m)) for i in range(n - m)]
+
+
+@pytest.mark.parametrize("heads", [8, 12])
+def test_alibi_slopes_and_bias_follow_the_paper(heads):
+    from transformers_lab.attention.base import alibi_bias, alibi_slopes
+
+    slopes = alibi_slopes(heads)
+    assert slopes == pytest.approx(paper_slopes(heads), rel=1e-12)
+    if heads == 8:
+        assert slopes == pytest.approx([2.0**-i for i in range(1, 9)])
+    else:
+        assert slopes[8:] == pytest.approx([2**-0.5, 2**-1.5, 2**-2.5, 2**-3.5])
+    bias = alibi_bias(torch.tensor(slopes, dtype=torch.float64), 5, 5)
+    for h in range(heads):
+        for i in range(5):
+            for j in range(i + 1):  # causal: the key j tokens back gets -slope * (i - j)
+                assert bias[h, i, j] == pytest.approx(-slopes[h] * (i - j))
+
+
+SCORE_KERNELS = [name for name, cls in KERNELS.items() if cls.forms_scores]
+
+
+@pytest.mark.parametrize("kernel", SCORE_KERNELS)
+def test_every_kernel_that_forms_scores_takes_alibi_and_passes_the_contract(kernel):
+    from transformers_lab.attention.check import check_kernel, kernel_factory, with_alibi
+
+    assert check_kernel(with_alibi(kernel_factory(kernel))) == []
+    plain = build_kernel(kernel, head_dim=D, num_heads=H).double()
+    biased = build_kernel(kernel, head_dim=D, num_heads=H).double()
+    biased.load_state_dict(plain.state_dict())
+    biased.use_alibi()
+    q, k = (
+        torch.randn(B, H, N, D, dtype=torch.float64),
+        torch.randn(B, H, N, D, dtype=torch.float64),
+    )
+    assert not torch.allclose(biased.weights(q, k, causal=True), plain.weights(q, k, causal=True))
+
+
+def test_alibi_is_refused_by_kernels_that_form_no_scores_in_one_line():
+    linear = [name for name, cls in KERNELS.items() if not cls.forms_scores]
+    assert {"fastmax", "linear", "based", "performer"} <= set(linear)
+    for name in linear:
+        with pytest.raises(ValueError, match=f"pos_encoding=alibi .* attention={name} never"):
+            GPT(10, 8, n_layer=1, n_head=2, d_model=8, pos_encoding="alibi", attention=name)
+    gpt = GPT(10, 8, n_layer=1, n_head=2, d_model=8, pos_encoding="alibi")
+    assert gpt.blocks[0].attn.kernel.alibi and gpt.pos.table_rows(8) is None
+    with pytest.raises(ValueError, match="alibi is for self-attention"):
+        MultiHeadAttention(8, 2, cross=True, alibi=True)

@@ -187,6 +187,8 @@ def check_attention(model: DictConfig) -> None:
         try:  # a kernel config (a partial) or a kernel's name
             factory = as_kernel_factory(kernel if isinstance(kernel, str) else call(kernel, key))
             built = factory(head_dim=head_dim, num_heads=model.n_head)
+            if key == "attention" and model.get("pos_encoding") == "alibi":
+                built.use_alibi()
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
         model_class = target_class(model) if "_target_" in model else None

@@ -152,6 +152,7 @@ class AdditiveAttention(AttentionKernel):
         if self.b is not None:
             pre = pre + self.b.double()[None, :, None, None, :]
         scores = torch.einsum("bhija,ha->bhij", torch.tanh(pre), self.w.double())
+        scores = scores + self.reference_bias(q.shape[2], k.shape[2])
         return naive.softmax_rows(scores, naive.pair_mask(q, k, causal, key_padding_mask))
 
     def weights(
@@ -170,7 +171,8 @@ class AdditiveAttention(AttentionKernel):
             key_padding_mask=key_padding_mask,
             device=q.device,
         )
-        return masked_softmax(self.scores(q, k), allowed)
+        scores = self.scores(q, k)
+        return masked_softmax(scores + self.score_bias(q.shape[2], k.shape[2], scores), allowed)
 
     def forward(
         self,

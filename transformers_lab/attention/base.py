@@ -22,6 +22,7 @@ the fast paths. A new kernel is one file and one yaml.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,6 +52,30 @@ def attention_mask(
         keep = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, Nk)
         allowed = keep if allowed is None else allowed & keep
     return allowed
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """The head slopes of ALiBi (Press et al., 2022): the geometric sequence that starts
+    at 2^(-8/n) with that ratio, for n heads; for n not a power of two, those of the
+    largest power of two below n, then every other slope of twice that many heads."""
+
+    def geometric(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if num_heads & (num_heads - 1) == 0:
+        return geometric(num_heads)
+    m = 2 ** math.floor(math.log2(num_heads))
+    return geometric(m) + geometric(2 * m)[0::2][: num_heads - m]
+
+
+def alibi_bias(slopes: Tensor, nq: int, nk: int) -> Tensor:
+    """(H, Nq, Nk): -slope_h |i + (Nk - Nq) - j|, the distance of key j from query i with
+    the queries aligned to the last Nq keys (a causal mask keeps j <= i; an encoder sees
+    both sides at the same cost)."""
+    i = torch.arange(nq, device=slopes.device)[:, None] + (nk - nq)
+    j = torch.arange(nk, device=slopes.device)[None, :]
+    return -slopes[:, None, None] * (i - j).abs().to(slopes.dtype)
 
 
 def visible_keys(allowed: Tensor | None, nq: int, nk: int) -> Tensor:
@@ -107,6 +132,7 @@ class AttentionKernel(nn.Module):
     formula: ClassVar[str] = ""  # the weights, in one line (the README's kernel table)
     normalized: ClassVar[bool] = True  # every row of weights() sums to 1 (or is all zero)
     linear: ClassVar[bool] = False  # decode keeps a state whose size does not grow with n
+    forms_scores: ClassVar[bool] = True  # has q-k scores a bias can be added to (ALiBi)
 
     def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -132,9 +158,44 @@ class AttentionKernel(nn.Module):
         self.head_dim = head_dim
         self.num_heads = num_heads
         self.dropout = dropout
+        self.alibi = False
+
+    def use_alibi(self) -> None:
+        """Add ALiBi's head-sloped distance bias to the scores (``pos_encoding=alibi``);
+        a kernel that forms no scores refuses, naming both options."""
+        if not self.forms_scores:
+            raise ValueError(
+                f"pos_encoding=alibi adds a bias to the attention scores, which attention="
+                f"{self.name} never forms (it is linear in the sequence length); use "
+                "pos_encoding=rope with it, or a kernel that forms scores"
+            )
+        self.alibi = True
+        slopes = torch.tensor(alibi_slopes(self.num_heads))
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
+
+    def score_bias(self, nq: int, nk: int, like: Tensor) -> Tensor | float:
+        """What is added to the (scaled) scores: ALiBi's (H, Nq, Nk) bias, or 0."""
+        if not self.alibi:
+            return 0.0
+        return alibi_bias(self.alibi_slopes.to(like.device, like.dtype), nq, nk)
+
+    def reference_bias(self, nq: int, nk: int) -> Tensor | float:
+        """``score_bias`` written naively in float64, from the slopes of the formula."""
+        if not self.alibi:
+            return 0.0
+        slopes = alibi_slopes(self.num_heads)
+        bias = torch.zeros(self.num_heads, nq, nk, dtype=torch.float64)
+        for h in range(self.num_heads):
+            for i in range(nq):
+                for j in range(nk):
+                    bias[h, i, j] = -slopes[h] * abs(i + (nk - nq) - j)
+        return bias
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, num_heads={self.num_heads}, dropout={self.dropout}"
+        alibi = ", alibi=True" if self.alibi else ""
+        return (
+            f"head_dim={self.head_dim}, num_heads={self.num_heads}, dropout={self.dropout}{alibi}"
+        )
 
     def forward(  # type: ignore[override]
         self,

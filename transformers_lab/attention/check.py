@@ -95,6 +95,17 @@ def kernel_factory(target: str, options: dict[str, Any] | None = None) -> Factor
     return functools.partial(cls, **options)
 
 
+def with_alibi(factory: Factory) -> Factory:
+    """The factory's kernels with ALiBi's bias on their scores (``use_alibi``)."""
+
+    def build_with_alibi(**geometry: int) -> AttentionKernel:
+        kernel = factory(**geometry)
+        kernel.use_alibi()
+        return kernel
+
+    return build_with_alibi
+
+
 def build(factory: Factory) -> AttentionKernel:
     """The float64 kernel under test, its parameters moved off their initial values (so
     that a reference that ignored one would be caught), in eval mode."""
@@ -414,9 +425,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("target", help="registered name, package.module.Class, or a kernel yaml")
     parser.add_argument("options", nargs="*", help="kernel options, key=value")
+    parser.add_argument(
+        "--alibi", action="store_true", help="check it with ALiBi's bias on its scores"
+    )
     args = parser.parse_args(argv)
     try:
         factory = kernel_factory(args.target, parse_options(args.options))
+        if args.alibi:
+            factory = with_alibi(factory)
         failures = check_kernel(factory)
         ran = checks_for(build(factory))
     except (CheckError, TypeError, ValueError) as exc:  # the kernel cannot even be built

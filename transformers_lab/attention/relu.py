@@ -43,7 +43,8 @@ class ReLUAttention(AttentionKernel):
             device=q.device,
         )  # fmt: skip
         n = visible_keys(allowed, q.shape[2], k.shape[2]).clamp(min=1).to(q.dtype)
-        w = torch.relu((q @ k.transpose(-2, -1)) * self.scale) / n
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        w = torch.relu(scores + self.score_bias(q.shape[2], k.shape[2], scores)) / n
         return w if allowed is None else w.masked_fill(~allowed, 0.0)
 
     def forward(
@@ -65,5 +66,6 @@ class ReLUAttention(AttentionKernel):
         """``max(0, s q·k) / n`` over the allowed pairs, in float64."""
         allowed = naive.pair_mask(q, k, causal, key_padding_mask)
         n = allowed.sum(-1, keepdim=True).double()
-        w = torch.clamp(self.scale * naive.dot(q, k), min=0.0) / torch.where(n > 0, n, 1.0)
+        scores = self.scale * naive.dot(q, k) + self.reference_bias(q.shape[2], k.shape[2])
+        w = torch.clamp(scores, min=0.0) / torch.where(n > 0, n, 1.0)
         return torch.where(allowed, w, torch.zeros_like(w))

@@ -52,6 +52,7 @@ class SigmoidAttention(AttentionKernel):
             device=q.device,
         )  # fmt: skip
         scores = (q @ k.transpose(-2, -1)) * self.scale
+        scores = scores + self.score_bias(q.shape[2], k.shape[2], scores)
         if self.bias is None:
             b = -torch.log(visible_keys(allowed, q.shape[2], k.shape[2]).clamp(min=1).to(q.dtype))
         else:
@@ -79,5 +80,6 @@ class SigmoidAttention(AttentionKernel):
         allowed = naive.pair_mask(q, k, causal, key_padding_mask)
         n = allowed.sum(-1, keepdim=True).double()
         b = -torch.log(torch.where(n > 0, n, 1.0)) if self.bias is None else self.bias
-        w = 1.0 / (1.0 + torch.exp(-(self.scale * naive.dot(q, k) + b)))
+        scores = self.scale * naive.dot(q, k) + self.reference_bias(q.shape[2], k.shape[2])
+        w = 1.0 / (1.0 + torch.exp(-(scores + b)))
         return torch.where(allowed, w, torch.zeros_like(w))

@@ -48,7 +48,8 @@ class SoftmaxAttention(AttentionKernel):
         self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
     ) -> Tensor:
         allowed = naive.pair_mask(q, k, causal, key_padding_mask)
-        return naive.softmax_rows(self.reference_scores(q, k), allowed)
+        scores = self.reference_scores(q, k) + self.reference_bias(q.shape[2], k.shape[2])
+        return naive.softmax_rows(scores, allowed)
 
     def weights(
         self,
@@ -61,6 +62,7 @@ class SoftmaxAttention(AttentionKernel):
         self.check_inputs(q, k, None, key_padding_mask)
         q, k, scale = self.prepare(q, k)
         scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Nq, Nk)
+        scores = scores + self.score_bias(q.shape[2], k.shape[2], scores)
         allowed = attention_mask(
             q.shape[2],
             k.shape[2],
@@ -83,6 +85,21 @@ class SoftmaxAttention(AttentionKernel):
         q, k, scale = self.prepare(q, k)
         dropout_p = self.dropout if self.training else 0.0
         nq, nk = q.shape[2], k.shape[2]
+        if self.alibi:  # a float mask: the bias, and -inf where a key may not be seen
+            bias = self.score_bias(nq, nk, q)
+            allowed = attention_mask(
+                nq, nk, causal=causal, key_padding_mask=key_padding_mask, device=q.device
+            )
+            if allowed is None:
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale
+                )
+            has_key = allowed.any(dim=-1, keepdim=True)
+            mask = bias.masked_fill(~(allowed | ~has_key), -torch.inf)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale
+            )
+            return out.masked_fill(~has_key, 0.0)
         if key_padding_mask is None and (not causal or nq == nk):
             # SDPA's own causal mask is aligned top-left, which is right only when Nq == Nk.
             return F.scaled_dot_product_attention(

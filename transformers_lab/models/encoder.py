@@ -33,7 +33,7 @@ class EncoderClassifier(nn.Module):
         patch_stride, patch_padding: the patch convolution's stride (None: the patch size,
             non-overlapping patches) and zero padding of the image border.
         d_model, n_layer, n_head, mlp_ratio, dropout, act, bias, norm_first: as in GPT.
-        pos_encoding: sinusoidal, learned, fourier, rope or none.
+        pos_encoding: sinusoidal, learned, fourier, rope, alibi or none.
         rope_theta: the base of RoPE's frequencies (``pos_encoding=rope``).
         pool: ``cls`` (a learned class token, prepended), ``mean`` (average over the
             non-padded tokens) or ``none`` (a prediction per token).
@@ -105,6 +105,7 @@ class EncoderClassifier(nn.Module):
             bias=bias,
             norm_first=norm_first,
             rope_theta=rope_theta if pos_encoding == "rope" else None,
+            alibi=pos_encoding == "alibi",
         )
         self.norm = final_norm(d_model, bias, norm_first)
         if head == "linear":

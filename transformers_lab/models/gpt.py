@@ -30,7 +30,7 @@ class GPT(nn.Module):
         bias: biases in the linear layers and LayerNorms.
         act: MLP activation.
         norm_first: pre-norm blocks (GPT-2) or post-norm.
-        pos_encoding: learned (GPT-2), sinusoidal, fourier, rope or none.
+        pos_encoding: learned (GPT-2), sinusoidal, fourier, rope, alibi or none.
         rope_theta: the base of RoPE's frequencies (``pos_encoding=rope``).
         tie_weights: share the LM head with the token embedding.
         attention: kernel factory (``${attention}`` in the configs) or kernel name.
@@ -72,6 +72,7 @@ class GPT(nn.Module):
             bias=bias,
             norm_first=norm_first,
             rope_theta=rope_theta if pos_encoding == "rope" else None,
+            alibi=pos_encoding == "alibi",
         )
         refuse_causal(self.blocks, "GPT")
         self.norm = final_norm(d_model, bias, norm_first)

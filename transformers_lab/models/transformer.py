@@ -28,7 +28,7 @@ class Transformer(nn.Module):
         bias: biases in the linear layers and LayerNorms.
         norm_first: pre-norm; False (the default) is the paper's post-norm.
         max_len: longest source or target sequence, the positions table.
-        pos_encoding: sinusoidal (the paper), learned, fourier, rope (in the encoder's
+        pos_encoding: sinusoidal (the paper), learned, fourier, alibi, rope (in the encoder's
             and the decoder's self-attention) or none.
         rope_theta: the base of RoPE's frequencies (``pos_encoding=rope``).
         share_embeddings: one embedding table for source and target (same vocabulary).
@@ -86,6 +86,7 @@ class Transformer(nn.Module):
             "bias": bias,
             "norm_first": norm_first,
             "rope_theta": rope_theta if pos_encoding == "rope" else None,
+            "alibi": pos_encoding == "alibi",
         }
         self.encoder = block_stack(n_encoder_layers, d_model, n_head, attention, **options)
         self.decoder = block_stack(

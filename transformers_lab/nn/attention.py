@@ -60,6 +60,9 @@ class MultiHeadAttention(nn.Module):
             attention weights belongs to the kernel.
         rope_theta: rotate queries and keys by their positions before the kernel (RoPE,
             ``nn.rotary``) with this base; None: no rotation. Self-attention only.
+        alibi: add ALiBi's head-sloped distance bias to the kernel's scores
+            (``AttentionKernel.use_alibi``; a kernel that forms none refuses). Self-attention
+            only.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         rope_theta: float | None = None,
+        alibi: bool = False,
     ) -> None:
         super().__init__()
         if context_dim is not None and not cross:
@@ -97,6 +101,10 @@ class MultiHeadAttention(nn.Module):
                 f"the kernel factory returned {type(self.kernel).__name__}, expected an "
                 "AttentionKernel; pass a kernel name or a partial of a kernel class"
             )
+        if alibi:
+            if cross:
+                raise ValueError("alibi is for self-attention: a context is another sequence")
+            self.kernel.use_alibi()
 
     def split_heads(self, x: Tensor) -> Tensor:
         """(B, N, d_model) -> (B, H, N, head_dim)."""

@@ -23,7 +23,7 @@ ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "elu": nn.ELU,
     "mish": nn.Mish,
 }
-POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "fourier", "rope", "none")
+POSITIONAL_ENCODINGS = ("sinusoidal", "learned", "fourier", "rope", "alibi", "none")
 
 
 def activation(name: str) -> nn.Module:
@@ -76,6 +76,8 @@ class PositionalEncoding(nn.Module):
             the frequencies of the fixed table.
         rope: nothing added here: the blocks rotate queries and keys instead (RoPE,
             ``nn.rotary``; models pass ``rope_theta`` to their self-attention).
+        alibi: nothing added here: the kernels add a head-sloped distance bias to their
+            scores (ALiBi, ``AttentionKernel.use_alibi``).
         none: no positions (the attention kernel sees a bag of tokens).
 
     ``scale`` multiplies the sinusoidal and fourier vectors (sines and cosines, whose
@@ -121,7 +123,7 @@ class PositionalEncoding(nn.Module):
                 f"(max_len={self.max_len}); crop the input or build the model with a longer "
                 "context (block_size / max_len)"
             )
-        if self.kind in ("none", "rope"):
+        if self.kind in ("none", "rope", "alibi"):
             return None
         if self.kind == "fourier":
             position = torch.arange(offset, offset + length, device=self.freqs.device)
@@ -228,6 +230,7 @@ class Block(nn.Module):
         bias: biases in the linear layers and LayerNorms.
         norm_first: pre-norm (True) or post-norm (False, as in Vaswani et al.).
         rope_theta: RoPE in the self-attention with this base (None: none).
+        alibi: ALiBi's bias on the self-attention's scores.
     """
 
     def __init__(
@@ -243,12 +246,14 @@ class Block(nn.Module):
         bias: bool = True,
         norm_first: bool = True,
         rope_theta: float | None = None,
+        alibi: bool = False,
     ) -> None:
         super().__init__()
         self.norm_first = norm_first
         self.attn = MultiHeadAttention(
-            d_model, num_heads, attention, bias=bias, dropout=dropout, rope_theta=rope_theta
-        )
+            d_model, num_heads, attention, bias=bias, dropout=dropout, rope_theta=rope_theta,
+            alibi=alibi,
+        )  # fmt: skip
         self.norm_attn = nn.LayerNorm(d_model, bias=bias)
         self.cross = None
         if cross_attention is not None:

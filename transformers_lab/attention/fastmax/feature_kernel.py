@@ -55,6 +55,7 @@ class FeatureKernel(AttentionKernel):
     """
 
     linear = True
+    forms_scores = False
     IMPLS: ClassVar[tuple[str, ...]] = ("auto", "linear", "quadratic")
 
     def __init__(
