@@ -38,6 +38,7 @@ KERNEL_CONFIGS = [(name, {}) for name in NAMES] + [
     ("linear", {"impl": "linear", "chunk_size": 3}),  # the shared engine with p = 0
     ("based", {"impl": "linear", "chunk_size": 3, "feature_dim": 5}),
     ("performer", {"impl": "linear", "chunk_size": 3, "num_features": 7, "seed": 1}),
+    ("cosformer", {"impl": "linear", "chunk_size": 3, "max_len": 12}),  # positions in decode
     ("sigmoid", {"bias": -1.5, "scale": 0.7}),
     ("relu", {"scale": 2.0}),
 ]
@@ -298,6 +299,20 @@ def test_sigmoid_and_relu_weigh_each_key_by_the_count_of_visible_keys():
     relu = make("relu").weights(q, k, causal=True)
     torch.testing.assert_close(relu, torch.relu(s) / n * causal)
     assert not KERNELS["sigmoid"].normalized and not KERNELS["relu"].normalized
+
+
+def test_cosformer_weighs_nearby_keys_more_and_refuses_positions_past_max_len():
+    kernel = make("cosformer", max_len=16)
+    q = torch.ones(1, H, 1, D, dtype=torch.float64)
+    k = torch.ones(1, H, 10, D, dtype=torch.float64)  # equal keys: only distance differs
+    w = kernel.weights(q, k, causal=True)[0, 0, 0]  # the query at position 9
+    assert (w.diff() > 0).all()  # the nearer the key, the larger its weight
+    torch.testing.assert_close(
+        w / w[-1], torch.cos(torch.pi / 32 * torch.arange(9, -1, -1.0)).double()
+    )
+    q, k, v = qkv(17, 17)
+    with pytest.raises(ValueError, match="position 16 is past max_len=16; build it with"):
+        kernel(q, k, v, causal=True)
 
 
 def test_softmax_equals_sdpa():

@@ -148,7 +148,7 @@ CASES = [
         "train",
         ["atention=fastmax"],
         "unknown key atention (did you mean the config group attention? attention=<option>, "
-        "one of: additive, based, cosine",
+        "one of: additive, ",
     ),
     case("train", ["data.batch_size=${nope}"], "Interpolation key 'nope' not found"),
     case(

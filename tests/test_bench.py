@@ -132,5 +132,8 @@ def test_reports_cover_failures_and_both_modes(tmp_path: Path) -> None:
     assert "## Ratios, causal" in md and "## Ratios, non-causal" in md
     # fastmax_p2 at 512: 6 ms vs 2 ms for softmax, 2 MiB vs 4 MiB, and 2x its memory at 256.
     assert "| 512 | fastmax_p2 | 3.00 | 0.50 | 2.00 |" in md
-    assert "| additive | noncausal | 512 | – | – | error: boom |" in md
+    # decode state: a KV cache of H N (D + Dv) = 4 * 512 * 64; fastmax's, the same at any N
+    assert "| additive | noncausal | 512 | – | – | 131,072 | error: boom |" in md
+    fastmax = {r["n"]: r["state_numbers"] for r in rows if r["variant"] == "fastmax_p2"}
+    assert fastmax[256] == fastmax[512] == 4 * 33 * (33 * 17)  # H (Dv + 1) F, F = 561
     assert len(read_csv(paths["csv"])) == len(rows)

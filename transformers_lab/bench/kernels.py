@@ -99,6 +99,7 @@ COLUMNS = (
     "device",
     "time_ms",
     "peak_mib",
+    "state_numbers",
     "status",
     "mem_method",
 )
@@ -142,12 +143,21 @@ class Spec:
         fields = asdict(self)
         row = {name: fields.get(name) for name in COLUMNS}
         row.update(time_ms=time_ms, peak_mib=peak_mib, status=status, mem_method=mem_method)
+        row["state_numbers"] = state_numbers(self.variant, self.n, self.heads, self.head_dim)
         return row
 
 
 # --------------------------------------------------------------------------------------
 # The measurement itself (runs inside a worker process)
 # --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def state_numbers(variant: str, n: int, heads: int, head_dim: int) -> int:
+    """Numbers a decoder keeps per sequence after ``n`` tokens with this variant (its
+    kernel's ``state_size``): a KV cache grows with n, a linear state does not."""
+    kernel = instantiate(variants()[variant])(head_dim=head_dim, num_heads=heads)
+    return kernel.state_size(n)
 
 
 def validate_variants(names: Iterable[str]) -> list[str]:
@@ -456,11 +466,13 @@ def results_table(rows: Sequence[Row]) -> list[str]:
             r["n"],
             fmt(r["time_ms"]),
             fmt(r["peak_mib"]),
+            f"{r['state_numbers']:,}" if r.get("state_numbers") is not None else "",
             r["status"],
         )
         for r in rows
     )
-    return markdown_table(("variant", "mode", "N", "time (ms)", "extra peak (MiB)", "status"), body)
+    header = ("variant", "mode", "N", "time (ms)", "extra peak (MiB)", "decode state", "status")
+    return markdown_table(header, body)
 
 
 def ratio_table(rows: Sequence[Row], causal: bool) -> list[str]:

@@ -56,6 +56,7 @@ class FeatureKernel(AttentionKernel):
 
     linear = True
     forms_scores = False
+    positional: ClassVar[bool] = False  # features depend on positions (``place``)
     IMPLS: ClassVar[tuple[str, ...]] = ("auto", "linear", "quadratic")
 
     def __init__(
@@ -88,6 +89,11 @@ class FeatureKernel(AttentionKernel):
         """Queries (``role="q"``) or keys (``"k"``), (B, H, N, D), as the engine's u."""
         return x
 
+    def place(self, u: Tensor, start: int) -> Tensor:
+        """Features of the tokens at positions ``start ..`` (a ``positional`` kernel's,
+        cosFormer's re-weighting); as they are here."""
+        return u
+
     # ------------------------------------------------------------ the paths
 
     def path(self, num_keys: int) -> str:
@@ -100,9 +106,16 @@ class FeatureKernel(AttentionKernel):
         return f"{super().extra_repr()}, chunk_size={self.chunk_size}, impl={self.impl}"
 
     def prepare(
-        self, q: Tensor, k: Tensor, v: Tensor | None, key_padding_mask: Tensor | None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor | None,
+        key_padding_mask: Tensor | None,
+        q_start: int = 0,
+        k_start: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Features of q and k, and v_aug = [v, 1] with dropped and padded keys zeroed.
+        """Features of q and k (at positions ``q_start ..`` and ``k_start ..``), and
+        v_aug = [v, 1] with dropped and padded keys zeroed.
 
         Low-precision inputs are promoted to float32, where the states accumulate.
         """
@@ -113,6 +126,8 @@ class FeatureKernel(AttentionKernel):
         if pad is not None:  # padding is zero before the features too (a max over keys)
             k = k.masked_fill(pad, 0.0)
         q, k = self.features(q, "q"), self.features(k, "k")
+        if self.positional:
+            q, k = self.place(q, q_start), self.place(k, k_start)
         if pad is not None:
             k = k.masked_fill(pad, 0.0)
         if v is None:
@@ -135,8 +150,9 @@ class FeatureKernel(AttentionKernel):
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
         self.check_inputs(q, k, v, key_padding_mask)
+        q_start = k.shape[2] - q.shape[2] if causal else 0  # queries end with the keys
         with torch.autocast(q.device.type, enabled=False):
-            qs, ks, v_aug = self.prepare(q, k, v, key_padding_mask)
+            qs, ks, v_aug = self.prepare(q, k, v, key_padding_mask, q_start)
             if self.path(k.shape[2]) == "quadratic":
                 out = quadratic(qs, ks, v_aug, self.p, causal)
             elif causal:
@@ -154,8 +170,9 @@ class FeatureKernel(AttentionKernel):
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
         self.check_inputs(q, k, None, key_padding_mask)
+        q_start = k.shape[2] - q.shape[2] if causal else 0
         with torch.autocast(q.device.type, enabled=False):
-            qs, ks, _ = self.prepare(q, k, None, key_padding_mask)
+            qs, ks, _ = self.prepare(q, k, None, key_padding_mask, q_start)
             allowed = attention_mask(
                 q.shape[2],
                 k.shape[2],
@@ -206,10 +223,14 @@ class FeatureKernel(AttentionKernel):
                 f"{self.name}.decode: q and k must hold the same new tokens, got "
                 f"{q.shape[2]} queries and {k.shape[2]} keys"
             )
+        seen = 0
+        if self.positional:  # the state also counts the tokens seen: the new ones follow
+            state, seen = (None, 0) if state is None else state
         with torch.autocast(q.device.type, enabled=False):
-            qs, ks, v_aug = self.prepare(q, k, v, key_padding_mask)
+            qs, ks, v_aug = self.prepare(q, k, v, key_padding_mask, seen, seen)
             if q.shape[2] == 1:
                 out, state = recurrent_step(qs, ks, v_aug, self.p, state)
             else:
                 out, state = chunked_causal(qs, ks, v_aug, self.p, self.chunk_size, state)
-            return normalise_output(out).to(v.dtype), state
+            out = normalise_output(out).to(v.dtype)
+            return (out, (state, seen + q.shape[2])) if self.positional else (out, state)

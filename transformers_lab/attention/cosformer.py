@@ -1,0 +1,85 @@
+"""cosFormer (Qin et al., "cosFormer: Rethinking Softmax in Attention", 2022): ReLU
+features re-weighted by the cosine of the distance, in linear time. The weight of key j
+for query i is
+
+    relu(q_i) · relu(k_j) cos(π/2 · (i - j) / M),    normalised over the keys,
+
+and cos(a - b) = cos a cos b + sin a sin b splits it into the features
+[relu(x) cos(π i / 2M), relu(x) sin(π i / 2M)] of each token, so it runs on fastmax's
+engine (p = 0) with twice the head dim. M is fixed (``max_len``), not the length of each
+call, so that a causal forward and token-by-token decoding weigh alike; positions past M
+are refused. Nearby tokens weigh more (the locality bias of the paper).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from transformers_lab.attention import naive
+from transformers_lab.attention.fastmax import FeatureKernel
+
+
+class CosFormerAttention(FeatureKernel):
+    """cosFormer attention: ReLU features with the cos re-weighting, linear time.
+
+    Args:
+        max_len: M, the longest sequence (positions 0 .. M - 1); distances are measured
+            in quarter turns of M.
+        chunk_size, impl, dropout: as for every linear kernel (``FeatureKernel``).
+    """
+
+    name = "cosformer"
+    formula = "relu(q)·relu(k) cos(π(i−j)/2M), normalised over keys"
+    positional = True
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        max_len: int = 1024,
+        chunk_size: int = 128,
+        impl: str = "auto",
+    ) -> None:
+        super().__init__(head_dim, num_heads, dropout, p=0, chunk_size=chunk_size, impl=impl)
+        if not (isinstance(max_len, int) and max_len > 0):
+            raise ValueError(f"cosformer: max_len must be a positive int, got {max_len!r}")
+        self.max_len = max_len
+
+    @property
+    def feature_count(self) -> int:
+        return 2 * self.head_dim
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, max_len={self.max_len}"
+
+    def features(self, x: Tensor, role: str) -> Tensor:
+        return torch.relu(x)
+
+    def angles(self, start: int, n: int, device: torch.device) -> Tensor:
+        if start + n > self.max_len:
+            raise ValueError(
+                f"cosformer: position {start + n - 1} is past max_len={self.max_len}; "
+                "build it with attention.max_len at least the longest sequence"
+            )
+        position = torch.arange(start, start + n, device=device, dtype=torch.float64)
+        return position * (math.pi / (2 * self.max_len))
+
+    def place(self, u: Tensor, start: int) -> Tensor:
+        angle = self.angles(start, u.shape[2], u.device)[:, None].to(u.dtype)
+        return torch.cat([u * angle.cos(), u * angle.sin()], dim=-1)
+
+    def reference_weights(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        """``relu(q_i)·relu(k_j) cos(π/2 (i - j) / M)`` normalised, with the queries at the
+        last positions of the keys when causal, in float64."""
+        nq, nk = q.shape[2], k.shape[2]
+        i = torch.arange(nq, dtype=torch.float64)[:, None] + (nk - nq if causal else 0)
+        j = torch.arange(nk, dtype=torch.float64)[None, :]
+        f = naive.dot(torch.relu(q.double()), torch.relu(k.double()))
+        f = f * torch.cos(math.pi / 2 * (i - j) / self.max_len)
+        return naive.normalise_rows(f, naive.pair_mask(q, k, causal, key_padding_mask))
