@@ -28,6 +28,8 @@ def tiny_transformer(attention="softmax", **kw) -> Transformer:
         "max_len": 20,
         "dropout": 0.0,
     } | kw
+    if getattr(KERNELS[attention], "positional", False):  # cosformer: no cross-attention
+        options.setdefault("cross_attention", "softmax")
     return Transformer(V, V + 2, attention=attention, **options).eval()
 
 

@@ -168,7 +168,13 @@ def check_components(cfg: DictConfig) -> None:
                 raise unknown_option(group, name)
 
 
-def check_attention(model: DictConfig) -> None:
+def cross_shares(model: DictConfig) -> bool:
+    """Whether the model's cross-attention uses its ``attention`` kernel (the Transformer
+    with ``cross_attention: null``)."""
+    return "cross_attention" in model and model.get("cross_attention") is None
+
+
+def check_attention(model: DictConfig, data_context: int | None = None) -> None:
     """The head split, and one kernel built as each layer will build it: the kernel's own
     checks (unknown options, p, dropout, scale, ...) run now rather than after the data."""
     try:
@@ -189,8 +195,22 @@ def check_attention(model: DictConfig) -> None:
             built = factory(head_dim=head_dim, num_heads=model.n_head)
             if key == "attention" and model.get("pos_encoding") == "alibi":
                 built.use_alibi()
+            crossing = key == "cross_attention" or (key == "attention" and cross_shares(model))
+            if crossing and getattr(built, "positional", False):
+                raise ValueError(
+                    f"{built.name} weighs keys by their positions in one sequence, which a "
+                    "cross-attention's queries and keys do not share; set "
+                    "model.cross_attention to another kernel"
+                )
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
+        context = model.get("block_size") or model.get("max_len") or data_context
+        longest = getattr(built, "max_len", None) if getattr(built, "positional", False) else None
+        if longest is not None and context is not None and context > longest:
+            raise ConfigError(
+                f"{key}: {built.name} weighs positions up to its max_len={longest}, but the "
+                f"model's context is {context}; set {key}.max_len={context}"
+            )
         model_class = target_class(model) if "_target_" in model else None
         causal = key == "attention" and getattr(model_class, "causal_self_attention", False)
         if causal and (why := built.causal_refusal()):
@@ -203,7 +223,8 @@ def validate_config(cfg: DictConfig) -> None:
     check_rules(cfg)
     check_components(cfg)
     if "model" in cfg and "n_head" in cfg.model:
-        check_attention(cfg.model)
+        data = cfg.get("data") or {}
+        check_attention(cfg.model, data.get("block_size") or data.get("max_len"))
     trainer = cfg.get("trainer") or {}
     if trainer.get("max_epochs") == -1 and trainer.get("max_steps") == -1:
         raise ConfigError("trainer.max_epochs=-1 with trainer.max_steps=-1 never stops; set one")

@@ -178,10 +178,10 @@ def fmt(value: Any) -> str:
 def job_rows(records: Sequence[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
     """The per-job table: job, overrides, status, final and best ``metric``, the other
     final metrics, parameters, wall time, error."""
-    names = sorted({k for r in records for k in r.get("metrics", {}) if k != metric})
+    names = sorted({k for r in records for k in (r.get("metrics") or {}) if k != metric})
     rows = []
     for r in records:
-        metrics = r.get("metrics", {})
+        metrics = r.get("metrics") or {}
         monitor = r.get("monitor") or {}
         row = {
             "job": r["job"],
@@ -208,7 +208,7 @@ def group_rows(
     rows = []
     for choice, members in groups.items():
         ok = [r for r in members if r.get("status") == "ok"]
-        finals = [r["metrics"][metric] for r in ok if metric in r.get("metrics", {})]
+        finals = [r["metrics"][metric] for r in ok if metric in (r.get("metrics") or {})]
         bests = [
             r["monitor"]["best"]
             for r in ok
@@ -261,7 +261,7 @@ def pick_metric(records: Sequence[dict[str, Any]], metric: str | None) -> tuple[
         if monitor.get("metric") and metric in (None, monitor["metric"]):
             return monitor["metric"], monitor.get("mode", "min")
     if metric is None:
-        names = sorted({k for r in records for k in r.get("metrics", {})})
+        names = sorted({k for r in records for k in (r.get("metrics") or {})})
         metric = next((n for n in names if n.startswith("val/")), names[0] if names else "")
     return metric, "max" if metric.endswith(("acc", "bleu")) else "min"
 

@@ -79,6 +79,7 @@ class AdditiveAttention(AttentionKernel):
     """
 
     name = "additive"
+    forms_scores = True
     formula = "softmax(wᵀ tanh(W_q q + W_k k + b))"
 
     def __init__(

@@ -78,11 +78,13 @@ def alibi_bias(slopes: Tensor, nq: int, nk: int) -> Tensor:
     return -slopes[:, None, None] * (i - j).abs().to(slopes.dtype)
 
 
-def visible_keys(allowed: Tensor | None, nq: int, nk: int) -> Tensor:
+def visible_keys(
+    allowed: Tensor | None, nq: int, nk: int, device: torch.device | None = None
+) -> Tensor:
     """How many keys each query may see, shaped to divide a (·, ·, Nq, Nk) tensor: all
     Nk when nothing is masked."""
     if allowed is None:
-        return torch.full((nq, 1), nk)
+        return torch.full((nq, 1), nk, device=device)
     return allowed.sum(dim=-1, keepdim=True)
 
 
@@ -132,7 +134,7 @@ class AttentionKernel(nn.Module):
     formula: ClassVar[str] = ""  # the weights, in one line (the README's kernel table)
     normalized: ClassVar[bool] = True  # every row of weights() sums to 1 (or is all zero)
     linear: ClassVar[bool] = False  # decode keeps a state whose size does not grow with n
-    forms_scores: ClassVar[bool] = True  # has q-k scores a bias can be added to (ALiBi)
+    forms_scores: ClassVar[bool] = False  # adds score_bias to its q-k scores (ALiBi): opt in
 
     def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -24,6 +24,7 @@ class ReLUAttention(AttentionKernel):
     name = "relu"
     formula = "relu(q·k/√D) / n (not normalised)"
     normalized = False
+    forms_scores = True
 
     def __init__(
         self, head_dim: int, num_heads: int, dropout: float = 0.0, scale: float | None = None
@@ -42,7 +43,7 @@ class ReLUAttention(AttentionKernel):
             q.shape[2], k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
             device=q.device,
         )  # fmt: skip
-        n = visible_keys(allowed, q.shape[2], k.shape[2]).clamp(min=1).to(q.dtype)
+        n = visible_keys(allowed, q.shape[2], k.shape[2], q.device).clamp(min=1).to(q.dtype)
         scores = (q @ k.transpose(-2, -1)) * self.scale
         w = torch.relu(scores + self.score_bias(q.shape[2], k.shape[2], scores)) / n
         return w if allowed is None else w.masked_fill(~allowed, 0.0)

@@ -27,6 +27,7 @@ class SigmoidAttention(AttentionKernel):
     name = "sigmoid"
     formula = "σ(q·k/√D + b), b = −log n (not normalised)"
     normalized = False
+    forms_scores = True
 
     def __init__(
         self,
@@ -54,7 +55,9 @@ class SigmoidAttention(AttentionKernel):
         scores = (q @ k.transpose(-2, -1)) * self.scale
         scores = scores + self.score_bias(q.shape[2], k.shape[2], scores)
         if self.bias is None:
-            b = -torch.log(visible_keys(allowed, q.shape[2], k.shape[2]).clamp(min=1).to(q.dtype))
+            b = -torch.log(
+                visible_keys(allowed, q.shape[2], k.shape[2], q.device).clamp(min=1).to(q.dtype)
+            )
         else:
             b = self.bias
         w = torch.sigmoid(scores + b)

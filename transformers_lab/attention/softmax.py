@@ -25,6 +25,7 @@ class SoftmaxAttention(AttentionKernel):
     """
 
     name = "softmax"
+    forms_scores = True
     formula = "softmax(q·k/√D)"
 
     def __init__(

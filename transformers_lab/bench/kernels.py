@@ -174,8 +174,10 @@ def validate_variants(names: Iterable[str]) -> list[str]:
 
 def build_variant(spec: Spec) -> AttentionKernel:
     """The kernel of ``spec.variant``, on the spec's device and dtype."""
-    factory = instantiate(variants()[spec.variant])
-    kernel = factory(head_dim=spec.head_dim, num_heads=spec.heads)
+    config = dict(variants()[spec.variant])
+    if "max_len" in config:  # a positional kernel (cosformer): positions up to N
+        config["max_len"] = max(config["max_len"], spec.n)
+    kernel = instantiate(config)(head_dim=spec.head_dim, num_heads=spec.heads)
     return kernel.to(device=spec.device, dtype=DTYPES[spec.dtype])
 
 

@@ -15,8 +15,6 @@ from transformers_lab.nn.attention import refuse_causal
 
 
 class GPT(nn.Module):
-    causal_self_attention: ClassVar[bool] = True  # its kernel must support causal=True
-
     """Token and position embeddings, a stack of causal Blocks, a final norm and an LM head
     tied to the token embedding.
 
@@ -35,6 +33,8 @@ class GPT(nn.Module):
         tie_weights: share the LM head with the token embedding.
         attention: kernel factory (``${attention}`` in the configs) or kernel name.
     """
+
+    causal_self_attention: ClassVar[bool] = True  # its kernel must support causal=True
 
     def __init__(
         self,

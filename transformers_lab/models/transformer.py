@@ -15,7 +15,6 @@ from transformers_lab.nn.attention import refuse_causal
 
 
 class Transformer(nn.Module):
-    causal_self_attention: ClassVar[bool] = True  # the decoder's self-attention
     """Encoder over the source, decoder over the target with cross-attention to the source.
 
     Args:
@@ -38,6 +37,8 @@ class Transformer(nn.Module):
         attention: kernel of the encoder and decoder self-attention.
         cross_attention: kernel of the decoder's cross-attention; None means ``attention``.
     """
+
+    causal_self_attention: ClassVar[bool] = True  # the decoder's self-attention
 
     def __init__(
         self,

@@ -101,6 +101,12 @@ class MultiHeadAttention(nn.Module):
                 f"the kernel factory returned {type(self.kernel).__name__}, expected an "
                 "AttentionKernel; pass a kernel name or a partial of a kernel class"
             )
+        if cross and getattr(self.kernel, "positional", False):
+            raise ValueError(
+                f"attention={self.kernel.name} weighs keys by their positions in one sequence, "
+                "which a cross-attention's queries and keys do not share; give the model "
+                "another cross_attention kernel (model.cross_attention=...)"
+            )
         if alibi:
             if cross:
                 raise ValueError("alibi is for self-attention: a context is another sequence")

@@ -31,16 +31,19 @@ class Rotary(nn.Module):
             raise ValueError(f"rope_theta must be greater than 1, got {theta}")
         self.head_dim = head_dim
         self.theta = float(theta)
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-        self.register_buffer("inv_freq", (theta**-exponents).float(), persistent=False)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta:g}"
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         n = x.shape[2]
-        position = torch.arange(offset, offset + n, device=x.device, dtype=torch.float32)
-        angles = position[:, None] * self.inv_freq.to(x.device)[None, :]  # (N, D/2)
+        # frequencies and angles in float32 at least, whatever x's dtype: in bf16 they
+        # would be off by radians around position 1000
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        exponents = torch.arange(0, self.head_dim, 2, device=x.device, dtype=dtype)
+        inv_freq = self.theta ** -(exponents / self.head_dim)
+        position = torch.arange(offset, offset + n, device=x.device, dtype=dtype)
+        angles = position[:, None] * inv_freq[None, :]  # (N, D/2)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         x1, x2 = x[..., : self.head_dim // 2], x[..., self.head_dim // 2 :]
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)

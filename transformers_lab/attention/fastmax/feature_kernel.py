@@ -55,7 +55,6 @@ class FeatureKernel(AttentionKernel):
     """
 
     linear = True
-    forms_scores = False
     positional: ClassVar[bool] = False  # features depend on positions (``place``)
     IMPLS: ClassVar[tuple[str, ...]] = ("auto", "linear", "quadratic")
 
