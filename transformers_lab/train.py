@@ -40,7 +40,7 @@ from lightning.pytorch.utilities.exceptions import (
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from transformers_lab.analysis.curves import RESUMED_AT
+from transformers_lab.analysis.curves import RESUMED_AT, set_aside
 from transformers_lab.analysis.summary import (
     BOOKKEEPING_KEYS,
     SEED_KEYS,
@@ -394,7 +394,8 @@ def set_aside_metrics(out: Path, checkpoint: Path) -> None:
     folder = out / "csv"
     if rank_zero_only.rank != 0 or not folder.is_dir():
         return
-    k = 1 + max((int(p.suffix[1:]) for p in out.glob("csv.*") if p.suffix[1:].isdigit()), default=0)
+    earlier = set_aside(out)
+    k = 1 + int(earlier[-1].suffix[1:]) if earlier else 1
     aside = folder.rename(out / f"csv.{k}")
     marker = {"step": checkpoint_step(checkpoint), "checkpoint": str(checkpoint)}
     atomic_write(aside / RESUMED_AT, json.dumps(marker) + "\n")

@@ -70,12 +70,15 @@ def run_of(checkpoint: Path) -> Path | None:
     return None
 
 
+def set_aside(run_dir: Path) -> list[Path]:
+    """The ``csv.<k>`` dirs a resume in ``run_dir`` set aside, in the order k."""
+    parts = (p for p in run_dir.glob("csv.*") if p.suffix[1:].isdigit())
+    return sorted(parts, key=lambda p: int(p.suffix[1:]))
+
+
 def csv_parts(run_dir: Path) -> list[Part]:
     """The run's own parts in order: set-aside ``csv.<k>`` dirs, then ``csv``."""
-    aside = sorted(
-        (p for p in run_dir.glob("csv.*") if p.suffix[1:].isdigit()),
-        key=lambda p: int(p.suffix[1:]),
-    )
+    aside = set_aside(run_dir)
     parts: list[Part] = []
     start = None
     for folder in [*aside, run_dir / "csv"]:

@@ -174,17 +174,3 @@ class AdditiveAttention(AttentionKernel):
         )
         scores = self.scores(q, k)
         return masked_softmax(scores + self.score_bias(q.shape[2], k.shape[2], scores), allowed)
-
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool = False,
-        key_padding_mask: Tensor | None = None,
-    ) -> Tensor:
-        self.check_inputs(q, k, v, key_padding_mask)
-        attn = self.weights(q, k, causal=causal, key_padding_mask=key_padding_mask)
-        attn = nn.functional.dropout(attn, self.dropout, self.training)
-        return attn.to(v.dtype) @ v  # (B, H, Nq, Dv)

@@ -117,8 +117,9 @@ def qualified_name(cls: type) -> str:
 
 
 class AttentionKernel(nn.Module):
-    """Base class of the kernels. Subclasses implement ``forward``, ``weights`` and
-    ``reference_weights``, and set the class attributes below.
+    """Base class of the kernels. Subclasses implement ``weights`` and
+    ``reference_weights`` (and ``forward`` where a path faster than ``weights @ v``
+    exists), and set the class attributes below.
 
     A subclass that sets ``name`` in its own body is registered under it; a helper base
     class that sets none, or a subclass defined with ``register=False`` (a variant built
@@ -208,7 +209,11 @@ class AttentionKernel(nn.Module):
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
-        raise NotImplementedError
+        """``weights @ v``, with dropout on the weights in training. Kernels with a faster
+        path (SDPA, the linear engine) override it."""
+        self.check_inputs(q, k, v, key_padding_mask)
+        w = self.weights(q, k, causal=causal, key_padding_mask=key_padding_mask)
+        return nn.functional.dropout(w, self.dropout, self.training).to(v.dtype) @ v
 
     def weights(
         self,

@@ -48,19 +48,6 @@ class ReLUAttention(AttentionKernel):
         w = torch.relu(scores + self.score_bias(q.shape[2], k.shape[2], scores)) / n
         return w if allowed is None else w.masked_fill(~allowed, 0.0)
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool = False,
-        key_padding_mask: Tensor | None = None,
-    ) -> Tensor:
-        w = self.weights(q, k, causal=causal, key_padding_mask=key_padding_mask)
-        self.check_inputs(q, k, v, key_padding_mask)
-        return torch.nn.functional.dropout(w, self.dropout, self.training).to(v.dtype) @ v
-
     def reference_weights(
         self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
     ) -> Tensor:
