@@ -4,6 +4,7 @@ import csv
 
 import pytest
 
+from transformers_lab.attention import KERNELS
 from transformers_lab.bench import generation
 
 
@@ -38,6 +39,21 @@ def test_generation_bench_writes_reports(tmp_path):
     cache = {(r["kernel"], r["context"]): float(r["cache_mib"]) for r in rows}
     assert cache[("softmax", "40")] > cache[("softmax", "8")]  # the KV cache grows
     assert cache[("fastmax", "40")] == cache[("fastmax", "8")]  # the state does not
+    state = {(r["kernel"], r["context"]): int(r["state_size"]) for r in rows}
+    assert state[("softmax", "40")] == 1 * 2 * 16 * (40 + 3)  # layers x (k, v) x width x n
+    assert state[("fastmax", "40")] == state[("fastmax", "8")]
+    # the cache really holds that many float32 numbers
+    assert cache[("softmax", "40")] == pytest.approx(state[("softmax", "40")] * 4 / 2**20)
+
+
+def test_every_registered_kernel_generates_by_default(tmp_path):
+    argv = ["--context", "4", "12", "--new-tokens", "2", "--n-layer", "1", "--d-model", "8"]
+    assert generation.main([*argv, "--n-head", "2", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "generation.csv").open()))
+    assert sorted({r["kernel"] for r in rows}) == sorted(KERNELS)
+    for name, kernel in KERNELS.items():
+        sizes = [int(r["state_size"]) for r in rows if r["kernel"] == name]
+        assert (sizes[0] == sizes[1]) == kernel.linear, name
     assert "ms / token" in (tmp_path / "generation.md").read_text()
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from transformers_lab.attention import KERNELS
+from transformers_lab.attention import KERNELS, FastmaxAttention
+from transformers_lab.attention.check import state_numbers
 from transformers_lab.models import GPT, EncoderClassifier, Transformer, ViT
 from transformers_lab.nn import ACTIVATIONS, POSITIONAL_ENCODINGS, weight_decay_groups
 
@@ -97,6 +100,20 @@ def test_mean_pooling_ignores_padding():
     torch.testing.assert_close(model(padded), model(x), rtol=1e-5, atol=1e-6)
 
 
+def test_sequence_max_fastmax_ignores_padded_tokens():
+    """normalize=sequence_max divides by the largest token norm of the sequence: padded
+    queries must not count in it, or the padding of a batch would change the logits."""
+    kernel = functools.partial(FastmaxAttention, normalize="sequence_max")
+    model = EncoderClassifier(
+        3, vocab_size=V, pad_id=0, pool="mean", d_model=16, n_head=2, attention=kernel
+    ).eval()
+    with torch.no_grad():  # a pad embedding with a large norm: it would win the max
+        model.embedding.weight[0] = 50.0
+    x = torch.randint(1, V, (1, 6))
+    padded = torch.cat([x, torch.zeros(1, 3, dtype=torch.long)], dim=1)
+    torch.testing.assert_close(model(padded), model(x), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- GPT
 
 
@@ -178,6 +195,19 @@ def test_sampling_respects_top_k_and_top_p():
         assert (out[:, None] == allowed).any(dim=1).all()
     nucleus = model.generate(prompt, 4, top_p=1e-6, generator=gen)  # only the top token
     assert torch.equal(nucleus, model.generate(prompt, 4, temperature=0))
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear", "fastmax"])
+def test_gpt_state_size_counts_what_the_cache_holds(name):
+    model = tiny_gpt(name)
+    idx = torch.randint(0, V, (2, 9))
+    held = {}
+    for n in (3, 9):
+        _, cache = model.forward_cached(idx[:, :n])
+        held[n] = state_numbers(cache) // 2
+        assert model.state_size(n) == held[n]
+    assert (held[3] == held[9]) == KERNELS[name].linear
+    assert model.state_size() == model.state_size(model.block_size)
 
 
 # ---------------------------------------------------------------- encoder-decoder

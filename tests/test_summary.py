@@ -12,11 +12,12 @@ import torch
 from omegaconf import OmegaConf
 
 from transformers_lab.analysis import summary as summary_module
-from transformers_lab.analysis.curves import RESUMED_AT, history, resume_chain
+from transformers_lab.analysis.curves import RESUMED_AT, history, resume_chain, retire
 from transformers_lab.analysis.summary import (
     BOOKKEEPING_KEYS,
     collect,
     plot_curves,
+    read_result,
     summarize,
     write_result,
 )
@@ -105,6 +106,23 @@ def test_several_sweeps_and_runs_make_one_table_grouped_by_choice(tmp_path, monk
     md = (out / "summary.md").read_text()
     assert "Sweep summary: a, b, r1" in md and "attention=fastmax" in md
     assert not (a / "summary.csv").exists()  # the inputs are left as they were
+
+
+def test_state_sizes_give_a_column_and_a_plot_of_the_metric_against_them(tmp_path):
+    sweep = make_sweep(tmp_path / "s", {"softmax": [2.0, 2.2], "linear": [2.5, 2.7]})
+    for job, size in (("0", 4096), ("1", 4096), ("2", 130), ("3", 130)):
+        record = read_result(sweep / job)
+        write_result(sweep / job, {**record, "state_size": size})
+    summary = summarize(sweep)
+    groups = {g["choice"]: g["state_size"] for g in summary["groups"]}
+    assert groups == {"attention=softmax": 4096, "attention=linear": 130}
+    assert [r["state_size"] for r in summary["jobs"]] == [4096, 4096, 130, 130]
+    assert "| state size |" in (sweep / "summary.md").read_text().splitlines()[6]
+    assert (sweep / "state.png").stat().st_size > 0
+    bare = make_sweep(tmp_path / "t", {"softmax": [2.0], "linear": [2.5]})  # no sizes
+    summarize(bare)
+    assert not (bare / "state.png").exists()
+    assert "state size" not in (bare / "summary.md").read_text().split("## Jobs")[0]
 
 
 def test_by_source_keeps_each_dirs_runs_apart_and_out_says_where(tmp_path, capsys):
@@ -238,6 +256,20 @@ def test_parts_set_aside_in_a_jobs_own_dir_are_joined_in_order(tmp_path):
     train = {int(r["step"]): r["train/loss"] for r in rows if "train/loss" in r}
     assert sorted(train) == list(range(13))
     assert [train[s] - (3.0 - 0.1 * s) for s in (4, 5, 8, 9)] == pytest.approx([0, 1, 1, 2])
+
+
+def test_retire_moves_an_earlier_attempts_parts_out_of_the_curves(tmp_path):
+    job = make_run(tmp_path / "0", [])
+    assert retire(job) is None  # nothing to move
+    write_csv(job / "csv.1", loss_rows(range(7)))
+    (job / "csv.1" / RESUMED_AT).write_text(json.dumps({"step": 5}))
+    write_csv(job / "csv", loss_rows(range(5, 9)))
+    assert retire(job) == job / "abandoned.1"
+    assert history(job) == ([], [])
+    assert (job / "abandoned.1" / "csv.1" / "metrics.csv").is_file()
+    write_csv(job / "csv", loss_rows(range(3)))
+    assert retire(job) == job / "abandoned.2"  # a second one is numbered on
+    assert (job / "abandoned.2" / "csv" / "metrics.csv").is_file()
 
 
 def test_a_checkpoint_pointing_back_into_its_own_run_does_not_loop(tmp_path):

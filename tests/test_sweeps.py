@@ -95,6 +95,13 @@ def test_a_kernel_sweep_writes_a_summary_with_one_row_per_job(kernel_sweep):
         assert float(row["val/acc"]) == pytest.approx(last_val_acc(job), rel=1e-5)
         assert float(row["best val/acc"]) >= float(row["val/acc"]) - 1e-9
         assert int(row["params"]) > 0 and float(row["time_s"]) > 0
+    # the decoding state: a KV cache of 2 layers x block_size (64 numbers a token) for
+    # softmax, a state of (32 + 1)(1 + 32) numbers a head for fastmax p=1, 2 heads, 2 layers
+    state = {r["overrides"].split()[0]: int(r["state_size"]) for r in rows}
+    block = OmegaConf.load(sweep / "0" / ".hydra" / "config.yaml").data.seq_len
+    assert state["attention=softmax"] == 2 * block * 2 * 64
+    assert state["attention=fastmax_p1"] == 2 * 2 * 33 * 33
+    assert (sweep / "state.png").stat().st_size > 0
     # the grouped view: one line per kernel, mean +- std over its two seeds
     md = (sweep / "summary.md").read_text()
     for kernel in ("softmax", "fastmax_p1"):
@@ -205,6 +212,25 @@ def test_a_resumed_sweep_skips_the_jobs_that_finished(failing_sweep, tmp_path):
     assert (copy / "1" / RESULT_FILE).read_text() == finished
     assert json.loads((copy / "0" / RESULT_FILE).read_text())["status"] == "failed"
     assert [r["status"] for r in read_csv(copy / "summary.csv")] == ["failed", "ok"]
+
+
+def test_a_run_started_afresh_in_a_used_dir_keeps_the_old_metrics_out_of_its_curves(tmp_path):
+    run = tmp_path / "run"
+    args = [*TINY, "logger=csv", f"hydra.run.dir={run}"]
+    first = tlab_train(*args, "seed=0", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = (run / "csv" / "metrics.csv").read_text()
+    second = tlab_train(*args, "seed=1", "trainer.max_epochs=2", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    kept = list((run / "abandoned.1").glob("csv/**/metrics.csv"))
+    assert [p.read_text() for p in kept] == [before]  # nothing lost
+    rows, resumes = history(run)  # only the second run's two epochs
+    now = read_csv(next((run / "csv").glob("**/metrics.csv")))
+    assert resumes == [] and len(rows) == len(now)
+    assert [r["val/loss"] for r in rows if "val/loss" in r] == [
+        float(r["val/loss"]) for r in now if r.get("val/loss")
+    ]
+    assert len([r for r in rows if "val/loss" in r]) == 2
 
 
 def test_runs_started_at_the_same_moment_get_their_own_directories(monkeypatch, tmp_path):

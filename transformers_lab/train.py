@@ -40,7 +40,7 @@ from lightning.pytorch.utilities.exceptions import (
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from transformers_lab.analysis.curves import RESUMED_AT, set_aside
+from transformers_lab.analysis.curves import RESUMED_AT, retire, set_aside
 from transformers_lab.analysis.summary import (
     BOOKKEEPING_KEYS,
     SEED_KEYS,
@@ -67,6 +67,7 @@ from transformers_lab.builders import (
     resolved_sections,
 )
 from transformers_lab.cli import run_hydra, user_errors
+from transformers_lab.models import GPT
 from transformers_lab.safety import (
     Interrupted,
     RunStopped,
@@ -114,6 +115,7 @@ class RunResult:
     best: float | None  # the monitored metric's best value (the best checkpoint's score)
     num_params: int
     checkpoints: dict[str, str | None]  # best and last
+    state_size: int | None = None  # a GPT's decoding state after block_size tokens
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -199,7 +201,8 @@ def fit_and_test(cfg: DictConfig) -> RunResult:
     finally:
         finish_wandb(trainer)
     report(metrics, checkpoints)
-    return RunResult(metrics, best, task.num_params, checkpoints)
+    state = model.state_size() if isinstance(model, GPT) else None
+    return RunResult(metrics, best, task.num_params, checkpoints, state)
 
 
 def nothing_left_to_train(cfg: DictConfig, step: int) -> str:
@@ -325,6 +328,8 @@ def run_job(cfg: DictConfig) -> float | None:
             return math.nan if value is None else value
         elif earlier.get("status") in ("running", "interrupted") and not cfg.get("ckpt_path"):
             resume_own_checkpoint(cfg)
+    if not cfg.get("ckpt_path") and rank_zero_only.rank == 0 and (old := retire(out)):
+        log.warning("%s held an earlier attempt's metrics: moved to %s", out, old.name)
     record: dict[str, Any] = {
         "overrides": identity(overrides),
         "run_dir": str(out),
@@ -365,6 +370,7 @@ def run_job(cfg: DictConfig) -> float | None:
         metrics=result.metrics,
         objective=value,
         params=result.num_params,
+        state_size=result.state_size,
         checkpoints=result.checkpoints,
         error=None,
     )

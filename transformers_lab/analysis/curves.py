@@ -5,7 +5,8 @@ new run dir B; a sweep job resumed by ``skip_finished=true`` writes them into it
 where the earlier part is kept as ``csv.1/`` (``csv.2/``, ...) beside ``csv/``. The curve
 of B is A's rows up to the step the checkpoint was saved at, then B's: what the model
 that ends in B actually went through. Rows that A logged after that checkpoint (it ran on
-after the checkpoint, or was killed between two) are left out::
+after the checkpoint, or was killed between two) are left out; so are the metrics of an
+earlier attempt that a job started afresh in its dir (``abandoned.<n>/``)::
 
     tlab-summarize <run dir> --curves              # <run dir>/curves.png and curves.csv
     tlab-summarize <sweep dir> --curves --metric val/acc   # one line per job
@@ -74,6 +75,24 @@ def set_aside(run_dir: Path) -> list[Path]:
     """The ``csv.<k>`` dirs a resume in ``run_dir`` set aside, in the order k."""
     parts = (p for p in run_dir.glob("csv.*") if p.suffix[1:].isdigit())
     return sorted(parts, key=lambda p: int(p.suffix[1:]))
+
+
+def retire(run_dir: Path) -> Path | None:
+    """Move the metrics of an earlier attempt in ``run_dir`` (``csv/`` and any
+    ``csv.<k>/``) into ``abandoned.<n>/``, kept but out of this run's curves, before a job
+    starts afresh in a dir that held one (a failed job run again, other overrides, a
+    stopped job without a checkpoint). Returns where they went, or None."""
+    parts = [*set_aside(run_dir), *([run_dir / "csv"] if (run_dir / "csv").is_dir() else [])]
+    if not parts:
+        return None
+    n = 1 + sum(1 for _ in run_dir.glob("abandoned.*"))
+    while (run_dir / f"abandoned.{n}").exists():
+        n += 1
+    folder = run_dir / f"abandoned.{n}"
+    folder.mkdir()
+    for part in parts:
+        part.rename(folder / part.name)
+    return folder
 
 
 def csv_parts(run_dir: Path) -> list[Part]:

@@ -1,12 +1,13 @@
 """Sweep summaries: one row per job of a multirun, a grouped view over seeds, and a plot.
 
 Every job of ``tlab-train -m ...`` writes ``result.json`` into its own directory (status,
-overrides, final metrics, the best value of the monitored metric, parameter count, wall
-time, error). The summary is rebuilt from those files alone, so it can be written at the
-end of a sweep, after a crash, on a partial sweep or after more jobs were added, and
-writing it twice gives the same files::
+overrides, final metrics, the best value of the monitored metric, parameter count, a
+GPT's decoding state size, wall time, error). The summary is rebuilt from those files
+alone, so it can be written at the end of a sweep, after a crash, on a partial sweep or
+after more jobs were added, and writing it twice gives the same files::
 
     tlab-summarize logs/train/multiruns/<time>            # summary.csv, .md, .png
+                                    # (and state.png: the metric against state size)
     tlab-summarize logs/train/multiruns/<time> --metric val/loss --mode min
     tlab-summarize <sweep or run dir> <another> ... --out cmp/   # one table over all
     tlab-summarize <run dir> --curves                     # curves.png, following resumes
@@ -191,6 +192,7 @@ def job_rows(records: Sequence[dict[str, Any]], metric: str) -> list[dict[str, A
             f"best {metric}": monitor.get("best") if monitor.get("metric") == metric else None,
             **{name: metrics.get(name) for name in names},
             "params": r.get("params"),
+            "state_size": r.get("state_size"),
             "time_s": r.get("time_s"),
             "error": r.get("error") or "",
         }
@@ -215,10 +217,12 @@ def group_rows(
             if (r.get("monitor") or {}).get("metric") == metric
             and r["monitor"].get("best") is not None
         ]
+        sizes = {r.get("state_size") for r in members} - {None}
         rows.append(
             {
                 "choice": choice,
                 "runs": f"{len(ok)}/{len(members)}",
+                "state_size": sizes.pop() if len(sizes) == 1 else None,
                 "mean": statistics.fmean(finals) if finals else None,
                 "std": statistics.stdev(finals) if len(finals) > 1 else 0.0 if finals else None,
                 "best mean": statistics.fmean(bests) if bests else None,
@@ -307,6 +311,29 @@ def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Path) 
     plt.close(fig)
 
 
+def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Path) -> None:
+    """``metric`` against the decoding state each choice keeps (log scale), as Zoology
+    and Based plot recall against state size: one point per choice, std as error bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [g for g in groups if g["mean"] is not None and g["state_size"]]
+    fig, ax = plt.subplots(figsize=(6.0, 4.0), dpi=120)
+    for g in shown:
+        ax.errorbar(g["state_size"], g["mean"], yerr=g["std"], fmt="o", capsize=3)
+        ax.annotate(g["choice"], (g["state_size"], g["mean"]), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("decoding state after block_size tokens (numbers per sequence)")
+    ax.set_ylabel(f"final {metric} (mean ± std)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def default_out(dirs: Sequence[Path]) -> Path:
     """Where a summary goes unless ``--out`` says: the one dir it is about, else a new
     ``logs/summaries/<time>`` under the current dir."""
@@ -368,10 +395,12 @@ def summarize(
                     "runs ok": g["runs"],
                     f"final {metric}": pm(g["mean"], g["std"]),
                     f"best {metric}": pm(g["best mean"], g["best std"]),
+                    "state size": g["state_size"],
                 }
                 for g in groups
             ],
-            ["choice", "runs ok", f"final {metric}", f"best {metric}"],
+            ["choice", "runs ok", f"final {metric}", f"best {metric}"]
+            + (["state size"] if any(g["state_size"] for g in groups) else []),
         ),
         "",
         "## Jobs",
@@ -383,6 +412,9 @@ def summarize(
     tmp_png = out / ".summary.png.tmp.png"
     plot(groups, metric, f"{name}: {status}", tmp_png)
     os.replace(tmp_png, out / "summary.png")
+    if len({g["state_size"] for g in groups if g["mean"] is not None} - {None}) > 1:
+        plot_state(groups, metric, f"{name}: {metric} against state size", tmp_png)
+        os.replace(tmp_png, out / "state.png")
     return {"metric": metric, "mode": mode, "jobs": rows, "groups": groups, "out": out}
 
 

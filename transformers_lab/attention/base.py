@@ -7,7 +7,8 @@ A kernel maps per-head queries, keys and values to per-head outputs::
 - ``causal=True`` lets query ``i`` see key ``j`` only when ``j <= i + (Nk - Nq)``: the
   queries are aligned to the *last* Nq keys, as in incremental decoding.
 - ``key_padding_mask`` is ``(B, Nk)`` bool, True where a key is padding. Padded keys never
-  change any output.
+  change any output. In self-attention (Nq == Nk) the same positions are padded queries:
+  their rows are don't-care, and they never change another query's output either.
 - A query whose every key is masked outputs zeros, never NaN.
 
 ``weights(q, k, ...)`` returns the explicit ``(B, H, Nq, Nk)`` attention matrix, so that

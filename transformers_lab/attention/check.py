@@ -16,7 +16,8 @@ off their initial values:
 - ``rows``: a kernel that declares ``normalized`` has rows that sum to 1;
 - ``alignment``: causal with Nq < Nk aligns the queries to the last Nq keys;
 - ``future``: a causal output does not change when later keys and values do;
-- ``padding``: padded keys and values change nothing;
+- ``padding``: padded keys and values change nothing; in self-attention, nor do padded
+  queries change the other queries' outputs;
 - ``masked``: a query with no key to see gives zeros and finite gradients;
 - ``decode``: ``decode`` token by token, and in chunks, equals the causal ``forward``;
 - ``state``: the decode state holds ``state_size(n)`` numbers, constant for a ``linear``
@@ -253,6 +254,14 @@ def check_padding(kernel: AttentionKernel) -> list[str]:
         changed = kernel(q, k2, v2, causal=causal, key_padding_mask=mask)
         if (why := gap(changed, out, 1e-10, 1e-12)) is not None:
             failures.append(f"{'causal: ' if causal else ''}padded keys change the output, {why}")
+        q2 = q.clone()  # self-attention: the padded positions are padded queries too
+        q2[1, :, -2:] = 100 * torch.randn_like(q2[1, :, -2:])
+        changed = kernel(q2, k, v, causal=causal, key_padding_mask=mask)[:, :, :5]
+        if (why := gap(changed, out[:, :, :5], 1e-10, 1e-12)) is not None:
+            failures.append(
+                f"{'causal: ' if causal else ''}padded queries change the other queries' "
+                f"outputs, {why}"
+            )
     return failures
 
 

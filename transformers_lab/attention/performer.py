@@ -98,7 +98,10 @@ class PerformerAttention(FeatureKernel):
 
     def features(self, x: Tensor, role: str) -> Tensor:
         """exp(ω·x - |x|²/2) / √m of x = u / D^(1/4). A query's features are divided by
-        their largest, which cancels in its normalisation and keeps exp in range."""
+        their largest, which cancels in its normalisation and keeps exp in range. A key's
+        cannot overflow whatever its norm: ω·x - |x|²/2 <= |ω|²/2 (about D/2 for
+        Gaussian rows), and the engine sums them in float32 at least; keys of a very large
+        norm underflow to zero weight rather than overflow."""
         x = x / self.head_dim**0.25
         a = torch.einsum("bhnd,hmd->bhnm", x, self.omega.to(x.dtype))
         a = a - x.square().sum(-1, keepdim=True) / 2

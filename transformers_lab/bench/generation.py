@@ -6,15 +6,20 @@ Usage::
 
 For every (kernel, context) a GPT with untrained weights encodes a random prompt of
 ``context`` tokens once (not timed), then generates ``--new-tokens`` tokens greedily, one
-cached step each; the figure is the median wall time of a step. The softmax family
-keeps a KV cache that grows with the context; fastmax keeps a fixed-size recurrent
-state. Writes ``generation.csv`` and ``generation.md`` to ``--out``.
+cached step each; the figure is the median wall time of a step. The kernels that form
+scores keep a KV cache that grows with the context; the linear ones (fastmax, linear,
+based, performer, cosformer) keep a fixed-size state. Every registered kernel by
+default, with its default options (a positional kernel's ``max_len`` is the longest
+context). Writes ``generation.csv`` and ``generation.md`` to ``--out``: time per token,
+the cache's MiB and its ``state_size`` (numbers per sequence, all layers).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
+import inspect
 import statistics
 import sys
 import time
@@ -60,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m transformers_lab.bench.generation", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--context", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--kernels", nargs="+", default=["softmax", "fastmax"])
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS))
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
@@ -74,17 +79,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown kernels {unknown}; valid kernels are: {', '.join(KERNELS)}")
 
     rows = []
+    block_size = max(args.context) + args.new_tokens
     for kernel in args.kernels:
         torch.manual_seed(0)
+        factory = KERNELS[kernel]
+        if "max_len" in inspect.signature(factory).parameters:  # positions up to the block
+            factory = functools.partial(factory, max_len=block_size)
         model = (
             GPT(
                 args.vocab,
-                max(args.context) + args.new_tokens,
+                block_size,
                 n_layer=args.n_layer,
                 n_head=args.n_head,
                 d_model=args.d_model,
                 pos_encoding="sinusoidal",
-                attention=kernel,
+                attention=factory,
             )
             .to(args.device)
             .eval()
@@ -97,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "context": context,
                     "ms_per_token": 1e3 * seconds,
                     "cache_mib": mib,
+                    "state_size": model.state_size(context + args.new_tokens),
                 }
             )
             print(
@@ -115,15 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"# Cached generation, GPT {args.n_layer} layers x {args.n_head} heads x "
         f"{args.d_model}, batch 1, {args.device}",
         "",
-        "| kernel | context | ms / token | vs first context | cache (MiB) |",
-        "|---|---|---|---|---|",
+        "| kernel | context | ms / token | vs first context | cache (MiB) | state_size |",
+        "|---|---|---|---|---|---|",
     ]
     first = {}
     for row in rows:
         base = first.setdefault(row["kernel"], row["ms_per_token"])
         lines.append(
             f"| {row['kernel']} | {row['context']} | {row['ms_per_token']:.3f} | "
-            f"{row['ms_per_token'] / base:.2f}x | {row['cache_mib']:.2f} |"
+            f"{row['ms_per_token'] / base:.2f}x | {row['cache_mib']:.2f} | "
+            f"{row['state_size']:,} |"
         )
     (args.out / "generation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

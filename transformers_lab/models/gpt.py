@@ -102,6 +102,13 @@ class GPT(nn.Module):
             n -= sum(p.numel() for p in self.pos.parameters())
         return n
 
+    def state_size(self, n: int | None = None) -> int:
+        """Numbers the decoding cache holds per sequence after ``n`` tokens (default:
+        ``block_size``), all layers and heads: a KV cache grows with n, a linear kernel's
+        state does not. Zoology and Based plot recall against it."""
+        n = self.block_size if n is None else n
+        return sum(block.attn.kernel.state_size(n) for block in self.blocks)
+
     def embed(self, idx: Tensor, offset: int = 0) -> Tensor:
         """Token + position embeddings of ids (B, T) starting at position ``offset``."""
         if idx.dim() != 2:

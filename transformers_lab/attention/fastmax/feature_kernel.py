@@ -56,6 +56,7 @@ class FeatureKernel(AttentionKernel):
 
     linear = True
     positional: ClassVar[bool] = False  # features depend on positions (``place``)
+    pools_queries = False  # a query's features depend on the other queries (a max over them)
     IMPLS: ClassVar[tuple[str, ...]] = ("auto", "linear", "quadratic")
 
     def __init__(
@@ -122,8 +123,10 @@ class FeatureKernel(AttentionKernel):
             q, k = q.float(), k.float()
             v = None if v is None else v.float()
         pad = None if key_padding_mask is None else key_padding_mask[:, None, :, None]
-        if pad is not None:  # padding is zero before the features too (a max over keys)
+        if pad is not None:  # padding is zero before the features too (a max over tokens)
             k = k.masked_fill(pad, 0.0)
+            if self.pools_queries and q.shape[-2] == k.shape[-2]:  # self-attention
+                q = q.masked_fill(pad, 0.0)  # the padded queries count not either
         q, k = self.features(q, "q"), self.features(k, "k")
         if self.positional:
             q, k = self.place(q, q_start), self.place(k, k_start)

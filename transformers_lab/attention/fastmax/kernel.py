@@ -96,6 +96,11 @@ class FastmaxAttention(FeatureKernel):
             return self.scale
         return self.log_scale.clamp(max=self.max_log_scale).exp()
 
+    @property
+    def pools_queries(self) -> bool:  # type: ignore[override]
+        """sequence_max divides each query by the largest query norm of its sequence."""
+        return self.norm_mode == "sequence_max"
+
     def causal_refusal(self) -> str | None:
         """Why this kernel cannot attend causally, or None."""
         if self.norm_mode != "sequence_max":
@@ -140,10 +145,13 @@ class FastmaxAttention(FeatureKernel):
         ``x = s q·k`` (q and k normalised as ``normalize`` says), in float64."""
         if self.norm_mode == "token":
             q, k = naive.unit(q), naive.unit(k)
-        elif self.norm_mode == "sequence_max":  # padded keys are zero (prepare) and count not
-            keep = None if key_padding_mask is None else ~key_padding_mask[:, None, :, None]
-            k = k.double() if keep is None else torch.where(keep, k.double(), 0.0)
-            q = q.double() / q.double().norm(dim=-1).amax(dim=-1)[..., None, None]
+        elif self.norm_mode == "sequence_max":  # padded tokens are zero (prepare), count not
+            q, k = q.double(), k.double()
+            if key_padding_mask is not None:
+                keep = ~key_padding_mask[:, None, :, None]
+                k = torch.where(keep, k, 0.0)
+                q = torch.where(keep, q, 0.0) if q.shape[-2] == k.shape[-2] else q
+            q = q / q.norm(dim=-1).amax(dim=-1)[..., None, None]
             k = k / k.norm(dim=-1).amax(dim=-1)[..., None, None]
         s = self.temperature()
         s = s.double() if isinstance(s, Tensor) else s
