@@ -13,12 +13,9 @@ from matplotlib.figure import Figure
 
 from transformers_lab.analysis.attention import (
     AttentionCapture,
-    Example,
     attention_maps,
-    patch_labels,
     plot_attention,
     plot_attention_maps,
-    token_labels,
 )
 from transformers_lab.analysis.features import FeatureRecorder, as_points, pca, plot_pca
 from transformers_lab.analysis.plots import (
@@ -30,11 +27,12 @@ from transformers_lab.analysis.plots import (
     positional_table,
 )
 from transformers_lab.attention import KERNELS
-from transformers_lab.builders import compose_config
 from transformers_lab.callbacks import ValidationImages
-from transformers_lab.eval import load_task
+from transformers_lab.config import compose_config
 from transformers_lab.models import GPT, Transformer, ViT
 from transformers_lab.nn.layers import sinusoidal_table
+from transformers_lab.runs import load_task
+from transformers_lab.tasks.examples import Example, patch_labels, token_labels
 from transformers_lab.train import train
 
 KERNEL_NAMES = sorted(KERNELS)
@@ -378,7 +376,7 @@ def test_each_task_gives_an_example_whose_labels_fit_every_map():
         return " ".join(words[i] for i in ids if i > 2)  # 0 pad, 1 bos, 2 eos: no text
 
     lm = LanguageModelTask(GPT(vocab_size=20, block_size=8, n_layer=1, n_head=2, d_model=16), adam)
-    lm.decode = decode
+    lm.detokenize = decode
     x = torch.randint(3, 20, (2, 6))
     y = torch.full((2, 6), -100)
     y[:, -1] = 5
@@ -388,7 +386,7 @@ def test_each_task_gives_an_example_whose_labels_fit_every_map():
     assert example.caption.endswith("1 supervised")
 
     translator = TranslationTask(small_transformer("softmax").eval(), adam)
-    translator.decode = decode
+    translator.detokenize = decode
     src = torch.tensor([[5, 6, 7, 2, 0, 0], [8, 9, 2, 0, 0, 0]])
     tgt = torch.tensor([[1, 10, 9, 2, 0], [1, 8, 2, 0, 0]])
     example = translator.example((src, tgt), index=0)

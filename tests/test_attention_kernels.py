@@ -316,10 +316,11 @@ def test_cosformer_weighs_nearby_keys_more_and_refuses_positions_past_max_len():
 
 
 def test_cosformer_is_refused_where_queries_and_keys_have_no_common_positions(tmp_path):
-    from transformers_lab.builders import ConfigError, compose_config
+    from transformers_lab.config import compose_config
+    from transformers_lab.config_checks import check_config
+    from transformers_lab.errors import ConfigError
     from transformers_lab.models import Transformer
     from transformers_lab.nn import MultiHeadAttention
-    from transformers_lab.validation import validate_config
 
     with pytest.raises(ValueError, match="attention=cosformer weighs keys by their positions"):
         MultiHeadAttention(16, 2, "cosformer", cross=True)
@@ -328,10 +329,10 @@ def test_cosformer_is_refused_where_queries_and_keys_have_no_common_positions(tm
     Transformer(10, 10, d_model=16, n_head=2, attention="cosformer", cross_attention="softmax")
     overrides = ["model=transformer", "data=multi30k", "attention=cosformer"]
     with pytest.raises(ConfigError, match="cosformer weighs keys by their positions in one"):
-        validate_config(compose_config("train", overrides, tmp_path / "a"))
+        check_config(compose_config("train", overrides, tmp_path / "a"))
     short = ["experiment=baby_gpt", "attention=cosformer", "attention.max_len=32"]
     with pytest.raises(ConfigError, match="max_len=32, but the model's context is 64; set"):
-        validate_config(compose_config("train", short, tmp_path / "b"))
+        check_config(compose_config("train", short, tmp_path / "b"))
 
 
 def test_softmax_equals_sdpa():

@@ -10,7 +10,7 @@ import urllib.error
 import pytest
 import torch
 
-from transformers_lab.builders import compose_config
+from transformers_lab.config import compose_config
 from transformers_lab.data import download
 from transformers_lab.eval import main as eval_main
 from transformers_lab.sample import main as sample_main

@@ -12,11 +12,12 @@ import torch
 from test_data import tiny_encoding, tiny_ranks, write_ranks
 
 import transformers_lab.sample as sample_module
-from transformers_lab.builders import ConfigError, compose_config
+from transformers_lab.config import compose_config
 from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer
-from transformers_lab.eval import load_task
+from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT, Transformer
 from transformers_lab.models.common import sample_next
+from transformers_lab.runs import load_task
 from transformers_lab.sample import TextStream, sample
 from transformers_lab.train import train
 from transformers_lab.translate import main as translate_main

@@ -18,7 +18,6 @@ from omegaconf import OmegaConf
 
 from transformers_lab.data import (
     CharTokenizer,
-    DataFileError,
     DigitsDataModule,
     FashionMNISTDataModule,
     MNISTDataModule,
@@ -38,6 +37,7 @@ from transformers_lab.data import translation as translation_module
 from transformers_lab.data.text import Windows
 from transformers_lab.data.tokenizers import GPT2_PATTERN, split_pieces
 from transformers_lab.data.translation import BucketBatchSampler, read_iwslt_train, read_iwslt_xml
+from transformers_lab.errors import DataFileError
 
 from fake_data import PAIRS, TEXT, sha256, write_idx, write_multi30k, write_text_root
 
@@ -325,8 +325,8 @@ def test_translation_module_on_gzipped_parallel_lines(tmp_path, monkeypatch, src
     src, tgt = next(iter(dm.val_dataloader()))
     side = 0 if src_lang == "en" else 1
     assert tgt[0, 0] == kwargs["bos_id"]
-    assert dm.decode(tgt[0, 1:].tolist()) == PAIRS[0][1 - side]
-    assert dm.decode(src[0].tolist()) == PAIRS[0][side]
+    assert dm.detokenize(tgt[0, 1:].tolist()) == PAIRS[0][1 - side]
+    assert dm.detokenize(src[0].tolist()) == PAIRS[0][side]
     # padding fills the shorter pair of the batch
     assert (src[1] == kwargs["pad_id"]).any() and (src[1] == kwargs["eos_id"]).sum() == 1
 
@@ -336,7 +336,7 @@ def test_translation_module_with_the_word_tokenizer(tmp_path, monkeypatch):
     dm = TranslationDataModule(root=str(tmp_path), tokenizer="word", min_freq=2, download=False)
     dm.setup()
     src, tgt = next(iter(dm.val_dataloader()))
-    assert dm.decode(tgt[0, 1:].tolist()) == PAIRS[0][1]
+    assert dm.detokenize(tgt[0, 1:].tolist()) == PAIRS[0][1]
     # every word of the tiny corpus repeats, so each is one token: a sentence is a few ids
     assert (src[0] != dm.pad_id).sum() == len(split_pieces(PAIRS[0][0])) + 1  # + EOS
     # the vocabulary travels in checkpoints; a module built for characters adopts it

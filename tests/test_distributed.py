@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from transformers_lab.builders import compose_config
+from transformers_lab.config import compose_config
 from transformers_lab.data import DigitsDataModule
+from transformers_lab.data.base import ResumableLoader
 from transformers_lab.eval import evaluate
-from transformers_lab.safety import ResumableLoader
 from transformers_lab.train import train
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformers_lab.builders import compose_config
+from transformers_lab.config import compose_config
 from transformers_lab.train import fit_and_test
 
 TEXT = Path(os.environ.get("TLAB_DATA_DIR", "/nonexistent")) / "shakespeare" / "input.txt"

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from transformers_lab.attention import KERNELS, build_kernel
-from transformers_lab.builders import compose_config
+from transformers_lab.config import compose_config
 from transformers_lab.models import GPT
 from transformers_lab.train import train
 

@@ -17,15 +17,10 @@ import lightning as L
 import pytest
 import torch
 
-from transformers_lab.builders import compose_config, differences
-from transformers_lab.safety import (
-    AtomicCheckpointIO,
-    Checkpoint,
-    Interrupted,
-    NonFiniteError,
-    random_states,
-    set_random_states,
-)
+from transformers_lab.checkpoints import differences
+from transformers_lab.config import compose_config
+from transformers_lab.errors import Interrupted, NonFiniteError
+from transformers_lab.safety import AtomicCheckpointIO, Checkpoint, random_states, set_random_states
 from transformers_lab.train import fit_and_test, main, train
 
 TESTS = Path(__file__).parent

@@ -11,16 +11,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from transformers_lab.analysis import summary as summary_module
-from transformers_lab.analysis.curves import RESUMED_AT, history, resume_chain, retire
-from transformers_lab.analysis.summary import (
-    BOOKKEEPING_KEYS,
-    collect,
-    plot_curves,
-    read_result,
-    summarize,
-    write_result,
-)
+from transformers_lab.sweeps import summary as summary_module
+from transformers_lab.sweeps.curves import RESUMED_AT, history, resume_chain, retire
+from transformers_lab.sweeps.overrides import BOOKKEEPING_KEYS
+from transformers_lab.sweeps.record import JobRecord, Monitor, read_record, write_record
+from transformers_lab.sweeps.summary import collect, plot_curves, summarize
 
 MONITOR = {"metric": "val/loss", "mode": "min"}
 
@@ -61,11 +56,11 @@ def make_run(
     hydra = {"hydra": {"runtime": {"cwd": str(cwd or run_dir.parent)}}}
     OmegaConf.save(OmegaConf.create(hydra), hydra_dir / "hydra.yaml")
     if status is not None:
-        record = {"status": status, "overrides": overrides, "monitor": dict(MONITOR)}
+        record = JobRecord(status=status, overrides=overrides, monitor=Monitor(**MONITOR))
         if status == "ok":
-            record["metrics"] = {"val/loss": val_loss, "train/loss": val_loss + 0.1}
-            record["monitor"]["best"] = val_loss
-        write_result(run_dir, record)
+            record.metrics = {"val/loss": val_loss, "train/loss": val_loss + 0.1}
+            record.monitor.best = val_loss
+        write_record(run_dir, record)
     return run_dir
 
 
@@ -111,8 +106,9 @@ def test_several_sweeps_and_runs_make_one_table_grouped_by_choice(tmp_path, monk
 def test_state_sizes_give_a_column_and_a_plot_of_the_metric_against_them(tmp_path):
     sweep = make_sweep(tmp_path / "s", {"softmax": [2.0, 2.2], "linear": [2.5, 2.7]})
     for job, size in (("0", 4096), ("1", 4096), ("2", 130), ("3", 130)):
-        record = read_result(sweep / job)
-        write_result(sweep / job, {**record, "state_size": size})
+        record = read_record(sweep / job)
+        record.state_size = size
+        write_record(sweep / job, record)
     summary = summarize(sweep)
     groups = {g["choice"]: g["state_size"] for g in summary["groups"]}
     assert groups == {"attention=softmax": 4096, "attention=linear": 130}

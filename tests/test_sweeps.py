@@ -17,9 +17,10 @@ import lightning as L
 import pytest
 from omegaconf import OmegaConf
 
-from transformers_lab.analysis import summary as summary_module
-from transformers_lab.analysis.curves import history
-from transformers_lab.analysis.summary import RESULT_FILE, SUMMARY_FILES, curve, summarize
+from transformers_lab.sweeps import summary as summary_module
+from transformers_lab.sweeps.curves import history
+from transformers_lab.sweeps.record import RESULT_FILE
+from transformers_lab.sweeps.summary import SUMMARY_FILES, curve, summarize
 
 TINY = [
     "experiment=mqar",
@@ -240,7 +241,7 @@ def test_runs_started_at_the_same_moment_get_their_own_directories(monkeypatch, 
     import hydra.core.utils
     from hydra import compose, initialize_config_dir
 
-    from transformers_lab.builders import CONF_DIR
+    from transformers_lab.config import CONF_DIR
 
     class Frozen(real.datetime):
         @classmethod
@@ -301,7 +302,7 @@ def test_launcher_presets_select_their_plugin(preset, target, monkeypatch, tmp_p
     from hydra import compose, initialize_config_dir
     from hydra.core.plugins import Plugins
 
-    from transformers_lab.builders import CONF_DIR
+    from transformers_lab.config import CONF_DIR
 
     monkeypatch.setenv("TLAB_ROOT", str(tmp_path))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -72,7 +72,7 @@ def test_language_model_task_logs_a_text_sample():
         sample_tokens=5,
         sample_every=2,
     )
-    task.decode = lambda ids: "".join("abcdef"[i] for i in ids)
+    task.detokenize = lambda ids: "".join("abcdef"[i] for i in ids)
     trainer(max_epochs=5, limit_train_batches=2, num_sanity_val_steps=1).fit(task, dm)
     # five validations, a sample at the 2nd and 4th; the sanity check generates nothing
     assert task.validations == 5 and len(task.samples) == 2
@@ -106,7 +106,7 @@ def test_translation_task_logs_loss_bleu_and_translations(tmp_path, monkeypatch,
         d_model=16, n_head=2, n_encoder_layers=1, n_decoder_layers=1, **dm.model_kwargs()
     )
     task = TranslationTask(model, ADAMW, bleu_batches=1, max_decode_len=10)
-    task.decode = dm.decode
+    task.detokenize = dm.detokenize
     t = trainer(max_steps=3, num_sanity_val_steps=0, limit_val_batches=1)
     caplog.set_level("INFO", logger="transformers_lab.tasks.base")
     t.fit(task, dm)
@@ -164,7 +164,7 @@ def test_sampling_at_validation_does_not_change_training():
         )
         model = GPT(n_layer=1, n_head=1, d_model=8, dropout=0.1, **dm.model_kwargs())
         task = LanguageModelTask(model, ADAMW, sample_tokens=sample_tokens)
-        task.decode = lambda ids: "".join("abcdef"[i] for i in ids)
+        task.detokenize = lambda ids: "".join("abcdef"[i] for i in ids)
         trainer(max_epochs=3, num_sanity_val_steps=0).fit(task, dm)
         assert len(task.samples) == (3 if sample_tokens else 0)
         return [p.detach().clone() for p in model.parameters()]

@@ -15,14 +15,10 @@ import pytest
 import torch
 
 from transformers_lab.attention import KERNELS
-from transformers_lab.builders import (
-    CONF_DIR,
-    ConfigError,
-    build_datamodule,
-    build_model,
-    compose_config,
-)
+from transformers_lab.builders import build_datamodule, build_model
 from transformers_lab.cli import check_overrides, run_dir_folder
+from transformers_lab.config import CONF_DIR, compose_config
+from transformers_lab.errors import ConfigError
 from transformers_lab.eval import evaluate
 from transformers_lab.sample import sample
 from transformers_lab.train import train
@@ -138,7 +134,7 @@ def test_every_option_of_the_plain_groups_composes(group, tmp_path):
     """Each option composes, and its keys are arguments of what it instantiates."""
     import inspect
 
-    from transformers_lab.builders import target_class
+    from transformers_lab.config import target_class
 
     for path in sorted((CONF_DIR / group).glob("*.yaml")):
         cfg = compose_run("train", [f"{group}={path.stem}"], tmp_path / "r")

@@ -17,8 +17,8 @@ from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
 
-from transformers_lab.builders import CONF_DIR, ConfigError, flatten
-from transformers_lab.data import DataFileError
+from transformers_lab.config import CONF_DIR, flatten
+from transformers_lab.errors import ConfigError, DataFileError
 
 # values that are Hydra sweep functions or special, not option names
 SWEEP_FUNCTION = re.compile(r"^\w+\(.*\)$")

@@ -9,21 +9,20 @@
   before the optimizer applies it, with one line that names the step and likely causes.
 - ``StopOnSignal``: SIGINT (Ctrl+C) stops at the next batch boundary like SIGTERM does,
   so both end in a checkpoint and a clean exit.
-- ``ExactResume`` and ``ResumableLoader``: a checkpoint holds the random generators and
-  the position in the epoch's data order, so a resumed run continues exactly as the
-  uninterrupted one would have.
+- ``ExactResume`` (with ``data.loader.ResumableLoader``): a checkpoint holds the random
+  generators and the position in the epoch's data order, so a resumed run continues
+  exactly as the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import shlex
 import shutil
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,39 +33,13 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.utils.data import DataLoader
 
-from transformers_lab.builders import ConfigError, override_key
+from transformers_lab.data.base import ResumableLoader
+from transformers_lab.errors import ConfigError, Interrupted, NonFiniteError
+from transformers_lab.files import atomic_write
+from transformers_lab.sweeps.overrides import override_key
 
 log = logging.getLogger(__name__)
-
-
-class RunStopped(Exception):
-    """A training run stopped on purpose; ``exit_code`` is the process's exit status."""
-
-    exit_code = 1
-
-
-class NonFiniteError(RunStopped):
-    """The loss, a gradient or a weight became NaN or infinite."""
-
-
-class Interrupted(RunStopped):
-    """SIGTERM or SIGINT stopped the run after saving a checkpoint (``checkpoint``); the
-    best checkpoint so far and its score are ``best`` and ``best_score``."""
-
-    def __init__(
-        self,
-        message: str,
-        signal_name: str,
-        checkpoint: str | None,
-        best: str | None = None,
-        best_score: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.signal_name, self.checkpoint = signal_name, checkpoint
-        self.best, self.best_score = best, best_score
-        self.exit_code = 128 + getattr(signal, signal_name)  # the shell's convention
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -152,17 +125,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO takes no storage_options")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        try:
-            with open(partial, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+        atomic_write(path, lambda f: torch.save(checkpoint, f), sync=True)
 
 
 # ---------------------------------------------------------------- NaN / Inf guard
@@ -417,49 +380,3 @@ class ExactResume(L.Callback):
         positions, self.positions = self.positions, []
         for loader, position in zip(train_loaders(trainer), positions, strict=False):
             loader.load_state_dict(position)
-
-
-class ResumableLoader(DataLoader):
-    """A training DataLoader that a resumed run continues in the middle of an epoch.
-
-    Its state is torch's random state from which the epoch's order was drawn and the
-    number of batches handed out (Lightning fetches no batch ahead from a loader with a
-    length, so these are the batches trained on). After ``load_state_dict`` the next
-    iterator draws the same order again and skips those batches (loaded and
-    dropped), then leaves the global random state as it found it. Without this, Lightning
-    starts a fresh order and the resumed epoch repeats some examples and misses others.
-    The iterator starts its work (and draws) at its first batch: Lightning asks for it
-    right away, and an iterator never asked draws nothing.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.order_state: torch.Tensor | None = None
-        self.served = 0
-        self.resume: dict[str, Any] | None = None
-
-    def __iter__(self) -> Iterator[Any]:
-        now = torch.get_rng_state()
-        resume, self.resume = self.resume, None
-        if resume is not None:
-            torch.set_rng_state(resume["order_state"])
-        self.order_state, self.served = torch.get_rng_state(), 0
-        batches = super().__iter__()
-        if resume is not None:
-            for _ in range(resume["batches"]):
-                next(batches)
-            self.served = resume["batches"]
-            torch.set_rng_state(now)
-        for batch in batches:
-            self.served += 1
-            yield batch
-
-    # Lightning saves and loads these too (it sees a resumable loader), but it restores
-    # them only when it builds the loader after the checkpoint, which a schedule that
-    # asks for the run's length prevents; ExactResume applies them in any case
-    def state_dict(self) -> dict[str, Any]:
-        return {"order_state": self.order_state, "batches": self.served}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("order_state") is not None and 0 < state["batches"] < len(self):
-            self.resume = state

@@ -9,36 +9,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import hydra
 import lightning as L
 import torch
 from omegaconf import DictConfig
 
-from transformers_lab.builders import (
-    CONF_DIR,
-    ConfigError,
-    build_model,
-    check_checkpoint,
-    load_checkpoint,
-    resolved_sections,
-)
+from transformers_lab.builders import build_model
+from transformers_lab.checkpoints import load_checkpoint
 from transformers_lab.cli import run_hydra, user_errors
-from transformers_lab.eval import checkpoint_data, saved_run
-from transformers_lab.validation import validate_config
-
-
-def load_weights(
-    model: torch.nn.Module, checkpoint: dict[str, Any], path: Any, run: DictConfig
-) -> torch.nn.Module:
-    """``model`` (built from ``run``, the saved config) with the checkpoint's weights, in
-    eval mode."""
-    wrapper = torch.nn.Module()
-    wrapper.model = model  # the task's parameter names are "model.*"
-    check_checkpoint(checkpoint, wrapper, path, resolved_sections(run))
-    wrapper.load_state_dict(checkpoint["state_dict"])
-    return model.eval()
+from transformers_lab.config import CONF_DIR
+from transformers_lab.config_checks import check_config
+from transformers_lab.data.base import TextData
+from transformers_lab.errors import ConfigError
+from transformers_lab.models import GPT
+from transformers_lab.runs import checkpoint_data, load_weights, saved_run
 
 
 def load_generator(cfg: DictConfig) -> tuple[torch.nn.Module, L.LightningDataModule]:
@@ -46,14 +31,14 @@ def load_generator(cfg: DictConfig) -> tuple[torch.nn.Module, L.LightningDataMod
     checkpoint = load_checkpoint(cfg.ckpt_path)
     run = saved_run(checkpoint, cfg.ckpt_path, cfg.get("data"))
     datamodule = checkpoint_data(checkpoint, run)
-    if not hasattr(datamodule, "encode") or not hasattr(datamodule, "decode"):
+    if not isinstance(datamodule, TextData):
         raise ConfigError(
             f"the checkpoint's data ({type(datamodule).__name__}) has no text tokenizer to "
             f"sample with; tlab-sample takes checkpoints trained on text (shakespeare_char, "
             f"shakespeare_bpe)"
         )
     model = build_model(run.model, datamodule)
-    if not hasattr(model, "stream"):
+    if not isinstance(model, GPT):
         raise ConfigError(
             f"tlab-sample needs a GPT checkpoint; {cfg.ckpt_path} holds a {type(model).__name__}"
         )
@@ -99,7 +84,7 @@ def encode_prompt(datamodule: L.LightningDataModule, prompt: str) -> list[int]:
     """The prompt's ids in the checkpoint's vocabulary; a ``ConfigError`` names what is
     missing from it."""
     try:
-        ids = datamodule.encode(prompt)
+        ids = datamodule.tokenize(prompt)
     except ValueError as exc:  # a character the char tokenizer was not built on
         raise ConfigError(
             f"prompt={prompt!r} cannot be encoded: {exc}; the model knows only the "
@@ -115,7 +100,7 @@ def sample(cfg: DictConfig) -> list[str]:
     """``cfg.num_samples`` continuations of ``cfg.prompt``, printed and returned; with
     ``cfg.stream`` each is printed as its tokens are drawn."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
-    validate_config(cfg)
+    check_config(cfg)
     L.seed_everything(cfg.seed)
     model, datamodule = load_generator(cfg)
     model.to(cfg.device)
@@ -137,7 +122,7 @@ def sample(cfg: DictConfig) -> list[str]:
     texts = []
     for _ in range(cfg.num_samples):
         if cfg.stream:
-            pieces = TextStream(datamodule.decode)
+            pieces = TextStream(datamodule.detokenize)
             print(pieces.push(ids), end="", flush=True)
             for next_id in model.stream(prompt, cfg.max_new_tokens, **options):
                 print(pieces.push(next_id.tolist()), end="", flush=True)
@@ -145,7 +130,7 @@ def sample(cfg: DictConfig) -> list[str]:
             texts.append(pieces.text)
         else:
             out = model.generate(prompt, cfg.max_new_tokens, **options)
-            texts.append(datamodule.decode(out[0].tolist()))
+            texts.append(datamodule.detokenize(out[0].tolist()))
             print(texts[-1])
         print("-" * 40, flush=True)
     return texts

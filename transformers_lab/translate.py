@@ -20,17 +20,13 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, ListConfig
 
-from transformers_lab.builders import (
-    CONF_DIR,
-    ConfigError,
-    build_model,
-    load_checkpoint,
-    target_class,
-)
+from transformers_lab.builders import build_model
+from transformers_lab.checkpoints import load_checkpoint
 from transformers_lab.cli import run_hydra, user_errors
-from transformers_lab.eval import checkpoint_data, saved_run
-from transformers_lab.models import Transformer
-from transformers_lab.sample import load_weights
+from transformers_lab.config import CONF_DIR, target_class
+from transformers_lab.errors import ConfigError
+from transformers_lab.models import GPT, Transformer
+from transformers_lab.runs import checkpoint_data, load_weights, saved_run
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +41,7 @@ def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule
     cls = target_class(run.model)
     if not (isinstance(cls, type) and issubclass(cls, Transformer)):
         data = str(run.data.get("_target_", "?")).rpartition(".")[2]
-        hint = "; tlab-sample generates text from it" if hasattr(cls, "stream") else ""
+        hint = "; tlab-sample generates text from it" if issubclass(cls, GPT) else ""
         raise ConfigError(
             f"tlab-translate needs an encoder-decoder Transformer checkpoint (tlab-train "
             f"experiment=transformer_multi30k); {cfg.ckpt_path} holds a {cls.__name__} "
@@ -128,7 +124,7 @@ def source_ids(sentences: list[str], datamodule: L.LightningDataModule) -> torch
     longest = datamodule.max_len - 2  # room for BOS and EOS, as in training
     rows = []
     for sentence in sentences:
-        ids = datamodule.encode(sentence)
+        ids = datamodule.tokenize(sentence)
         if not ids:
             raise ConfigError(
                 f"{sentence!r} encodes to no tokens: none of its characters are in the "
@@ -165,7 +161,7 @@ def translate(cfg: DictConfig) -> list[str]:
         else:
             out = model.beam_search(src, cfg.beam_size, cfg.max_len, cfg.length_penalty)
         for source, row in zip(batch, out, strict=True):
-            translations.append(datamodule.decode(row.tolist()))
+            translations.append(datamodule.detokenize(row.tolist()))
             print(f"{source} -> {translations[-1]}", flush=True)
     return translations
 

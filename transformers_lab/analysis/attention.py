@@ -17,13 +17,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from transformers_lab.attention import AttentionKernel
+from transformers_lab.tasks.examples import Example
 
 
 @dataclass
@@ -140,56 +141,6 @@ def attention_maps(model: nn.Module, *inputs: Any, **kwargs: Any) -> dict[str, T
     with evaluating(model), AttentionCapture(model, **kwargs) as capture:
         model(*inputs)
     return capture.maps
-
-
-@dataclass
-class Example:
-    """One input ready for inspection: ``model(*inputs)`` runs it (batch of one), and the
-    labels name its positions for the axes of a map: ``tokens`` for a decoder-only or
-    encoder-only model, ``source``/``target`` for an encoder-decoder. ``image`` is the
-    input image (C, H, W) when there is one; ``caption`` says what the example is."""
-
-    inputs: tuple[Tensor, ...]
-    tokens: list[str] | None = None
-    source: list[str] | None = None
-    target: list[str] | None = None
-    image: Tensor | None = None
-    caption: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def axis_labels(self, layer: str, nq: int, nk: int) -> tuple[list[str] | None, ...]:
-        """(query labels, key labels) of a layer's map: encoder layers attend over the
-        source, decoder self-attention over the target, cross-attention from the target
-        to the source. Labels that do not match the map's size are dropped."""
-        if "cross" in layer:
-            queries, keys = self.target, self.source
-        elif "decoder" in layer:
-            queries = keys = self.target
-        elif "encoder" in layer and self.source is not None:
-            queries = keys = self.source
-        else:
-            queries = keys = self.tokens
-        return (
-            queries if queries is not None and len(queries) == nq else None,
-            keys if keys is not None and len(keys) == nk else None,
-        )
-
-
-def token_labels(ids: Sequence[int], decode: Any = None) -> list[str]:
-    """Printable labels of token ids: each decoded alone when ``decode`` (ids -> text) is
-    given, with whitespace made visible; the id otherwise (or when it decodes to nothing)."""
-    labels = []
-    for i in ids:
-        text = decode([int(i)]) if decode is not None else ""
-        text = text.replace("\n", "\\n").replace("\t", "\\t").replace(" ", "\u2423")
-        labels.append(text if text else str(int(i)))
-    return labels
-
-
-def patch_labels(num_patches: int, num_tokens: int) -> list[str]:
-    """Labels of a ViT's tokens: ``cls`` for the extra leading ones, then ``p0, p1, ...``."""
-    extra = num_tokens - num_patches
-    return ["cls"] * extra + [f"p{i}" for i in range(num_patches)]
 
 
 def plot_attention(

@@ -58,7 +58,7 @@ from hydra.utils import instantiate
 from torch import Tensor
 
 from transformers_lab.attention import AttentionKernel
-from transformers_lab.builders import attention_configs
+from transformers_lab.config import attention_configs
 
 BASELINE = "softmax"  # the variant the others' time and memory are divided by
 # Variants beyond the attention options: another code path of one option, for comparison.

@@ -32,7 +32,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from transformers_lab.builders import build_datamodule, build_model, compose_config
+from transformers_lab.builders import build_datamodule, build_model
+from transformers_lab.config import compose_config
 from transformers_lab.nn import weight_decay_groups
 from transformers_lab.tasks import warmup_cosine
 

@@ -1,6 +1,6 @@
 """LightningDataModules for real and synthetic data, tokenizers and verified downloads."""
 
-from transformers_lab.data.download import DataFileError, data_root, ensure_file
+from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.synthetic import SyntheticDataModule, copy_or_sort, mqar
 from transformers_lab.data.text import ShakespeareBPEDataModule, ShakespeareCharDataModule
 from transformers_lab.data.tokenizers import (
@@ -11,6 +11,7 @@ from transformers_lab.data.tokenizers import (
 )
 from transformers_lab.data.translation import TranslationDataModule
 from transformers_lab.data.vision import DigitsDataModule, FashionMNISTDataModule, MNISTDataModule
+from transformers_lab.errors import DataFileError
 
 __all__ = [
     "CharTokenizer",

@@ -8,11 +8,10 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from transformers_lab.errors import DataFileError
+from transformers_lab.files import move_into_place
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
-class DataFileError(RuntimeError):
-    """A data file is missing and cannot be downloaded, or fails its checksum."""
 
 
 def data_root(root: str | os.PathLike | None = None) -> Path:
@@ -90,12 +89,3 @@ def ensure_file(path: Path, url: str, checksum: str, *, download: bool = True) -
     finally:
         tmp.unlink(missing_ok=True)
     return path
-
-
-def move_into_place(tmp: str | Path, path: str | Path) -> None:
-    """Rename a finished temporary file onto ``path`` (atomic on one file system), with
-    the permissions a plain ``open()`` would have given it: ``mkstemp`` makes it private."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)

@@ -13,9 +13,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from transformers_lab.safety import ResumableLoader
+from transformers_lab.data.base import IGNORE, ResumableLoader
 
-IGNORE = -100
 TASKS = ("mqar", "copy", "sort")
 
 

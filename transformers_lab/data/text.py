@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 
+from transformers_lab.data.base import ResumableLoader
 from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer, load_encoding
-from transformers_lab.safety import ResumableLoader
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +152,13 @@ class ShakespeareCharDataModule(L.LightningDataModule):
             self.setup()
         return self.tokenizer.vocab_size
 
-    def encode(self, text: str) -> list[int]:
+    def tokenize(self, text: str) -> list[int]:
         """Text -> token ids, with this data's tokenizer."""
         if self.tokenizer is None:
             self.setup()
         return self.tokenizer.encode(text)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def detokenize(self, ids: Sequence[int]) -> str:
         """Token ids -> text, with this data's tokenizer."""
         if self.tokenizer is None:
             self.setup()

@@ -15,14 +15,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
-from transformers_lab.data.download import DataFileError, data_root, ensure_file
+from transformers_lab.data.base import ResumableLoader
+from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.tokenizers import (
     CharTokenizer,
     TiktokenTokenizer,
     WordTokenizer,
     load_encoding,
 )
-from transformers_lab.safety import ResumableLoader
+from transformers_lab.errors import DataFileError
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
 MULTI30K_FILES = {
@@ -222,7 +223,7 @@ class TranslationDataModule(L.LightningDataModule):
             return WordTokenizer.from_texts(texts, self.min_freq, specials=True)
         return TiktokenTokenizer(load_encoding(self.encoding, self.bpe_file), specials=True)
 
-    def encode(self, text: str) -> list[int]:
+    def tokenize(self, text: str) -> list[int]:
         """Token ids of a sentence; the char and word tokenizers drop characters they never
         saw in training (rare letters of the validation and test sets)."""
         if self.tokenizer_kind == "tiktoken":
@@ -245,7 +246,8 @@ class TranslationDataModule(L.LightningDataModule):
                     f"{len(tgt_lines)} {self.tgt_lang} lines; the files are not aligned"
                 )
             pairs = [
-                (self.encode(s), self.encode(t)) for s, t in zip(src_lines, tgt_lines, strict=True)
+                (self.tokenize(s), self.tokenize(t))
+                for s, t in zip(src_lines, tgt_lines, strict=True)
             ]
             if split == "train":  # drop over-long training pairs instead of cutting them
                 pairs = [(s, t) for s, t in pairs if len(s) <= longest and len(t) <= longest]
@@ -270,7 +272,7 @@ class TranslationDataModule(L.LightningDataModule):
             "eos_id": self.tokenizer.special_id("<eos>"),
         }
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def detokenize(self, ids: Sequence[int]) -> str:
         """Text of target ids, stopping at EOS."""
         eos = self.tokenizer.special_id("<eos>")
         ids = list(ids)

@@ -6,8 +6,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, random_split
 
-from transformers_lab.data.download import DataFileError, data_root, ensure_file
-from transformers_lab.safety import ResumableLoader
+from transformers_lab.data.base import ResumableLoader
+from transformers_lab.data.download import data_root, ensure_file
+from transformers_lab.errors import DataFileError
 
 # Archives and checksums: MNIST by sha256; Fashion-MNIST by the MD5s torchvision pins.
 MNIST_MIRROR = "https://ossci-datasets.s3.amazonaws.com/mnist/"

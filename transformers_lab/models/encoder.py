@@ -133,6 +133,16 @@ class EncoderClassifier(nn.Module):
             h = block(h, key_padding_mask=key_padding_mask)
         return self.norm(h), key_padding_mask
 
+    @property
+    def num_patches(self) -> int | None:
+        """Patches an image becomes (None for token input)."""
+        return self.embedding.num_patches if isinstance(self.embedding, PatchEmbedding) else None
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Tokens the encoder sees before the input's own: the class token, if any."""
+        return int(self.cls_token is not None)
+
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """Logits (B, classes), or (B, N, classes) with ``pool='none'``.
 

@@ -15,8 +15,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from transformers_lab.analysis.attention import Example
 from transformers_lab.nn import weight_decay_groups
+from transformers_lab.tasks.examples import Detokenizer, Example
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,12 @@ class Task(L.LightningModule):
             ``max_steps`` argument left unset (or None) gets the trainer's total number of
             optimizer steps (and a warm-up of a tenth of them if its own is longer).
 
-    ``run_config`` (a plain dict, set by ``tlab-train``) is saved in every checkpoint as
-    ``checkpoint["tlab_config"]``, so ``tlab-eval`` and ``tlab-sample`` can rebuild the
-    model and its data from the checkpoint alone.
+        detokenize: token ids -> text (the data module's), to log samples and label maps;
+            None: ids are shown as numbers and no text is logged.
+        run_config: the run's resolved model, data and task sections (a plain dict, given
+            by ``tlab-train``), saved in every checkpoint as ``checkpoint["tlab_config"]``
+            so that ``tlab-eval`` and ``tlab-sample`` can rebuild the model and its data
+            from the checkpoint alone.
     """
 
     def __init__(
@@ -70,15 +73,19 @@ class Task(L.LightningModule):
         model: nn.Module,
         optimizer: OptimizerFactory,
         scheduler: SchedulerFactory | None = None,
+        detokenize: Detokenizer | None = None,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
-        self.save_hyperparameters(ignore=["model", "optimizer", "scheduler"])
+        self.detokenize = detokenize
+        self.run_config = run_config
+        ignore = ["model", "optimizer", "scheduler", "detokenize", "run_config"]
+        self.save_hyperparameters(ignore=ignore)
         self.counts = parameter_counts(model)
         self.num_params = self.counts["model/params"]
-        self.run_config: dict[str, Any] | None = None
 
     def configure_optimizers(self) -> Any:
         # the partial's weight_decay goes to the decayed group only

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformers_lab.analysis.attention import Example, patch_labels, token_labels
 from transformers_lab.tasks.base import Task
+from transformers_lab.tasks.examples import Example, PatchLayout, patch_labels, token_labels
 
 
 class ClassificationTask(Task):
@@ -43,14 +43,12 @@ class ClassificationTask(Task):
         x, y = batch
         caption = f"example {index}, label {int(y[index])}"
         if x.dim() == 4:  # an image (C, H, W): the model sees [cls] + patches
-            patches = getattr(getattr(self.model, "embedding", None), "num_patches", None)
-            extra = int(getattr(self.model, "cls_token", None) is not None)
-            tokens = patch_labels(patches, patches + extra) if patches else None
+            tokens = None
+            if isinstance(self.model, PatchLayout) and (patches := self.model.num_patches):
+                tokens = patch_labels(patches, patches + self.model.num_prefix_tokens)
             return Example((x[index : index + 1],), tokens=tokens, image=x[index], caption=caption)
-        decode = getattr(self, "decode", None)
-        return Example(
-            (x[index : index + 1],), tokens=token_labels(x[index].tolist(), decode), caption=caption
-        )
+        tokens = token_labels(x[index].tolist(), self.detokenize)
+        return Example((x[index : index + 1],), tokens=tokens, caption=caption)
 
     def on_validation_epoch_start(self) -> None:
         self.sums = self.zero_sums(3)

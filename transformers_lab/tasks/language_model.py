@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformers_lab.analysis.attention import Example, token_labels
+from transformers_lab.data.base import IGNORE
 from transformers_lab.tasks.base import Task, log_text
-
-IGNORE = -100
+from transformers_lab.tasks.examples import Detokenizer, Example, Generating, token_labels
 
 
 class LanguageModelTask(Task):
@@ -23,7 +22,7 @@ class LanguageModelTask(Task):
     ``val/ppl``, ``val/bpt`` (bits per token, bits per character for a character model)
     and ``val/acc`` (accuracy on the supervised positions, the recall metric of MQAR),
     all over the supervised tokens of the whole split (summed across processes under
-    DDP). With a ``decode`` function (ids -> text), a sample from the model's prompt is
+    DDP). With ``detokenize`` (ids -> text), a sample from the model's prompt is
     logged as text every ``sample_every`` validations (the last ten are kept in
     ``samples``); the sanity check samples nothing.
 
@@ -40,13 +39,14 @@ class LanguageModelTask(Task):
         scheduler: Callable[..., Any] | None = None,
         sample_tokens: int = 200,
         sample_every: int = 1,
+        detokenize: Detokenizer | None = None,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(model, optimizer, scheduler)
+        super().__init__(model, optimizer, scheduler, detokenize, run_config)
         if sample_every < 1:
             raise ValueError(f"sample_every must be >= 1 validations, got {sample_every}")
         self.sample_tokens = sample_tokens
         self.sample_every = sample_every
-        self.decode: Callable[[list[int]], str] | None = None
         self.samples: list[str] = []
         self.validations = 0  # finished validations, sanity check excluded
         self.sums: Tensor | None = None  # summed loss, correct and supervised tokens
@@ -66,7 +66,7 @@ class LanguageModelTask(Task):
         supervised = int((y[index] != IGNORE).sum())
         return Example(
             inputs=(x[index : index + 1],),
-            tokens=token_labels(x[index].tolist(), self.decode),
+            tokens=token_labels(x[index].tolist(), self.detokenize),
             caption=f"example {index}: {x.shape[1]} tokens, {supervised} supervised",
         )
 
@@ -103,9 +103,9 @@ class LanguageModelTask(Task):
             return
         self.validations += 1
         if (
-            self.decode is not None
+            self.detokenize is not None
             and self.sample_tokens > 0
-            and hasattr(self.model, "generate")
+            and isinstance(self.model, Generating)
             and self.validations % self.sample_every == 0
         ):
             # a generator of its own: sampling must not move the training's random stream
@@ -114,7 +114,7 @@ class LanguageModelTask(Task):
             ids = self.model.generate(
                 prompt, self.sample_tokens, temperature=1.0, top_k=40, generator=generator
             )
-            self.samples = [*self.samples[-9:], self.decode(ids[0].tolist())]
+            self.samples = [*self.samples[-9:], self.detokenize(ids[0].tolist())]
             log_text(self, "val/sample", self.samples[-1])
 
     def on_test_epoch_start(self) -> None:

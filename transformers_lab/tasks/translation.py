@@ -11,16 +11,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.text import BLEUScore
 
-from transformers_lab.analysis.attention import Example, token_labels
 from transformers_lab.tasks.base import Task, log_text
+from transformers_lab.tasks.examples import Detokenizer, Example, token_labels
 
 
 class TranslationTask(Task):
     """Teacher-forced cross-entropy with label smoothing, the PAD target ignored.
 
     At validation, the first ``bleu_batches`` batches are also translated greedily and
-    scored with corpus BLEU (``val/bleu``, 0-100) when a ``decode`` function (ids -> text)
-    is set; the first translations are kept in ``samples``.
+    scored with corpus BLEU (``val/bleu``, 0-100) when ``detokenize`` (ids -> text) is
+    given; the first translations are kept in ``samples``.
 
     Args:
         label_smoothing: epsilon of the smoothed targets (0.1 in Vaswani et al.).
@@ -41,12 +41,13 @@ class TranslationTask(Task):
         max_decode_len: int = 64,
         beam_size: int = 1,
         test_bleu_batches: int | None = None,
+        detokenize: Detokenizer | None = None,
+        run_config: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(model, optimizer, scheduler)
+        super().__init__(model, optimizer, scheduler, detokenize, run_config)
         self.label_smoothing, self.bleu_batches = label_smoothing, bleu_batches
         self.test_bleu_batches = test_bleu_batches
         self.max_decode_len, self.beam_size = max_decode_len, beam_size
-        self.decode: Callable[[list[int]], str] | None = None
         self.bleu = {"val": BLEUScore(), "test": BLEUScore()}
         self.samples: list[tuple[str, str, str]] = []  # (source, translation, reference)
 
@@ -66,12 +67,12 @@ class TranslationTask(Task):
         src = src[index, : int((src[index] != pad).sum())]
         tgt = tgt[index, : int((tgt[index] != pad).sum())][:-1]  # BOS ... last-but-one
         caption = f"example {index}: {len(src)} source, {len(tgt)} target tokens"
-        if self.decode is not None:
-            caption = f"{self.decode(src.tolist())} -> {self.decode(tgt.tolist())}"
+        if self.detokenize is not None:
+            caption = f"{self.detokenize(src.tolist())} -> {self.detokenize(tgt.tolist())}"
         return Example(
             inputs=(src[None], tgt[None]),
-            source=token_labels(src.tolist(), self.decode),
-            target=token_labels(tgt.tolist(), self.decode),
+            source=token_labels(src.tolist(), self.detokenize),
+            target=token_labels(tgt.tolist(), self.detokenize),
             caption=caption,
         )
 
@@ -84,14 +85,14 @@ class TranslationTask(Task):
         src, tgt = batch
         loss = self.loss(src, tgt)  # averaged over the processes under DDP (BLEU syncs itself)
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=len(src), sync_dist=True)
-        if self.decode is None or batch_idx >= self.decoded_batches(stage):
+        if self.detokenize is None or batch_idx >= self.decoded_batches(stage):
             return
         out = self.model.translate(src, max_len=self.max_decode_len, beam_size=self.beam_size)
-        hyps = [self.decode(row.tolist()) for row in out]
-        refs = [[self.decode(row[1:].tolist())] for row in tgt]
+        hyps = [self.detokenize(row.tolist()) for row in out]
+        refs = [[self.detokenize(row[1:].tolist())] for row in tgt]
         self.bleu[stage].update(hyps, refs)
         if batch_idx == 0:
-            sources = [self.decode(row.tolist()) for row in src[:3]]
+            sources = [self.detokenize(row.tolist()) for row in src[:3]]
             self.samples = list(zip(sources, hyps, (r[0] for r in refs), strict=False))
 
     def decoded_batches(self, stage: str) -> float:
@@ -100,7 +101,7 @@ class TranslationTask(Task):
         return self.bleu_batches if stage == "val" else self.test_bleu_batches
 
     def _log_bleu(self, stage: str) -> None:
-        if self.decode is not None and self.decoded_batches(stage) > 0:
+        if self.detokenize is not None and self.decoded_batches(stage) > 0:
             self.log(f"{stage}/bleu", 100 * self.bleu[stage].compute())
             self.bleu[stage].reset()
 

@@ -17,8 +17,10 @@ import torch
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PRECISION_INPUT_STR
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.builders import ConfigError, call, checkpoint_file, target_class
+from transformers_lab.checkpoints import checkpoint_file
 from transformers_lab.cli import unknown_option
+from transformers_lab.config import call, target_class
+from transformers_lab.errors import ConfigError
 from transformers_lab.models.common import check_sampling
 from transformers_lab.nn.attention import as_kernel_factory, head_size
 
@@ -217,7 +219,7 @@ def check_attention(model: DictConfig, data_context: int | None = None) -> None:
             raise ConfigError(f"{key}: {model_class.__name__} attends causally: {why}")
 
 
-def validate_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig) -> None:
     """Refuse a composed config of an entry point that cannot work (raises ``ConfigError``)."""
     check_missing(cfg)
     check_rules(cfg)

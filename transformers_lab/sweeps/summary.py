@@ -23,14 +23,12 @@ import argparse
 import csv
 import difflib
 import io
-import json
 import logging
 import math
-import os
 import statistics
 import sys
-import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,54 +36,28 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.analysis.curves import history
-from transformers_lab.builders import override_key
-from transformers_lab.data.download import move_into_place
+from transformers_lab.errors import UnknownMetric
+from transformers_lab.files import atomic_write
+from transformers_lab.sweeps.curves import history
+from transformers_lab.sweeps.overrides import SEED_KEYS, override_map
+from transformers_lab.sweeps.record import RESULT_FILE, STATUSES, JobRecord, read_record
 
 log = logging.getLogger(__name__)
 
-RESULT_FILE = "result.json"
 SUMMARY_FILES = ("summary.csv", "summary.md", "summary.png")
-SEED_KEYS = ("seed",)  # overrides that repeat a run rather than change it
-BOOKKEEPING_KEYS = ("skip_finished", "fail_fast")  # overrides that do not change what runs
-STATUSES = ("ok", "failed", "interrupted", "incomplete")
 
 
-class UnknownMetric(ValueError):
-    """A metric was asked for that no run logged."""
+@dataclass
+class Run:
+    """One run as the summary sees it: its record (or what its dir shows of a job that
+    never wrote one), its label in the tables, and the dir given that holds it."""
+
+    job: str
+    source: str
+    record: JobRecord
 
 
-# ---------------------------------------------------------------- job records
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename, so a reader never
-    sees half a file and a crash never leaves one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        move_into_place(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_result(run_dir: str | Path, record: dict[str, Any]) -> Path:
-    """Save a job's record as ``<run_dir>/result.json``."""
-    path = Path(run_dir) / RESULT_FILE
-    atomic_write(path, json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
-    return path
-
-
-def read_result(run_dir: str | Path) -> dict[str, Any] | None:
-    """A job's record, or None if it has none (or an unreadable one)."""
-    path = Path(run_dir) / RESULT_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+# ---------------------------------------------------------------- runs
 
 
 def read_overrides(run_dir: Path) -> list[str]:
@@ -123,49 +95,45 @@ def run_dirs(path: Path) -> list[Path]:
     return [path] if is_run_dir(path) else job_dirs(path)
 
 
-def collect(*dirs: str | Path) -> list[dict[str, Any]]:
-    """One record per run: each of ``dirs`` is a sweep dir (all its jobs) or a run dir.
-    With several dirs, a job is named ``<sweep>/<job>`` and ``source`` names its dir."""
-    records = []
+def collect(*dirs: str | Path) -> list[Run]:
+    """One entry per run: each of ``dirs`` is a sweep dir (all its jobs) or a run dir.
+    With several dirs, a job is named ``<sweep>/<job>``. A job without a record, or whose
+    record still says ``running`` (killed, or running now), is ``incomplete``, with the
+    last metrics of its csv."""
+    runs = []
     for source in map(Path, dirs):
         for run_dir in run_dirs(source):
-            record = read_result(run_dir) or {"overrides": read_overrides(run_dir)}
-            status = record.get("status")
-            if status in (None, "running"):  # never ended: killed, or running now
-                record["status"] = "incomplete"
-            if status != "ok" and not record.get("metrics"):
-                record["metrics"] = last_csv_metrics(run_dir)
+            record = read_record(run_dir) or JobRecord(
+                status="incomplete", overrides=read_overrides(run_dir)
+            )
+            if record.status == "running":
+                record.status = "incomplete"
+            if record.status != "ok" and not record.metrics:
+                record.metrics = last_csv_metrics(run_dir)
             several = len(dirs) > 1 and run_dir != source
-            record["job"] = f"{source.name}/{run_dir.name}" if several else run_dir.name
-            record["source"] = source.name
-            records.append(record)
-    return records
+            job = f"{source.name}/{run_dir.name}" if several else run_dir.name
+            runs.append(Run(job, source.name, record))
+    return runs
 
 
 # ---------------------------------------------------------------- tables
 
 
-def override_map(overrides: Sequence[str]) -> dict[str, str]:
-    """``key -> value`` of a job's overrides, bookkeeping keys left out."""
-    pairs = ((override_key(o), o.split("=", 1)[1]) for o in overrides if "=" in o)
-    return {key: value for key, value in pairs if key not in BOOKKEEPING_KEYS}
-
-
-def swept_keys(records: Sequence[dict[str, Any]]) -> list[str]:
+def swept_keys(runs: Sequence[Run]) -> list[str]:
     """The override keys whose value differs between jobs (what the sweep varies)."""
-    maps = [override_map(r.get("overrides", [])) for r in records]
+    maps = [override_map(r.record.overrides) for r in runs]
     keys = sorted({k for m in maps for k in m})
     return [k for k in keys if len({m.get(k) for m in maps}) > 1] or keys
 
 
-def choice_of(record: dict[str, Any], keys: Sequence[str], by_source: bool = False) -> str:
+def choice_of(run: Run, keys: Sequence[str], by_source: bool = False) -> str:
     """The job's swept values, seeds aside: the label of its group (prefixed with the
     dir it came from when ``by_source``)."""
-    values = override_map(record.get("overrides", []))
+    values = override_map(run.record.overrides)
     choice = [k for k in keys if k not in SEED_KEYS]
     label = " ".join(f"{k}={values[k]}" for k in choice if k in values)
     label = label or ("(defaults)" if choice else "(all)")
-    return f"{record['source']}: {label}" if by_source else label
+    return f"{run.source}: {label}" if by_source else label
 
 
 def fmt(value: Any) -> str:
@@ -176,48 +144,43 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def job_rows(records: Sequence[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+def job_rows(runs: Sequence[Run], metric: str) -> list[dict[str, Any]]:
     """The per-job table: job, overrides, status, final and best ``metric``, the other
-    final metrics, parameters, wall time, error."""
-    names = sorted({k for r in records for k in (r.get("metrics") or {}) if k != metric})
+    final metrics, parameters, decoding state, wall time, error."""
+    names = sorted({k for r in runs for k in r.record.metrics if k != metric})
     rows = []
-    for r in records:
-        metrics = r.get("metrics") or {}
-        monitor = r.get("monitor") or {}
-        row = {
-            "job": r["job"],
-            "overrides": " ".join(r.get("overrides", [])),
-            "status": r.get("status", "incomplete"),
-            metric: metrics.get(metric),
-            f"best {metric}": monitor.get("best") if monitor.get("metric") == metric else None,
-            **{name: metrics.get(name) for name in names},
-            "params": r.get("params"),
-            "state_size": r.get("state_size"),
-            "time_s": r.get("time_s"),
-            "error": r.get("error") or "",
-        }
-        rows.append(row)
+    for run in runs:
+        r = run.record
+        rows.append(
+            {
+                "job": run.job,
+                "overrides": " ".join(r.overrides),
+                "status": r.status,
+                metric: r.metrics.get(metric),
+                f"best {metric}": r.best_of(metric),
+                **{name: r.metrics.get(name) for name in names},
+                "params": r.params,
+                "state_size": r.state_size,
+                "time_s": r.time_s,
+                "error": r.error or "",
+            }
+        )
     return rows
 
 
 def group_rows(
-    records: Sequence[dict[str, Any]], metric: str, keys: Sequence[str], by_source: bool = False
+    runs: Sequence[Run], metric: str, keys: Sequence[str], by_source: bool = False
 ) -> list[dict[str, Any]]:
     """Mean ± std of ``metric`` (final and best) over the finished jobs of each choice."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        groups.setdefault(choice_of(r, keys, by_source), []).append(r)
+    groups: dict[str, list[JobRecord]] = {}
+    for run in runs:
+        groups.setdefault(choice_of(run, keys, by_source), []).append(run.record)
     rows = []
     for choice, members in groups.items():
-        ok = [r for r in members if r.get("status") == "ok"]
-        finals = [r["metrics"][metric] for r in ok if metric in (r.get("metrics") or {})]
-        bests = [
-            r["monitor"]["best"]
-            for r in ok
-            if (r.get("monitor") or {}).get("metric") == metric
-            and r["monitor"].get("best") is not None
-        ]
-        sizes = {r.get("state_size") for r in members} - {None}
+        ok = [r for r in members if r.status == "ok"]
+        finals = [r.metrics[metric] for r in ok if metric in r.metrics]
+        bests = [b for r in ok if (b := r.best_of(metric)) is not None]
+        sizes = {r.state_size for r in members} - {None}
         rows.append(
             {
                 "choice": choice,
@@ -242,9 +205,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
-def logged_metrics(records: Sequence[dict[str, Any]]) -> list[str]:
+def logged_metrics(runs: Sequence[Run]) -> list[str]:
     """Every metric some run logged (its final metrics, or its csv for unfinished ones)."""
-    return sorted({k for r in records for k in r.get("metrics") or {}})
+    return sorted({k for r in runs for k in r.record.metrics})
 
 
 def check_metric(metric: str, logged: Sequence[str]) -> None:
@@ -256,16 +219,16 @@ def check_metric(metric: str, logged: Sequence[str]) -> None:
     raise UnknownMetric(f"no run logged the metric {metric!r}{hint}; logged: {', '.join(logged)}")
 
 
-def pick_metric(records: Sequence[dict[str, Any]], metric: str | None) -> tuple[str, str]:
+def pick_metric(runs: Sequence[Run], metric: str | None) -> tuple[str, str]:
     """The metric to summarise and its mode: as asked, else the jobs' monitored one."""
     if metric is not None:
-        check_metric(metric, logged_metrics(records))
-    for r in records:
-        monitor = r.get("monitor") or {}
-        if monitor.get("metric") and metric in (None, monitor["metric"]):
-            return monitor["metric"], monitor.get("mode", "min")
+        check_metric(metric, logged_metrics(runs))
+    for run in runs:
+        monitor = run.record.monitor
+        if monitor.metric and metric in (None, monitor.metric):
+            return monitor.metric, monitor.mode or "min"
     if metric is None:
-        names = sorted({k for r in records for k in (r.get("metrics") or {})})
+        names = logged_metrics(runs)
         metric = next((n for n in names if n.startswith("val/")), names[0] if names else "")
     return metric, "max" if metric.endswith(("acc", "bleu")) else "min"
 
@@ -273,7 +236,7 @@ def pick_metric(records: Sequence[dict[str, Any]], metric: str | None) -> tuple[
 # ---------------------------------------------------------------- writing
 
 
-def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Path) -> None:
+def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -> None:
     """Bars: mean of ``metric`` per choice; error bars: std over seeds; dots: the seeds."""
     import matplotlib
 
@@ -307,11 +270,11 @@ def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Path) 
             color="#c44e52",
         )
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format="png")
     plt.close(fig)
 
 
-def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Path) -> None:
+def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -> None:
     """``metric`` against the decoding state each choice keeps (log scale), as Zoology
     and Based plot recall against state size: one point per choice, std as error bar."""
     import matplotlib
@@ -330,7 +293,7 @@ def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: 
     ax.set_ylabel(f"final {metric} (mean ± std)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format="png")
     plt.close(fig)
 
 
@@ -354,17 +317,17 @@ def summarize(
     ``out`` (default: the one dir given, else ``logs/summaries/<time>``); return the
     tables. ``by_source`` keeps each dir's jobs in groups of their own."""
     dirs = [Path(dirs)] if isinstance(dirs, (str, Path)) else [Path(d) for d in dirs]
-    records = collect(*dirs)
-    if not records:
+    runs = collect(*dirs)
+    if not runs:
         raise FileNotFoundError(
             f"no job directories (with .hydra/ or {RESULT_FILE}) in {', '.join(map(str, dirs))}"
         )
     out = Path(out) if out is not None else default_out(dirs)
-    metric, default_mode = pick_metric(records, metric)
+    metric, default_mode = pick_metric(runs, metric)
     mode = mode or default_mode
-    keys = swept_keys(records)
-    rows = job_rows(records, metric)
-    groups = group_rows(records, metric, keys, by_source)
+    keys = swept_keys(runs)
+    rows = job_rows(runs, metric)
+    groups = group_rows(runs, metric, keys, by_source)
     groups.sort(
         key=lambda g: (g["mean"] is None, -(g["mean"] or 0) if mode == "max" else g["mean"] or 0)
     )
@@ -409,12 +372,10 @@ def summarize(
         "",
     ]
     atomic_write(out / "summary.md", "\n".join(md))
-    tmp_png = out / ".summary.png.tmp.png"
-    plot(groups, metric, f"{name}: {status}", tmp_png)
-    os.replace(tmp_png, out / "summary.png")
+    atomic_write(out / "summary.png", lambda f: plot(groups, metric, f"{name}: {status}", f))
     if len({g["state_size"] for g in groups if g["mean"] is not None} - {None}) > 1:
-        plot_state(groups, metric, f"{name}: {metric} against state size", tmp_png)
-        os.replace(tmp_png, out / "state.png")
+        title = f"{name}: {metric} against state size"
+        atomic_write(out / "state.png", lambda f: plot_state(groups, metric, title, f))
     return {"metric": metric, "mode": mode, "jobs": rows, "groups": groups, "out": out}
 
 
@@ -462,10 +423,8 @@ def write_curves(histories: Histories, metrics: Sequence[str], out: Path) -> tup
         axes[0][-1].legend(fontsize=7, title="dotted: resumed" if resumed else None)
     fig.tight_layout()
     atomic_write(out / "curves.csv", table.getvalue())
-    tmp = out / ".curves.png.tmp.png"
-    fig.savefig(tmp)
+    atomic_write(out / "curves.png", lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
-    os.replace(tmp, out / "curves.png")
     return out / "curves.png", out / "curves.csv"
 
 
@@ -486,7 +445,8 @@ def plot_curves(
                 else (f"{source.name}/{run_dir.name}")
             )
             histories[label] = history(run_dir)
-            monitored.append(((read_result(run_dir) or {}).get("monitor") or {}).get("metric"))
+            record = read_record(run_dir)
+            monitored.append(record.monitor.metric if record is not None else None)
     names = sorted({k for rows, _ in histories.values() for row in rows for k in row})
     names = [n for n in names if n not in ("step", "epoch")]
     if not names:

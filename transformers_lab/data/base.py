@@ -1,0 +1,69 @@
+"""What the data modules share: the label of a position with nothing to predict, the
+protocol of data made of text, and a training loader that a resumed run continues in the
+middle of an epoch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch.utils.data import DataLoader
+
+IGNORE = -100  # the label of a position with nothing to predict: the loss skips it
+
+
+@runtime_checkable
+class TextData(Protocol):
+    """A data module of text, with the tokenizer it was built with: what ``tlab-sample``
+    and ``tlab-translate`` feed a model, and what a task shows ids as."""
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+
+class ResumableLoader(DataLoader):
+    """A training DataLoader that a resumed run continues in the middle of an epoch.
+
+    Its state is torch's random state from which the epoch's order was drawn and the
+    number of batches handed out (Lightning fetches no batch ahead from a loader with a
+    length, so these are the batches trained on). After ``load_state_dict`` the next
+    iterator draws the same order again and skips those batches (loaded and
+    dropped), then leaves the global random state as it found it. Without this, Lightning
+    starts a fresh order and the resumed epoch repeats some examples and misses others.
+    The iterator starts its work (and draws) at its first batch: Lightning asks for it
+    right away, and an iterator never asked draws nothing.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.order_state: torch.Tensor | None = None
+        self.served = 0
+        self.resume: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        now = torch.get_rng_state()
+        resume, self.resume = self.resume, None
+        if resume is not None:
+            torch.set_rng_state(resume["order_state"])
+        self.order_state, self.served = torch.get_rng_state(), 0
+        batches = super().__iter__()
+        if resume is not None:
+            for _ in range(resume["batches"]):
+                next(batches)
+            self.served = resume["batches"]
+            torch.set_rng_state(now)
+        for batch in batches:
+            self.served += 1
+            yield batch
+
+    # Lightning saves and loads these too (it sees a resumable loader), but it restores
+    # them only when it builds the loader after the checkpoint, which a schedule that
+    # asks for the run's length prevents; ExactResume applies them in any case
+    def state_dict(self) -> dict[str, Any]:
+        return {"order_state": self.order_state, "batches": self.served}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("order_state") is not None and 0 < state["batches"] < len(self):
+            self.resume = state

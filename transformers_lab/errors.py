@@ -1,0 +1,50 @@
+"""The error types of transformers_lab, in one place.
+
+Each says what went wrong and how to fix it, in one line; the entry points print it as
+``error: <message>`` and exit with status 2 (``cli.user_errors``), or, for a run that
+stopped on purpose, with the run's own status (``RunStopped.exit_code``).
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says what to change."""
+
+
+class DataFileError(RuntimeError):
+    """A data file is missing and cannot be downloaded, or fails its checksum."""
+
+
+class UnknownMetric(ValueError):
+    """A metric was asked for that no run logged."""
+
+
+class RunStopped(Exception):
+    """A training run stopped on purpose; ``exit_code`` is the process's exit status."""
+
+    exit_code = 1
+
+
+class NonFiniteError(RunStopped):
+    """The loss, a gradient or a weight became NaN or infinite."""
+
+
+class Interrupted(RunStopped):
+    """SIGTERM or SIGINT stopped the run after saving a checkpoint (``checkpoint``); the
+    best checkpoint so far and its score are ``best`` and ``best_score``."""
+
+    def __init__(
+        self,
+        message: str,
+        signal_name: str,
+        checkpoint: str | None,
+        best: str | None = None,
+        best_score: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.signal_name, self.checkpoint = signal_name, checkpoint
+        self.best, self.best_score = best, best_score
+        self.exit_code = 128 + getattr(signal, signal_name)  # the shell's convention

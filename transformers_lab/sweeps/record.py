@@ -1,0 +1,99 @@
+"""The job record: what a run of ``tlab-train`` leaves in ``<run dir>/result.json``.
+
+It says ``running`` from the job's start, so a job killed outright is known as such, and
+is rewritten once the job ends: ``ok`` with its metrics, ``failed`` with its error, or
+``interrupted`` with the checkpoint it saved. The summary reads nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from transformers_lab.files import atomic_write
+
+RESULT_FILE = "result.json"
+STATUSES = ("ok", "failed", "interrupted", "incomplete")  # incomplete: running, or killed
+
+
+@dataclass
+class Monitor:
+    """The metric the job's checkpoints and its sweeper follow, and its best value."""
+
+    metric: str | None = None
+    mode: str = "min"
+    best: float | None = None
+
+
+@dataclass
+class Outcome:
+    """What a finished fit reports to its job."""
+
+    metrics: dict[str, float]  # final metrics: validation, then test
+    best: float | None  # the monitored metric's best value (the best checkpoint's score)
+    params: int
+    checkpoints: dict[str, str | None]  # best and last
+    state_size: int | None = None  # a GPT's decoding state after block_size tokens
+
+
+@dataclass
+class JobRecord:
+    """One job: its overrides, how it ended, and what it measured."""
+
+    status: str = "running"  # running, ok, failed, interrupted
+    overrides: list[str] = field(default_factory=list)
+    run_dir: str = ""
+    monitor: Monitor = field(default_factory=Monitor)
+    metrics: dict[str, float] = field(default_factory=dict)
+    objective: float | None = None  # the monitored metric's final value, for the sweeper
+    params: int | None = None
+    state_size: int | None = None
+    checkpoints: dict[str, str | None] = field(default_factory=dict)
+    time_s: float | None = None
+    error: str | None = None
+
+    def finished(self, outcome: Outcome) -> None:
+        """Fill in a fit's outcome: status ``ok``."""
+        self.status, self.error = "ok", None
+        self.metrics, self.params = dict(outcome.metrics), outcome.params
+        self.state_size, self.checkpoints = outcome.state_size, dict(outcome.checkpoints)
+        self.monitor.best = outcome.best
+        self.objective = self.metrics.get(self.monitor.metric or "")
+
+    def best_of(self, metric: str) -> float | None:
+        """The best value of ``metric`` if it is the monitored one."""
+        return self.monitor.best if self.monitor.metric == metric else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobRecord:
+        """A record from its JSON form; keys it does not know are left out, keys it lacks
+        take their defaults (records of older versions read too)."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        monitor = values.get("monitor") or {}
+        keys = ("metric", "mode", "best")
+        values["monitor"] = Monitor(**{k: v for k, v in monitor.items() if k in keys})
+        for name in ("overrides", "metrics", "checkpoints"):
+            if values.get(name) is None:
+                values.pop(name, None)
+        return cls(**values)
+
+
+def write_record(run_dir: str | Path, record: JobRecord) -> Path:
+    """Save a job's record as ``<run_dir>/result.json``, atomically."""
+    text = json.dumps(record.to_dict(), indent=2, sort_keys=True, default=str) + "\n"
+    return atomic_write(Path(run_dir) / RESULT_FILE, text)
+
+
+def read_record(run_dir: str | Path) -> JobRecord | None:
+    """A job's record, or None if it has none (or an unreadable one)."""
+    try:
+        data = json.loads((Path(run_dir) / RESULT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return JobRecord.from_dict(data) if isinstance(data, dict) else None
