@@ -117,6 +117,35 @@ CASES = [
     case("train", ["trainer.limit_train_batches=1.5"], "limit_train_batches must be null or a"),
     case("train", ["trainer=tpu"], "unknown trainer 'tpu'"),
     case("train", ["monitor.mode=up"], "monitor.mode must be one of min, max, got 'up'"),
+    case(
+        "train",
+        ["trainer.limit_train_batches=0"],
+        "the run has no optimizer step to schedule (trainer.limit_train_batches=0",
+    ),
+    case("train", ["trainer.accelerator=tpu"], "trainer: Requirement 'torch_xla"),
+    # sizes a data module refuses, and the file system
+    case(
+        "train",
+        ["model=gpt", *MQAR, "data.seq_len=4"],
+        "data: seq_len=4 is too short for num_kv_pairs=8: MQAR needs seq_len >= 4 * ",
+    ),
+    case(
+        "train",
+        ["data.val_fraction=0.9", "data.test_fraction=0.5"],
+        "data: val_fraction=0.9 + test_fraction=0.5 leave no training images",
+    ),
+    case(
+        "train",
+        ["data=mnist", "$TLAB_DATA_DIR=/proc/tlab"],
+        "cannot create /proc/tlab/MNIST/raw to download https://",
+        marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc"),
+    ),
+    case(
+        "train",
+        ["callbacks.model_checkpoint.dirpath=/proc/tlab/ckpt"],
+        "cannot use /proc/tlab: No such file or directory; check that the path exists",
+        marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc"),
+    ),
     case(  # found after the sanity check, before training
         "train",
         ["monitor.metric=val/accuracy"],

@@ -205,13 +205,26 @@ def fail(message: str) -> None:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn configuration and missing-data errors into one line on stderr and exit 2."""
+    """Turn configuration, missing-data and file-system errors into one line on stderr
+    and exit 2."""
     try:
         yield
     except (ConfigError, DataFileError) as exc:
         fail(str(exc))
     except InterpolationResolutionError as exc:
         fail(one_line(exc))
+    except OSError as exc:  # the environment: a path, its permissions, the disk
+        fail(file_error(exc))
+
+
+def file_error(exc: OSError) -> str:
+    """An error of the file system, said as what could not be done where, and why."""
+    where = f" {exc.filename}" if exc.filename else ""
+    return (
+        f"cannot use{where}: {exc.strerror or exc}; check that the path exists and can be "
+        "written, and that the disk has room (run dirs: TLAB_ROOT or hydra.run.dir=; data: "
+        "TLAB_DATA_DIR or data.root=)"
+    )
 
 
 @contextlib.contextmanager

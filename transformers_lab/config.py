@@ -13,6 +13,7 @@ from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.errors import ConfigError
@@ -49,6 +50,17 @@ def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
         return instantiate(config, **kwargs)
     except InstantiationException as exc:
         cause = exc.__cause__
+        if str(exc).startswith("Error locating target"):  # an import path that is not there
+            target = config.get("_target_") if isinstance(config, DictConfig) else None
+            why = str(cause).strip().splitlines()[-1] if cause else ""  # Hydra's question
+            raise ConfigError(
+                f"{what}: cannot import its _target_ {target!r}: {why} Give the dotted path "
+                "of a class or function that exists, its package importable"
+            ) from exc
+        if isinstance(cause, ImportError):  # an optional package the choice needs
+            raise ConfigError(f"{what}: {cause}") from cause
+        if isinstance(cause, MisconfigurationException):  # Lightning's own refusal
+            raise ConfigError(f"{what}: Lightning refused it: {cause}") from cause
         if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError):
             raise ConfigError(f"{what}: {cause}") from cause
         raise ConfigError(f"{what}: {exc}") from exc

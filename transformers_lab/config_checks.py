@@ -204,6 +204,8 @@ def check_attention(model: DictConfig, data_context: int | None = None) -> None:
                     "cross-attention's queries and keys do not share; set "
                     "model.cross_attention to another kernel"
                 )
+        except ConfigError:  # built by ``call``, which names the key already
+            raise
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
         context = model.get("block_size") or model.get("max_len") or data_context

@@ -90,7 +90,7 @@ def print_metrics(metrics: dict[str, float]) -> None:
     say("final metrics:", *(f"  {name}: {value:.6g}" for name, value in metrics.items()))
 
 
-def test_after_fit(
+def final_test(
     trainer: L.Trainer,
     task: L.LightningModule,
     datamodule: L.LightningDataModule,

@@ -40,6 +40,7 @@ from transformers_lab.models import GPT
 from transformers_lab.runs import (
     best_score,
     checkpoint_path,
+    final_test,
     finish_wandb,
     log_hyperparameters,
     metrics_dict,
@@ -47,7 +48,6 @@ from transformers_lab.runs import (
     prepare,
     report,
     say,
-    test_after_fit,
 )
 from transformers_lab.safety import interrupted
 from transformers_lab.sweeps.job import job_overrides, name_wandb_run, run_job
@@ -105,7 +105,7 @@ def fit_and_test(cfg: DictConfig) -> Outcome:
         best = best_score(trainer)
         if cfg.get("test"):  # without training, the checkpoint given (else the model as built)
             tested = checkpoints["best"] if training else cfg.get("ckpt_path")
-            metrics.update(test_after_fit(trainer, task, datamodule, tested, training))
+            metrics.update(final_test(trainer, task, datamodule, tested, training))
     except MisconfigurationException as exc:  # Lightning's word on a setting that cannot work
         raise ConfigError(f"Lightning refused the run: {exc}") from exc
     finally:

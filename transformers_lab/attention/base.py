@@ -30,6 +30,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from transformers_lab.attention import naive
+
 
 def attention_mask(
     nq: int,
@@ -338,3 +340,57 @@ def _or_zeros(mask: Tensor | None, k: Tensor) -> Tensor:
     if mask is not None:
         return mask
     return torch.zeros(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+
+
+class KeywiseAttention(AttentionKernel, register=False):
+    """A kernel that weighs each key on its own, ``f(s q·k + bias, n)`` with n the number
+    of keys the query may see, and does not normalise over the keys (sigmoid and ReLU
+    attention). Counting only the visible keys keeps a causal query's weights the same in
+    a full forward and in decoding. A subclass gives ``activate`` (on tensors) and
+    ``reference_activate`` (in float64); the masks, the scale and ALiBi are shared.
+
+    Args:
+        scale: s; None means 1/sqrt(head_dim).
+    """
+
+    normalized = False
+    forms_scores = True
+
+    def __init__(
+        self, head_dim: int, num_heads: int, dropout: float = 0.0, scale: float | None = None
+    ) -> None:
+        super().__init__(head_dim, num_heads, dropout)
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale:.4g}"
+
+    def activate(self, scores: Tensor, n: Tensor) -> Tensor:
+        """The weights from the scores (ALiBi's bias added) and the visible keys n."""
+        raise NotImplementedError
+
+    def reference_activate(self, scores: Tensor, n: Tensor) -> Tensor:
+        """``activate`` written naively, in float64 (n >= 1)."""
+        raise NotImplementedError
+
+    def weights(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        self.check_inputs(q, k, None, key_padding_mask)
+        nq, nk = q.shape[2], k.shape[2]
+        allowed = attention_mask(
+            nq, nk, causal=causal, key_padding_mask=key_padding_mask, device=q.device
+        )
+        n = visible_keys(allowed, nq, nk, q.device).clamp(min=1).to(q.dtype)
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        w = self.activate(scores + self.score_bias(nq, nk, scores), n)
+        return w if allowed is None else w.masked_fill(~allowed, 0.0)
+
+    def reference_weights(
+        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
+    ) -> Tensor:
+        allowed = naive.pair_mask(q, k, causal, key_padding_mask)
+        n = allowed.sum(-1, keepdim=True).double()
+        scores = self.scale * naive.dot(q, k) + self.reference_bias(q.shape[2], k.shape[2])
+        w = self.reference_activate(scores, torch.where(n > 0, n, 1.0))
+        return torch.where(allowed, w, torch.zeros_like(w))

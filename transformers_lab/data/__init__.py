@@ -1,4 +1,6 @@
-"""LightningDataModules for real and synthetic data, tokenizers and verified downloads."""
+"""LightningDataModules for real and synthetic data (one per ``conf/data`` option), their
+tokenizers, verified atomic downloads (``download``), and what they share (``base``: the
+IGNORE label, the ``TextData`` protocol, the resumable training loader)."""
 
 from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.synthetic import SyntheticDataModule, copy_or_sort, mqar

@@ -66,7 +66,14 @@ def ensure_file(path: Path, url: str, checksum: str, *, download: bool = True) -
             f"{path} is missing and downloads are off; get it from {url} "
             f"({algorithm} {expected}) and place it at {path}"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataFileError(
+            f"cannot create {path.parent} to download {url} into ({exc.strerror}); point "
+            "TLAB_DATA_DIR (or data.root=) at a folder that can be written, or place the "
+            f"file at {path} yourself"
+        ) from None
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     os.close(fd)
     tmp = Path(tmp_name)

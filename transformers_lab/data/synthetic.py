@@ -18,6 +18,21 @@ from transformers_lab.data.base import IGNORE, ResumableLoader
 TASKS = ("mqar", "copy", "sort")
 
 
+def check_mqar_sizes(vocab_size: int, seq_len: int, num_kv_pairs: int) -> None:
+    """Refuse MQAR sizes that cannot hold the pairs and their queries."""
+    if seq_len < 4 * num_kv_pairs:
+        raise ValueError(
+            f"seq_len={seq_len} is too short for num_kv_pairs={num_kv_pairs}: MQAR needs "
+            f"seq_len >= 4 * num_kv_pairs = {4 * num_kv_pairs}"
+        )
+    half = vocab_size // 2
+    if half - 1 < num_kv_pairs or vocab_size - half < num_kv_pairs:
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small for {num_kv_pairs} distinct keys and values "
+            f"(keys from the lower half, id 0 aside; values from the upper half)"
+        )
+
+
 def mqar(
     num_examples: int,
     vocab_size: int = 8192,
@@ -35,18 +50,10 @@ def mqar(
     query position is the value bound to that key; the other positions hold random tokens
     and the label -100.
     """
+    check_mqar_sizes(vocab_size, seq_len, num_kv_pairs)
     context = 2 * num_kv_pairs
     space = (seq_len - context) // 2
-    if space < num_kv_pairs:
-        raise ValueError(
-            f"seq_len={seq_len} is too short for num_kv_pairs={num_kv_pairs}: MQAR needs "
-            f"seq_len >= 4 * num_kv_pairs = {4 * num_kv_pairs}"
-        )
     half = vocab_size // 2
-    if half - 1 < num_kv_pairs or vocab_size - half < num_kv_pairs:
-        raise ValueError(
-            f"vocab_size={vocab_size} is too small for {num_kv_pairs} distinct keys and values"
-        )
     g = torch.Generator().manual_seed(seed)
     n = num_examples
 
@@ -132,6 +139,8 @@ class SyntheticDataModule(L.LightningDataModule):
             raise ValueError(f"unknown synthetic task {task!r}; valid ones are: {', '.join(TASKS)}")
         if task != "mqar" and seq_len % 2:
             raise ValueError(f"{task} needs an even seq_len (x, SEP, f(x)), got {seq_len}")
+        if task == "mqar":  # what mqar() would refuse, said before any example is drawn
+            check_mqar_sizes(vocab_size, seq_len, num_kv_pairs)
         self.task, self.vocab_size, self.seq_len = task, vocab_size, seq_len
         self.num_kv_pairs = num_kv_pairs
         self.train_examples, self.val_examples = train_examples, val_examples

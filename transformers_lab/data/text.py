@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 from transformers_lab.data.base import ResumableLoader
 from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer, load_encoding
+from transformers_lab.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,10 @@ class Windows(Dataset):
 
     def __init__(self, data: Tensor, block_size: int, stride: int = 1) -> None:
         if len(data) <= block_size:
-            raise ValueError(
-                f"the text has {len(data)} tokens, too few for one window of block_size="
-                f"{block_size} (+1 target); lower block_size"
+            raise ConfigError(
+                f"data: a split of the text has {len(data)} tokens, too few for one window of "
+                f"block_size={block_size} (+1 target); lower data.block_size or raise "
+                f"data.val_fraction"
             )
         self.data, self.block_size, self.stride = data, block_size, stride
 

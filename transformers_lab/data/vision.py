@@ -151,6 +151,16 @@ class DigitsDataModule(ImageDataModule):
         num_workers: int = 0,
     ) -> None:
         super().__init__(batch_size, num_workers)
+        if not (0 < val_fraction < 1 and 0 <= test_fraction < 1):
+            raise ValueError(
+                f"val_fraction={val_fraction} must be in (0, 1) and test_fraction="
+                f"{test_fraction} in [0, 1)"
+            )
+        if val_fraction + test_fraction >= 1:
+            raise ValueError(
+                f"val_fraction={val_fraction} + test_fraction={test_fraction} leave no "
+                "training images; make their sum less than 1"
+            )
         self.val_fraction, self.test_fraction, self.seed = val_fraction, test_fraction, seed
 
     def setup(self, stage: str | None = None) -> None:

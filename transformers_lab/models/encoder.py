@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -163,48 +165,41 @@ class EncoderClassifier(nn.Module):
 
 class ViT(EncoderClassifier):
     """Vision Transformer (Dosovitskiy et al., 2021): convolutional patch embedding, a
-    class token (or mean pooling), learned positions and a linear (or MLP) head."""
+    class token (or mean pooling), learned positions and a linear (or MLP) head.
 
-    def __init__(
-        self,
-        image_size: int = 28,
-        patch_size: int = 4,
-        in_channels: int = 1,
-        num_classes: int = 10,
-        patch_stride: int | None = None,
-        patch_padding: int = 0,
-        d_model: int = 64,
-        n_layer: int = 4,
-        n_head: int = 4,
-        mlp_ratio: float = 4.0,
-        dropout: float = 0.0,
-        act: str = "gelu",
-        bias: bool = True,
-        norm_first: bool = True,
-        pos_encoding: str = "learned",
-        rope_theta: float = 10000.0,
-        pool: str = "cls",
-        head: str = "linear",
-        attention: KernelFactory | str = "softmax",
-    ) -> None:
-        super().__init__(
-            num_classes,
-            image_size=image_size,
-            patch_size=patch_size,
-            patch_stride=patch_stride,
-            patch_padding=patch_padding,
-            in_channels=in_channels,
-            d_model=d_model,
-            n_layer=n_layer,
-            n_head=n_head,
-            mlp_ratio=mlp_ratio,
-            dropout=dropout,
-            act=act,
-            bias=bias,
-            norm_first=norm_first,
-            pos_encoding=pos_encoding,
-            rope_theta=rope_theta,
-            pool=pool,
-            head=head,
-            attention=attention,
+    It takes ``EncoderClassifier``'s arguments for patch input, all by keyword (not the
+    token ones: ``vocab_size``, ``max_len``, ``pad_id``), with the defaults of ``DEFAULTS``:
+    28x28 one-channel images in 4x4 patches, 10 classes, 4 layers, learned positions and a
+    class token.
+    """
+
+    DEFAULTS: dict[str, Any] = {
+        "num_classes": 10,
+        "image_size": 28,
+        "patch_size": 4,
+        "in_channels": 1,
+        "n_layer": 4,
+        "pos_encoding": "learned",
+        "pool": "cls",
+    }
+    TOKEN_ONLY = ("vocab_size", "max_len", "pad_id")
+
+    def __init__(self, **options: Any) -> None:
+        unknown = sorted(set(options) - set(inspect.signature(ViT).parameters))
+        if unknown:
+            raise TypeError(f"ViT takes no {', '.join(unknown)} (an EncoderClassifier does)")
+        super().__init__(**(self.DEFAULTS | options))
+
+
+KEYWORD = inspect.Parameter.KEYWORD_ONLY
+# ViT's signature is EncoderClassifier's for patch input with ViT's defaults: what Hydra,
+# the model-against-data check and help() read
+ViT.__signature__ = inspect.Signature(
+    [
+        param.replace(
+            kind=inspect.Parameter.KEYWORD_ONLY, default=ViT.DEFAULTS.get(name, param.default)
         )
+        for name, param in inspect.signature(EncoderClassifier).parameters.items()
+        if name not in ViT.TOKEN_ONLY
+    ]
+)

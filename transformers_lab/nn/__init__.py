@@ -1,4 +1,6 @@
-"""Layers shared by every model."""
+"""Layers shared by every model: multi-head attention around a kernel (``attention``),
+blocks, embeddings and positions (``layers``), rotary positions (``rotary``), and the
+weight-decay groups (``optim``)."""
 
 from transformers_lab.nn.attention import (
     Context,

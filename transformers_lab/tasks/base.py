@@ -14,7 +14,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+from torchmetrics import SumMetric
 
+from transformers_lab.errors import ConfigError
 from transformers_lab.nn import weight_decay_groups
 from transformers_lab.tasks.examples import Detokenizer, Example
 
@@ -45,6 +47,34 @@ def log_text(module: L.LightningModule, key: str, text: str) -> None:
             experiment.add_text(key, text, step)
         elif hasattr(logger, "log_text"):  # wandb
             logger.log_text(key=key, columns=["step", "text"], data=[[step, text]])
+
+
+class SplitTotals(nn.Module):
+    """The loss and accuracy of a whole split: the summed loss (mean x count), correct
+    predictions and count of its batches, summed over the processes under DDP when read
+    (torchmetrics' ``SumMetric``). Float64, exact for counts (float32 on MPS, which has no
+    float64); a NaN loss is kept, never dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loss, self.correct, self.count = (SumMetric(nan_strategy="disable") for _ in range(3))
+
+    def start(self, device: torch.device) -> None:
+        """Empty totals on ``device``, at the start of a split."""
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        for total in (self.loss, self.correct, self.count):
+            total.reset()
+            total.set_dtype(dtype)
+
+    def update(self, mean_loss: torch.Tensor, correct: torch.Tensor, count: torch.Tensor) -> None:
+        self.loss.update(mean_loss.detach() * count)
+        self.correct.update(correct)
+        self.count.update(count)
+
+    def means(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean loss and accuracy over everything added, on every process."""
+        count = self.count.compute().clamp_min(1)
+        return (self.loss.compute() / count).float(), (self.correct.compute() / count).float()
 
 
 class Task(L.LightningModule):
@@ -86,6 +116,7 @@ class Task(L.LightningModule):
         self.save_hyperparameters(ignore=ignore)
         self.counts = parameter_counts(model)
         self.num_params = self.counts["model/params"]
+        self.totals = SplitTotals()  # of the validation or test split under way
 
     def configure_optimizers(self) -> Any:
         # the partial's weight_decay goes to the decayed group only
@@ -127,9 +158,14 @@ class Task(L.LightningModule):
             return {}
         total = self.trainer.estimated_stepping_batches
         if not math.isfinite(total):
-            raise ValueError(
+            raise ConfigError(
                 "the schedule needs a length and the trainer has no finite number of steps; "
                 "set scheduler.max_steps or trainer.max_steps"
+            )
+        if total < 1:
+            raise ConfigError(
+                "the run has no optimizer step to schedule (trainer.limit_train_batches=0, "
+                "an empty training set, or max_steps=0); give it at least one training batch"
             )
         length = {"max_steps": int(total)}
         warmup = getattr(factory, "keywords", {}).get("warmup_steps")
@@ -142,19 +178,6 @@ class Task(L.LightningModule):
                 length["warmup_steps"],
             )
         return length
-
-    def zero_sums(self, size: int) -> torch.Tensor:
-        """Zeros to sum a split's metrics into (float64, exact for counts; float32 on MPS,
-        which has no float64); ``trainer.strategy.reduce`` sums them across processes."""
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        return torch.zeros(size, dtype=dtype, device=self.device)
-
-    def split_means(self, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean loss and accuracy of a whole split from its sums (loss x count, correct,
-        count), added up over the processes under DDP."""
-        loss_sum, correct, total = self.trainer.strategy.reduce(sums, reduce_op="sum")
-        total = total.clamp_min(1)
-        return (loss_sum / total).float(), (correct / total).float()
 
     def example(self, batch: Any, index: int = 0) -> Example:
         """Example ``index`` of a batch as the task feeds it to the model, with labels for

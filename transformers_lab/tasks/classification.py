@@ -16,7 +16,6 @@ class ClassificationTask(Task):
     so every rank logs the metric of the whole split), and ``val/acc_best``."""
 
     best_acc = 0.0
-    sums: Tensor | None = None  # summed loss, correct and examples of the split so far
 
     def step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
         x, y = batch
@@ -26,12 +25,12 @@ class ClassificationTask(Task):
             self.log("train/loss", loss, prog_bar=True, batch_size=len(y), sync_dist=True)
         else:
             correct = (logits.argmax(-1) == y).sum()
-            count = torch.tensor(len(y), device=y.device)
-            self.sums += torch.stack([loss.detach() * len(y), correct, count]).to(self.sums.dtype)
+            self.totals.update(loss, correct, torch.tensor(len(y), device=y.device))
         return loss
 
-    def log_sums(self, stage: str) -> float:
-        loss, acc = self.split_means(self.sums)
+    def log_totals(self, stage: str) -> float:
+        loss, acc = self.totals.means()
+        # the same on every process (summed over all of them): sync_dist averages equals
         self.log(f"{stage}/loss", loss, prog_bar=stage != "test", sync_dist=True)
         self.log(f"{stage}/acc", acc, prog_bar=True, sync_dist=True)
         return float(acc)
@@ -51,13 +50,13 @@ class ClassificationTask(Task):
         return Example((x[index : index + 1],), tokens=tokens, caption=caption)
 
     def on_validation_epoch_start(self) -> None:
-        self.sums = self.zero_sums(3)
+        self.totals.start(self.device)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.step(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
-        acc = self.log_sums("val")
+        acc = self.log_totals("val")
         if not self.trainer.sanity_checking:
             self.best_acc = max(self.best_acc, acc)
             self.log("val/acc_best", self.best_acc, sync_dist=True)
@@ -70,10 +69,10 @@ class ClassificationTask(Task):
         self.best_acc = checkpoint.get("best_acc", self.best_acc)
 
     def on_test_epoch_start(self) -> None:
-        self.sums = self.zero_sums(3)
+        self.totals.start(self.device)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.step(batch, "test")
 
     def on_test_epoch_end(self) -> None:
-        self.log_sums("test")
+        self.log_totals("test")

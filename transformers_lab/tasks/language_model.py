@@ -49,7 +49,6 @@ class LanguageModelTask(Task):
         self.sample_every = sample_every
         self.samples: list[str] = []
         self.validations = 0  # finished validations, sanity check excluded
-        self.sums: Tensor | None = None  # summed loss, correct and supervised tokens
 
     def loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, y = batch
@@ -74,31 +73,26 @@ class LanguageModelTask(Task):
         loss, logits = self.loss(batch)
         y = batch[1]
         supervised = y != IGNORE
-        total = supervised.sum()
         correct = ((logits.argmax(-1) == y) & supervised).sum()
-        step = torch.stack([loss.detach() * total, correct, total]).to(self.sums.dtype)
-        self.sums += step
+        self.totals.update(loss, correct, supervised.sum())
 
-    def log_sums(self, stage: str) -> None:
-        """Log the split's metrics from the summed loss, correct and supervised tokens."""
-        loss, acc = self.split_means(self.sums)
+    def log_totals(self, stage: str) -> None:
+        """Log the split's metrics from its summed loss, correct and supervised tokens."""
+        loss, acc = self.totals.means()
         # the same on every process (summed over all of them): sync_dist averages equals
         self.log(f"{stage}/loss", loss, prog_bar=stage == "val", sync_dist=True)
         self.log(f"{stage}/acc", acc, sync_dist=True)
         self.log(f"{stage}/ppl", loss.exp(), sync_dist=True)
         self.log(f"{stage}/bpt", loss / math.log(2), sync_dist=True)
 
-    def reset_sums(self) -> None:
-        self.sums = self.zero_sums(3)
-
     def on_validation_epoch_start(self) -> None:
-        self.reset_sums()
+        self.totals.start(self.device)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.accumulate(batch)
 
     def on_validation_epoch_end(self) -> None:
-        self.log_sums("val")
+        self.log_totals("val")
         if self.trainer.sanity_checking:
             return
         self.validations += 1
@@ -118,10 +112,10 @@ class LanguageModelTask(Task):
             log_text(self, "val/sample", self.samples[-1])
 
     def on_test_epoch_start(self) -> None:
-        self.reset_sums()
+        self.totals.start(self.device)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.accumulate(batch)
 
     def on_test_epoch_end(self) -> None:
-        self.log_sums("test")
+        self.log_totals("test")

@@ -1,0 +1,79 @@
+"""builders: the data module sizes the model, the task gets its detokenizer and run
+config, callbacks and loggers are built as their groups say."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch.callbacks import LearningRateMonitor, TQDMProgressBar
+from omegaconf import OmegaConf
+
+from transformers_lab.builders import build_callbacks, build_model, build_task, model_kwargs
+from transformers_lab.data import SyntheticDataModule
+from transformers_lab.errors import ConfigError
+from transformers_lab.models import GPT
+
+GPT_CONFIG = {"_target_": "transformers_lab.models.GPT", "n_layer": 1, "n_head": 2, "d_model": 16}
+TASK = {
+    "_target_": "transformers_lab.tasks.LanguageModelTask",
+    "optimizer": {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1e-3},
+}
+
+
+class Data:
+    """A data module that provides sizes, and detokenizes."""
+
+    def model_kwargs(self):
+        return {"vocab_size": 10, "block_size": 8}
+
+    def tokenize(self, text):
+        return [int(c) for c in text]
+
+    def detokenize(self, ids):
+        return "".join(map(str, ids))
+
+
+def config(**kw):
+    return OmegaConf.create(GPT_CONFIG | kw)
+
+
+def test_the_model_takes_what_the_data_provides_and_may_hold_more():
+    assert model_kwargs(config(), Data()) == {"vocab_size": 10, "block_size": 8}
+    assert model_kwargs(config(block_size=16, vocab_size=12), Data()) == {}
+    model = build_model(config(), Data())
+    assert isinstance(model, GPT) and model.block_size == 8
+
+
+def test_sizes_that_cannot_work_are_one_line_each():
+    with pytest.raises(ConfigError, match="model.block_size=4 is smaller than the data's"):
+        model_kwargs(config(block_size=4), Data())
+    vit = OmegaConf.create({"_target_": "transformers_lab.models.ViT"})
+    expected = r"\(ViT\) cannot take data.*: .* has no block_size, vocab_size; use model=gpt"
+    with pytest.raises(ConfigError, match=expected):
+        model_kwargs(vit, SyntheticDataModule(train_examples=8, val_examples=8))
+
+
+def test_the_task_gets_the_detokenizer_and_the_run_config():
+    model = build_model(config(), Data())
+    run = {"model": {"_target_": "x.Y"}}  # nodes with targets stay data, never built
+    task = build_task(OmegaConf.create(TASK), model, Data(), run_config=run)
+    assert task.detokenize([1, 2]) == "12" and task.run_config == run
+    checkpoint: dict = {}
+    task.on_save_checkpoint(checkpoint)
+    assert checkpoint["tlab_config"] == run
+    plain = build_task(OmegaConf.create(TASK), model, object())
+    assert plain.detokenize is None and plain.run_config is None
+    with pytest.raises(ConfigError, match="task: sample_every must be >= 1"):
+        build_task(OmegaConf.create(TASK | {"sample_every": 0}), model)
+
+
+def test_callbacks_switched_off_or_pointless_are_left_out():
+    group = OmegaConf.create(
+        {
+            "lr": {"_target_": "lightning.pytorch.callbacks.LearningRateMonitor"},
+            "bar": {"_target_": "lightning.pytorch.callbacks.TQDMProgressBar"},
+            "off": None,
+        }
+    )
+    built = build_callbacks(group)
+    assert [type(c) for c in built] == [LearningRateMonitor, TQDMProgressBar]
+    assert build_callbacks(group, with_logger=False, progress_bar=False) == []

@@ -1,0 +1,63 @@
+"""checkpoints: reading one, its step, and refusing one that does not fit the run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformers_lab.checkpoints import (
+    check_checkpoint,
+    check_resume,
+    checkpoint_step,
+    differences,
+    load_checkpoint,
+)
+from transformers_lab.errors import ConfigError
+
+
+def test_a_missing_or_foreign_file_is_refused_with_what_to_give(tmp_path):
+    with pytest.raises(ConfigError, match=r"no checkpoint at .*nope.ckpt; give ckpt_path="):
+        load_checkpoint(tmp_path / "nope.ckpt")
+    (tmp_path / "junk.ckpt").write_text("junk")
+    with pytest.raises(ConfigError, match="junk.ckpt is not a checkpoint"):
+        load_checkpoint(tmp_path / "junk.ckpt")
+    torch.save([1, 2], tmp_path / "list.ckpt")
+    with pytest.raises(ConfigError, match="it holds a list"):
+        load_checkpoint(tmp_path / "list.ckpt")
+
+
+def test_the_step_a_checkpoint_was_saved_at(tmp_path):
+    torch.save({"global_step": 42, "state_dict": {}}, tmp_path / "a.ckpt")
+    assert checkpoint_step(tmp_path / "a.ckpt") == 42
+    assert checkpoint_step(tmp_path / "gone.ckpt") is None
+
+
+def test_differences_name_keys_and_values_and_swapped_classes():
+    old = {"model": {"d_model": 64, "attention": {"_target_": "a.Soft", "p": 1}}, "data": {"x": 1}}
+    new = {"model": {"d_model": 32, "attention": {"_target_": "a.Fast", "q": 2}}, "data": {}}
+    assert differences(old, new) == [
+        "data.x: 1 -> (absent)",
+        "model.attention._target_: 'a.Soft' -> 'a.Fast'",
+        "model.d_model: 64 -> 32",
+    ]
+    assert differences(old, new, allowed=["model", "data.x"]) == []
+
+
+def test_weights_of_another_shape_are_refused_with_the_config_that_changed():
+    module = torch.nn.Linear(2, 3)
+    saved = {"state_dict": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}
+    with pytest.raises(ConfigError, match=r"different model config \(1 tensors \(weight\)\)"):
+        check_checkpoint(saved, module, "c.ckpt")
+    saved["tlab_config"] = {"model": {"d": 4}}
+    with pytest.raises(ConfigError, match=r"\(model.d: 4 -> 2\)"):
+        check_checkpoint(saved, module, "c.ckpt", {"model": {"d": 2}})
+    check_checkpoint({"state_dict": module.state_dict()}, module, "c.ckpt")
+
+
+def test_a_resume_with_another_config_names_each_change(tmp_path):
+    checkpoint = {"tlab_config": {"model": {"n": 2}, "data": {"root": "/a", "size": 1}}}
+    check_resume(checkpoint, {"model": {"n": 2}, "data": {"root": "/b", "size": 1}}, "c")
+    with pytest.raises(ConfigError, match=r"data.size: 1 -> 2.*resume_may_change"):
+        check_resume(checkpoint, {"model": {"n": 2}, "data": {"root": "/a", "size": 2}}, "c")
+    check_resume(checkpoint, {"model": {"n": 2}, "data": {"size": 2}}, "c", ["data"])
+    check_resume({}, {"model": {"n": 3}}, "c")  # no saved config: shapes only, later

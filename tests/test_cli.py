@@ -1,0 +1,84 @@
+"""cli: the command line checked before Hydra composes, and errors as one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from transformers_lab.cli import (
+    check_flags,
+    check_overrides,
+    check_run_dir,
+    fail,
+    group_options,
+    keys_named,
+    run_dir_folder,
+    search_dirs,
+    user_errors,
+)
+from transformers_lab.config import CONF_DIR
+from transformers_lab.errors import ConfigError, DataFileError
+
+
+def test_group_options_are_the_yaml_files_of_every_config_dir(tmp_path):
+    (tmp_path / "attention").mkdir()
+    (tmp_path / "attention" / "mine.yaml").write_text("{}")
+    assert "softmax" in group_options("attention")
+    assert "mine" not in group_options("attention")
+    both = group_options("attention", (CONF_DIR, tmp_path))
+    assert "mine" in both and "softmax" in both and both == sorted(both)
+
+
+def test_search_dirs_reads_searchpath_and_config_dir(tmp_path):
+    argv = [f"hydra.searchpath=[file://{tmp_path}/a,'pkg://transformers_lab/x']", "-cd", "b"]
+    dirs = search_dirs(argv)
+    assert dirs[0] == CONF_DIR and dirs[1] == tmp_path / "a" and dirs[-1].name == "b"
+    assert dirs[2].parts[-2:] == ("transformers_lab", "x")
+    assert search_dirs(["hydra.searchpath=[pkg://no_such_package_here]"]) is None
+    assert search_dirs(["hydra.searchpath=[s3://bucket]"]) is None  # Hydra will say
+
+
+def test_unknown_options_are_refused_with_the_valid_ones(tmp_path):
+    with pytest.raises(ConfigError, match="unknown attention 'fastmx'; valid options are: .*"):
+        check_overrides(["attention=fastmx"])
+    with pytest.raises(ConfigError, match="unknown model 'nope'"):
+        check_overrides(["-m", "model=gpt,nope"])  # each value of a sweep
+    (tmp_path / "attention").mkdir()
+    (tmp_path / "attention" / "mine.yaml").write_text("{}")
+    user = f"hydra.searchpath=[file://{tmp_path}]"
+    check_overrides([user, "attention=mine"])  # the user's own option
+    check_overrides(["attention=glob(*)", "model.d_model=3", "+attention=null"])
+    with pytest.raises(ConfigError, match=r"\(conf/attention/, .*attention/\)"):
+        check_overrides([user, "attention=other"])
+
+
+def test_flags_name_the_override_meant():
+    assert keys_named("max_epochs")[0] == "trainer.max_epochs"
+    with pytest.raises(ConfigError, match="unknown option --max-epochs.*trainer.max_epochs=5"):
+        check_flags(["--max-epochs", "5"])
+    check_flags(["-m", "--cfg", "job", "x=1"])  # Hydra's own flags pass
+
+
+def test_the_run_dir_folder_follows_the_command_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("TLAB_ROOT", str(tmp_path))
+    assert run_dir_folder([]) == tmp_path / "logs"
+    assert str(run_dir_folder(["hydra.run.dir=/a/b"])) == "/a/b"
+    assert str(run_dir_folder(["-m", "hydra.sweep.dir='/s/${now:%H}'"])) == "/s"
+    assert run_dir_folder(["hydra.run.dir=${paths.log_dir}/x"]) is None
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="cannot create the run dir in .*file/x"):
+        check_run_dir([f"hydra.run.dir={tmp_path}/file/x"])
+    check_run_dir([f"hydra.run.dir={tmp_path}/new/x"])  # creates nothing
+    assert not (tmp_path / "new").exists()
+
+
+def test_user_errors_become_one_line_and_exit_2(capsys):
+    for error in (ConfigError("bad\n  value"), DataFileError("no file")):
+        with pytest.raises(SystemExit) as exit_, user_errors():
+            raise error
+        assert exit_.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["error: bad value", "error: no file"]
+    with pytest.raises(SystemExit):
+        fail("x")
+    with pytest.raises(KeyError), user_errors():  # a bug is not a user's mistake
+        raise KeyError("bug")

@@ -1,0 +1,49 @@
+"""config: resolvers, composing from Python, and instantiating with the target's error."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from transformers_lab.config import (
+    attention_configs,
+    call,
+    compose_config,
+    flatten,
+    optuna_direction,
+    resolved_sections,
+)
+from transformers_lab.errors import ConfigError
+
+
+def test_resolvers():
+    assert optuna_direction("min") == "minimize" and optuna_direction("max") == "maximize"
+    with pytest.raises(ConfigError, match="monitor.mode must be min or max, got 'up'"):
+        optuna_direction("up")
+    cfg = OmegaConf.create({"a": "${run_id:}", "b": "${run_id:}"})
+    assert len(cfg.a) == 6 and cfg.a == cfg.a  # drawn once per config
+
+
+def test_call_gives_the_targets_own_error_in_one_line():
+    bad = OmegaConf.create({"_target_": "torch.nn.Dropout", "p": 2.0})
+    with pytest.raises(ConfigError, match=r"^model: dropout probability has to be between"):
+        call(bad, "model")
+    missing = OmegaConf.create({"_target_": "torch.nn.NoSuchLayer"})
+    with pytest.raises(ConfigError, match=r"^model: cannot import its _target_ 'torch.nn.No"):
+        call(missing, "model")
+
+
+def test_compose_flatten_and_sections(tmp_path):
+    cfg = compose_config("train", ["model=gpt", "data=mqar"], tmp_path / "run")
+    assert cfg.paths.output_dir == str(tmp_path / "run")
+    sections = resolved_sections(cfg)
+    assert set(sections) == {"model", "data", "task"} and isinstance(sections["model"], dict)
+    flat = flatten(sections)
+    assert flat["model._target_"] == "transformers_lab.models.GPT"
+    assert flatten({"a": {"b": [1, 2]}, "c": {}}) == {"a.b": [1, 2]}
+
+
+def test_attention_configs_are_every_option_of_the_group():
+    configs = attention_configs()
+    assert {"softmax", "fastmax", "linear", "cosformer"} <= set(configs)
+    assert configs["fastmax"]["_target_"].endswith("FastmaxAttention")

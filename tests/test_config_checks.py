@@ -1,0 +1,77 @@
+"""config_checks: a composed config refused before anything is built, in one line."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from transformers_lab.config_checks import (
+    NULL,
+    POSITIVE_INT,
+    RULES,
+    check_attention,
+    check_components,
+    check_config,
+    check_missing,
+    check_rules,
+)
+from transformers_lab.errors import ConfigError
+
+
+def test_expectations_compose_with_or():
+    either = NULL | POSITIVE_INT
+    assert either.test(None) and either.test(3) and not either.test(0)
+    assert not either.test(True)  # a bool is no integer here
+    assert either.text == "null or an integer >= 1"
+
+
+def test_rules_name_the_key_and_the_value_and_skip_absent_keys():
+    check_rules(OmegaConf.create({"model": {"d_model": 64}}))  # keys it lacks are skipped
+    with pytest.raises(ConfigError, match=r"^data.batch_size must be an integer >= 1, got 0$"):
+        check_rules(OmegaConf.create({"data": {"batch_size": 0}}))
+    with pytest.raises(ConfigError, match=r"optimizer.betas must be two numbers in \[0, 1\)"):
+        check_rules(OmegaConf.create({"optimizer": {"betas": [0.9, 1.0]}}))
+    with pytest.raises(ConfigError, match="top_k must be null or an integer, got 'x'"):
+        check_rules(OmegaConf.create({"top_k": "x"}))
+    assert all(isinstance(k, str) for k in RULES)
+
+
+def test_missing_values_and_components_without_a_target():
+    with pytest.raises(ConfigError, match="ckpt_path is required: give ckpt_path=..."):
+        check_missing(OmegaConf.create({"ckpt_path": "???"}))
+    with pytest.raises(ConfigError, match="unknown logger 'wandbb'"):
+        check_components(OmegaConf.create({"logger": {"wandbb": {"project": "x"}}}))
+    check_components(OmegaConf.create({"logger": {"csv": None}}))  # switched off
+
+
+def model(**kw):
+    base = {"d_model": 32, "n_head": 4, "attention": "softmax"}
+    return OmegaConf.create(base | kw)
+
+
+def test_attention_is_built_once_to_check_it():
+    check_attention(model())
+    with pytest.raises(ConfigError, match="d_model=30 must be divisible by num_heads=4"):
+        check_attention(model(d_model=30))
+    with pytest.raises(ConfigError, match="rope needs an even head dim.*d_model=36 / n_head=4"):
+        check_attention(model(d_model=36, pos_encoding="rope"))
+    with pytest.raises(ConfigError, match="attention: unknown attention kernel 'soft'"):
+        check_attention(model(attention="soft"))
+    with pytest.raises(ConfigError, match="pos_encoding=alibi adds a bias"):
+        check_attention(model(attention="linear", pos_encoding="alibi"))
+    cos = {"_target_": "transformers_lab.attention.cosformer.CosFormerAttention"}
+    cos["_partial_"] = True
+    with pytest.raises(ConfigError, match="max_len=1024, but the model's context is 2048"):
+        check_attention(model(attention=cos, block_size=2048))
+    typo = {"_target_": "transformers_lab.attention.CosformerAttention", "_partial_": True}
+    with pytest.raises(ConfigError, match=r"^attention: cannot import its _target_ "):
+        check_attention(model(attention=typo))
+
+
+def test_a_run_that_never_stops_and_a_missing_checkpoint():
+    with pytest.raises(ConfigError, match="never stops"):
+        check_config(OmegaConf.create({"trainer": {"max_epochs": -1, "max_steps": -1}}))
+    with pytest.raises(ConfigError, match="no checkpoint at /nowhere.ckpt"):
+        check_config(OmegaConf.create({"ckpt_path": "/nowhere.ckpt"}))
+    with pytest.raises(ConfigError, match="temperature"):
+        check_config(OmegaConf.create({"temperature": -1.0, "top_k": None, "top_p": None}))

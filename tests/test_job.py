@@ -1,0 +1,81 @@
+"""sweeps.job: the job wrapper records every job from start to end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from transformers_lab.sweeps import job as job_module
+from transformers_lab.sweeps.job import run_job
+from transformers_lab.sweeps.record import Outcome, read_record
+
+
+@pytest.fixture(autouse=True)
+def outside_hydra(monkeypatch):
+    """As a job run from Python: no overrides, no multirun (whatever Hydra state other
+    tests left behind)."""
+    monkeypatch.setattr(job_module, "job_overrides", lambda: [])
+    monkeypatch.setattr(job_module, "in_multirun", lambda: False)
+
+
+def cfg_for(run_dir, **kw):
+    base = {
+        "paths": {"output_dir": str(run_dir)},
+        "monitor": {"metric": "val/acc", "mode": "max"},
+        "ckpt_path": None,
+        "skip_finished": False,
+        "fail_fast": False,
+    }
+    return OmegaConf.create(base | kw)
+
+
+def test_a_finished_job_records_its_outcome_and_returns_the_metric(tmp_path):
+    def fit(cfg):
+        assert read_record(tmp_path).status == "running"  # known as running meanwhile
+        return Outcome({"val/acc": 0.5, "val/loss": 1.0}, 0.6, 10, {"best": "b", "last": "l"}, 7)
+
+    assert run_job(cfg_for(tmp_path), fit) == 0.5
+    record = read_record(tmp_path)
+    assert (record.status, record.objective, record.monitor.best) == ("ok", 0.5, 0.6)
+    assert (record.params, record.state_size, record.error) == (10, 7, None)
+    assert record.time_s is not None and record.run_dir == str(tmp_path)
+
+
+def test_a_failed_job_is_recorded_then_raises_outside_a_sweep(tmp_path):
+    def fit(cfg):
+        raise ValueError("bad size")
+
+    with pytest.raises(ValueError, match="bad size"):
+        run_job(cfg_for(tmp_path), fit)
+    record = read_record(tmp_path)
+    assert (record.status, record.error) == ("failed", "ValueError: bad size")
+
+
+def test_in_a_sweep_a_failure_is_nan_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(job_module, "in_multirun", lambda: True)
+
+    def fit(cfg):
+        raise RuntimeError("boom")
+
+    assert math.isnan(run_job(cfg_for(tmp_path), fit))
+    assert "job failed: RuntimeError: boom" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        run_job(cfg_for(tmp_path, fail_fast=True), fit)
+    assert exit_.value.code == 1
+
+
+def test_skip_finished_returns_the_recorded_value_without_fitting(tmp_path, monkeypatch):
+    run_job(cfg_for(tmp_path), lambda cfg: Outcome({"val/acc": 0.9}, 0.9, 1, {}))
+    monkeypatch.setattr(job_module, "job_overrides", lambda: ["skip_finished=true"])
+
+    def never(cfg):
+        raise AssertionError("fitted again")
+
+    assert run_job(cfg_for(tmp_path, skip_finished=True), never) == 0.9
+    monkeypatch.setattr(job_module, "job_overrides", lambda: ["seed=1"])  # another job here
+    assert (
+        run_job(cfg_for(tmp_path, skip_finished=True), lambda c: Outcome({}, None, 1, {})) is None
+    )
+    assert read_record(tmp_path).overrides == ["seed=1"]
