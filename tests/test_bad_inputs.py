@@ -126,8 +126,8 @@ CASES = [
     # sizes a data module refuses, and the file system
     case(
         "train",
-        ["model=gpt", *MQAR, "data.seq_len=4"],
-        "data: seq_len=4 is too short for num_kv_pairs=8: MQAR needs seq_len >= 4 * ",
+        ["model=gpt", *MQAR, "data.block_size=4"],
+        "data: block_size=4 is too short for num_kv_pairs=8: MQAR needs block_size >= 4 * ",
     ),
     case(
         "train",

@@ -75,3 +75,22 @@ def test_a_run_that_never_stops_and_a_missing_checkpoint():
         check_config(OmegaConf.create({"ckpt_path": "/nowhere.ckpt"}))
     with pytest.raises(ConfigError, match="temperature"):
         check_config(OmegaConf.create({"temperature": -1.0, "top_k": None, "top_p": None}))
+
+
+def test_values_have_the_types_their_constructor_declares():
+    gpt = {"_target_": "transformers_lab.models.GPT", "block_size": None, "bias": "yes"}
+    with pytest.raises(ConfigError, match=r"^model.bias must be true or false \(GPT takes bias"):
+        check_config(OmegaConf.create({"model": gpt}))
+    vit = {"_target_": "transformers_lab.models.ViT", "act": 1}  # through EncoderClassifier
+    with pytest.raises(ConfigError, match=r"^model.act must be a string \(ViT takes act: str\)"):
+        check_config(OmegaConf.create({"model": vit}))
+    fastmax = {"_target_": "transformers_lab.attention.FastmaxAttention", "p": "two"}
+    with pytest.raises(ConfigError, match=r"^model.attention.p must be an integer"):
+        check_config(OmegaConf.create({"model": {"attention": fastmax}}))
+    data = {"_target_": "transformers_lab.data.DigitsDataModule", "seed": 1.5}
+    with pytest.raises(ConfigError, match=r"^data.seed must be an integer"):
+        check_config(OmegaConf.create({"data": data}))
+    fine = {"_target_": "transformers_lab.models.GPT", "block_size": None, "mlp_ratio": 4}
+    check_config(OmegaConf.create({"model": fine}))  # an int is a number; null is the data's
+    other = {"_target_": "torch.nn.Linear", "bias": "yes"}  # not ours: its own checks
+    check_config(OmegaConf.create({"model": other}))

@@ -410,7 +410,7 @@ def test_iwslt_files(tmp_path):
 
 
 def test_mqar_answers_are_the_values_bound_earlier():
-    inputs, labels = mqar(200, vocab_size=64, seq_len=48, num_kv_pairs=6, seed=3)
+    inputs, labels = mqar(200, vocab_size=64, block_size=48, num_kv_pairs=6, seed=3)
     assert inputs.shape == labels.shape == (200, 48)
     for x, y in zip(inputs.tolist(), labels.tolist(), strict=True):
         bound = {x[i]: x[i + 1] for i in range(0, 12, 2)}
@@ -418,22 +418,22 @@ def test_mqar_answers_are_the_values_bound_earlier():
         answered = [(x[i], y[i]) for i in range(len(y)) if y[i] != -100]
         assert len(answered) == 6
         assert all(bound[key] == value for key, value in answered)
-    again, _ = mqar(200, vocab_size=64, seq_len=48, num_kv_pairs=6, seed=3)
+    again, _ = mqar(200, vocab_size=64, block_size=48, num_kv_pairs=6, seed=3)
     assert torch.equal(inputs, again)
-    other, _ = mqar(200, vocab_size=64, seq_len=48, num_kv_pairs=6, seed=4)
+    other, _ = mqar(200, vocab_size=64, block_size=48, num_kv_pairs=6, seed=4)
     assert not torch.equal(inputs, other)
 
 
 def test_mqar_gaps_follow_a_power_law():
-    _, labels = mqar(2000, vocab_size=256, seq_len=256, num_kv_pairs=4, seed=0)
+    _, labels = mqar(2000, vocab_size=256, block_size=256, num_kv_pairs=4, seed=0)
     positions = (labels != -100).nonzero()[:, 1].float()
     first_half = (positions < 8 + (256 - 8) / 2).float().mean()
     assert first_half > 0.6  # a uniform placement would give 0.5
 
 
 def test_mqar_rejects_impossible_settings():
-    with pytest.raises(ValueError, match="seq_len >= 4 \\* num_kv_pairs"):
-        mqar(1, vocab_size=64, seq_len=20, num_kv_pairs=8)
+    with pytest.raises(ValueError, match="block_size >= 4 \\* num_kv_pairs"):
+        mqar(1, vocab_size=64, block_size=20, num_kv_pairs=8)
 
 
 @pytest.mark.parametrize("task", ["copy", "sort"])
@@ -451,7 +451,7 @@ def test_synthetic_module_and_configs():
     dm = SyntheticDataModule(
         "mqar",
         vocab_size=64,
-        seq_len=32,
+        block_size=32,
         num_kv_pairs=4,
         train_examples=20,
         val_examples=10,
@@ -461,7 +461,7 @@ def test_synthetic_module_and_configs():
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == y.shape == (5, 32)
     assert not torch.equal(dm.train_set.tensors[0][:10], dm.val_set.tensors[0])
-    with pytest.raises(ValueError, match="unknown synthetic task 'recall'"):
+    with pytest.raises(ValueError, match="unknown synthetic problem 'recall'"):
         SyntheticDataModule("recall")
 
 

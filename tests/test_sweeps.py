@@ -99,7 +99,7 @@ def test_a_kernel_sweep_writes_a_summary_with_one_row_per_job(kernel_sweep):
     # the decoding state: a KV cache of 2 layers x block_size (64 numbers a token) for
     # softmax, a state of (32 + 1)(1 + 32) numbers a head for fastmax p=1, 2 heads, 2 layers
     state = {r["overrides"].split()[0]: int(r["state_size"]) for r in rows}
-    block = OmegaConf.load(sweep / "0" / ".hydra" / "config.yaml").data.seq_len
+    block = OmegaConf.load(sweep / "0" / ".hydra" / "config.yaml").data.block_size
     assert state["attention=softmax"] == 2 * block * 2 * 64
     assert state["attention=fastmax_p1"] == 2 * 2 * 33 * 33
     assert (sweep / "state.png").stat().st_size > 0

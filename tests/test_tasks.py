@@ -37,7 +37,7 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
 def test_language_model_task_learns_copy_and_logs_its_metrics():
     L.seed_everything(0)
     dm = SyntheticDataModule(
-        "copy", vocab_size=8, seq_len=12, train_examples=512, val_examples=64, batch_size=32
+        "copy", vocab_size=8, block_size=12, train_examples=512, val_examples=64, batch_size=32
     )
     model = GPT(n_layer=2, n_head=2, d_model=32, **dm.model_kwargs())
     task = LanguageModelTask(model, ADAMW, sample_tokens=0)
@@ -64,7 +64,7 @@ def test_language_model_task_learns_copy_and_logs_its_metrics():
 
 def test_language_model_task_logs_a_text_sample():
     dm = SyntheticDataModule(
-        "sort", vocab_size=6, seq_len=8, train_examples=64, val_examples=16, batch_size=16
+        "sort", vocab_size=6, block_size=8, train_examples=64, val_examples=16, batch_size=16
     )
     task = LanguageModelTask(
         GPT(n_layer=1, n_head=1, d_model=8, **dm.model_kwargs()),
@@ -160,7 +160,7 @@ def test_sampling_at_validation_does_not_change_training():
     def fit(sample_tokens: int) -> list[torch.Tensor]:
         L.seed_everything(0)
         dm = SyntheticDataModule(
-            "sort", vocab_size=6, seq_len=8, train_examples=64, val_examples=16, batch_size=16
+            "sort", vocab_size=6, block_size=8, train_examples=64, val_examples=16, batch_size=16
         )
         model = GPT(n_layer=1, n_head=1, d_model=8, dropout=0.1, **dm.model_kwargs())
         task = LanguageModelTask(model, ADAMW, sample_tokens=sample_tokens)

@@ -2,16 +2,19 @@
 at once, as one ``ConfigError`` line that says what was wrong and how to fix it.
 
 ``RULES`` says what the value of each key must be; a key that the config does not have
-(another model, another entry point) is skipped. The checks that need the data (sizes,
-vocabularies, whether model and data fit together) run when the model is sized from it
-(``builders.model_kwargs``), and those of a checkpoint's contents when it is loaded.
+(another model, another entry point) is skipped. The values a node gives one of our own
+classes must also have the types its constructor declares (``check_signature``). The
+checks that need the data (sizes, vocabularies, whether model and data fit together) run
+when the model is sized from it (``builders.model_kwargs``), and those of a checkpoint's
+contents when it is loaded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, get_args
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PRECISION_INPUT_STR
@@ -98,7 +101,6 @@ RULES: dict[str, Expect] = {
     "data.test_fraction": FRACTION,
     "data.val_size": COUNT,
     "data.block_size": POSITIVE_INT,
-    "data.seq_len": POSITIVE_INT,
     "data.max_len": POSITIVE_INT,
     "data.train_examples": POSITIVE_INT,
     "data.val_examples": POSITIVE_INT,
@@ -221,10 +223,73 @@ def check_attention(model: DictConfig, data_context: int | None = None) -> None:
             raise ConfigError(f"{key}: {model_class.__name__} attends causally: {why}")
 
 
+# ---------------------------------------------------------------- from the signatures
+
+SIMPLE = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def accepts(kind: Any, value: Any) -> bool:
+    """Whether ``value`` (from a config) fits an annotation made of int, float, bool,
+    str and None; an annotation of any other kind accepts anything."""
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is str:
+        return isinstance(value, str)
+    return True
+
+
+def simple_parts(annotation: Any) -> list[Any] | None:
+    """The parts of ``int | None``-like annotations, or None for any other kind."""
+    parts = (
+        list(get_args(annotation)) if get_origin(annotation) in (Union, UnionType) else [annotation]
+    )
+    return parts if all(p in SIMPLE or p is type(None) for p in parts) else None
+
+
+def check_signature(section: str, node: Any) -> None:
+    """The values a config node gives its own class (a ``transformers_lab`` class) have
+    the types its constructor declares: ``model.bias=yes`` is refused here rather than
+    taken as true. Limits are ``RULES``' and the constructors' own."""
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        return
+    if not str(node._target_).startswith("transformers_lab."):
+        return
+    try:
+        cls = target_class(node)
+        hints: dict[str, Any] = {}
+        # a class's own hints first, then those of the classes it passes its options to
+        for owner in reversed(cls.__mro__ if isinstance(cls, type) else (cls,)):
+            hints |= get_type_hints(owner.__init__ if isinstance(cls, type) else owner)
+    except Exception:  # not importable (the build will say), or unresolvable hints
+        return
+    for key, value in node.items():
+        parts = simple_parts(hints.get(str(key)))
+        if key in ("_target_", "_partial_") or parts is None or value is None:
+            continue  # null: the default, or the data's value (model.block_size: null)
+        if not any(accepts(kind, value) for kind in parts):
+            expected = " or ".join("null" if p is type(None) else SIMPLE[p] for p in parts)
+            raise ConfigError(
+                f"{section}.{key} must be {expected} ({cls.__name__} takes {key}: "
+                f"{' | '.join('None' if p is type(None) else p.__name__ for p in parts)}), "
+                f"got {shown(value)}"
+            )
+
+
 def check_config(cfg: DictConfig) -> None:
     """Refuse a composed config of an entry point that cannot work (raises ``ConfigError``)."""
     check_missing(cfg)
     check_rules(cfg)
+    for section in ("model", "data", "task"):
+        node = cfg.get(section)
+        check_signature(section, node)
+        for key in ("attention", "cross_attention") if section == "model" and node else ():
+            check_signature(f"model.{key}", node.get(key))
     check_components(cfg)
     if "model" in cfg and "n_head" in cfg.model:
         data = cfg.get("data") or {}

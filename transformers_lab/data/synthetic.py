@@ -1,7 +1,7 @@
 """Synthetic sequence tasks, generated deterministically from a seed: multi-query
 associative recall (MQAR, as in the Zoology benchmark, Arora et al., 2023), copy and sort.
 
-Every example is (inputs, labels) of length ``seq_len`` for next-token prediction, with
+Every example is (inputs, labels) of length ``block_size`` for next-token prediction, with
 labels -100 wherever there is nothing to predict, so the loss and the accuracy cover the
 answer positions only.
 """
@@ -15,15 +15,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from transformers_lab.data.base import IGNORE, ResumableLoader
 
-TASKS = ("mqar", "copy", "sort")
+PROBLEMS = ("mqar", "copy", "sort")
 
 
-def check_mqar_sizes(vocab_size: int, seq_len: int, num_kv_pairs: int) -> None:
+def check_mqar_sizes(vocab_size: int, block_size: int, num_kv_pairs: int) -> None:
     """Refuse MQAR sizes that cannot hold the pairs and their queries."""
-    if seq_len < 4 * num_kv_pairs:
+    if block_size < 4 * num_kv_pairs:
         raise ValueError(
-            f"seq_len={seq_len} is too short for num_kv_pairs={num_kv_pairs}: MQAR needs "
-            f"seq_len >= 4 * num_kv_pairs = {4 * num_kv_pairs}"
+            f"block_size={block_size} is too short for num_kv_pairs={num_kv_pairs}: MQAR needs "
+            f"block_size >= 4 * num_kv_pairs = {4 * num_kv_pairs}"
         )
     half = vocab_size // 2
     if half - 1 < num_kv_pairs or vocab_size - half < num_kv_pairs:
@@ -36,7 +36,7 @@ def check_mqar_sizes(vocab_size: int, seq_len: int, num_kv_pairs: int) -> None:
 def mqar(
     num_examples: int,
     vocab_size: int = 8192,
-    seq_len: int = 64,
+    block_size: int = 64,
     num_kv_pairs: int = 8,
     power_a: float = 0.01,
     seed: int = 0,
@@ -50,9 +50,9 @@ def mqar(
     query position is the value bound to that key; the other positions hold random tokens
     and the label -100.
     """
-    check_mqar_sizes(vocab_size, seq_len, num_kv_pairs)
+    check_mqar_sizes(vocab_size, block_size, num_kv_pairs)
     context = 2 * num_kv_pairs
-    space = (seq_len - context) // 2
+    space = (block_size - context) // 2
     half = vocab_size // 2
     g = torch.Generator().manual_seed(seed)
     n = num_examples
@@ -77,11 +77,11 @@ def mqar(
     gumbel = -torch.log(-torch.log(torch.rand(n, space, generator=g, dtype=torch.float64)))
     gaps = (log_p + gumbel).topk(num_kv_pairs, dim=1).indices  # (n, P) in [0, space)
 
-    seq = torch.zeros(n, seq_len + 1, dtype=torch.long)
+    seq = torch.zeros(n, block_size + 1, dtype=torch.long)
     seq[:, 0:context:2], seq[:, 1:context:2] = keys, values
     query_pos = context + 2 * gaps
     seq.scatter_(1, query_pos, keys)
-    labels = torch.full((n, seq_len + 1), IGNORE, dtype=torch.long)
+    labels = torch.full((n, block_size + 1), IGNORE, dtype=torch.long)
     labels.scatter_(1, query_pos + 1, values)
     inputs, labels = seq[:, :-1], labels[:, 1:]
     noise = torch.randint(vocab_size, inputs.shape, generator=g)
@@ -90,17 +90,17 @@ def mqar(
 
 
 def copy_or_sort(
-    task: str, num_examples: int, vocab_size: int = 16, length: int = 16, seed: int = 0
+    problem: str, num_examples: int, vocab_size: int = 16, length: int = 16, seed: int = 0
 ) -> tuple[Tensor, Tensor]:
     """``x, SEP, f(x)`` with f the identity (copy) or sorting (sort); SEP = vocab_size - 1.
 
     Tokens of x are drawn from [0, vocab_size - 1); only f(x) is supervised.
     """
-    if task not in ("copy", "sort"):
-        raise ValueError(f"unknown task {task!r}; expected copy or sort")
+    if problem not in ("copy", "sort"):
+        raise ValueError(f"unknown problem {problem!r}; expected copy or sort")
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(vocab_size - 1, (num_examples, length), generator=g)
-    target = x if task == "copy" else x.sort(dim=1).values
+    target = x if problem == "copy" else x.sort(dim=1).values
     sep = torch.full((num_examples, 1), vocab_size - 1)
     seq = torch.cat([x, sep, target], dim=1)  # (n, 2L + 1)
     labels = seq.clone()
@@ -112,10 +112,10 @@ class SyntheticDataModule(L.LightningDataModule):
     """MQAR, copy or sort, with disjoint seeds for the training and validation sets.
 
     Args:
-        task: mqar, copy or sort.
+        problem: mqar, copy or sort.
         vocab_size: token ids (MQAR: keys and values split it in halves; copy/sort: the
             last id is the separator).
-        seq_len: tokens per example (copy/sort: 2 * length + 1 - 1 inputs).
+        block_size: tokens per example (copy/sort: 2 * length + 1 - 1 inputs).
         num_kv_pairs: MQAR pairs per example.
         train_examples, val_examples: set sizes.
         batch_size, num_workers: loaders.
@@ -124,9 +124,9 @@ class SyntheticDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        task: str = "mqar",
+        problem: str = "mqar",
         vocab_size: int = 256,
-        seq_len: int = 64,
+        block_size: int = 64,
         num_kv_pairs: int = 8,
         train_examples: int = 20_000,
         val_examples: int = 1_000,
@@ -135,13 +135,15 @@ class SyntheticDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if task not in TASKS:
-            raise ValueError(f"unknown synthetic task {task!r}; valid ones are: {', '.join(TASKS)}")
-        if task != "mqar" and seq_len % 2:
-            raise ValueError(f"{task} needs an even seq_len (x, SEP, f(x)), got {seq_len}")
-        if task == "mqar":  # what mqar() would refuse, said before any example is drawn
-            check_mqar_sizes(vocab_size, seq_len, num_kv_pairs)
-        self.task, self.vocab_size, self.seq_len = task, vocab_size, seq_len
+        if problem not in PROBLEMS:
+            raise ValueError(
+                f"unknown synthetic problem {problem!r}; valid ones are: {', '.join(PROBLEMS)}"
+            )
+        if problem != "mqar" and block_size % 2:
+            raise ValueError(f"{problem} needs an even block_size (x, SEP, f(x)), got {block_size}")
+        if problem == "mqar":  # what mqar() would refuse, said before any example is drawn
+            check_mqar_sizes(vocab_size, block_size, num_kv_pairs)
+        self.problem, self.vocab_size, self.block_size = problem, vocab_size, block_size
         self.num_kv_pairs = num_kv_pairs
         self.train_examples, self.val_examples = train_examples, val_examples
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
@@ -149,13 +151,13 @@ class SyntheticDataModule(L.LightningDataModule):
         self.val_set: TensorDataset | None = None
 
     def generate(self, num_examples: int, seed: int) -> TensorDataset:
-        if self.task == "mqar":
+        if self.problem == "mqar":
             inputs, labels = mqar(
-                num_examples, self.vocab_size, self.seq_len, self.num_kv_pairs, seed=seed
+                num_examples, self.vocab_size, self.block_size, self.num_kv_pairs, seed=seed
             )
         else:
-            length = self.seq_len // 2
-            inputs, labels = copy_or_sort(self.task, num_examples, self.vocab_size, length, seed)
+            length = self.block_size // 2
+            inputs, labels = copy_or_sort(self.problem, num_examples, self.vocab_size, length, seed)
         return TensorDataset(inputs, labels)
 
     def setup(self, stage: str | None = None) -> None:
@@ -164,7 +166,7 @@ class SyntheticDataModule(L.LightningDataModule):
             self.val_set = self.generate(self.val_examples, self.seed + 1)
 
     def model_kwargs(self) -> dict[str, int]:
-        return {"vocab_size": self.vocab_size, "block_size": self.seq_len}
+        return {"vocab_size": self.vocab_size, "block_size": self.block_size}
 
     def train_dataloader(self) -> DataLoader:
         self.setup()

@@ -48,7 +48,7 @@ def job_overrides() -> list[str]:
     return list(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
 
 
-def swept_keys(sweep_dir: Path) -> set[str]:
+def sweep_parameters(sweep_dir: Path) -> set[str]:
     """The keys a multirun sweeps: its sweeper's ``params`` and the command line's sweep
     overrides (``attention=softmax,dot``), read from the sweep's ``multirun.yaml``."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -73,7 +73,7 @@ def name_wandb_run(cfg: DictConfig) -> None:
     if in_multirun():
         sweep_dir = Path(cfg.paths.output_dir).parent
         group = f"{cfg.task_name}-{sweep_dir.name}"
-        swept = swept_keys(sweep_dir) - set(SEED_KEYS)
+        swept = sweep_parameters(sweep_dir) - set(SEED_KEYS)
         choice = [o for o in job_overrides() if override_key(o) in swept]
         job_type = " ".join(choice)[:64] or cfg.task_name
     with open_dict(node):

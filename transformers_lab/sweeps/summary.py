@@ -119,7 +119,7 @@ def collect(*dirs: str | Path) -> list[Run]:
 # ---------------------------------------------------------------- tables
 
 
-def swept_keys(runs: Sequence[Run]) -> list[str]:
+def varying_keys(runs: Sequence[Run]) -> list[str]:
     """The override keys whose value differs between jobs (what the sweep varies)."""
     maps = [override_map(r.record.overrides) for r in runs]
     keys = sorted({k for m in maps for k in m})
@@ -325,7 +325,7 @@ def summarize(
     out = Path(out) if out is not None else default_out(dirs)
     metric, default_mode = pick_metric(runs, metric)
     mode = mode or default_mode
-    keys = swept_keys(runs)
+    keys = varying_keys(runs)
     rows = job_rows(runs, metric)
     groups = group_rows(runs, metric, keys, by_source)
     groups.sort(
