@@ -46,7 +46,7 @@ CASES = [
     case("train", ["model.d_model=33"], "d_model=33 must be divisible by num_heads=2"),
     case("train", ["model.n_head=0"], "model.n_head must be an integer >= 1, got 0"),
     case("train", ["model.n_layer=0"], "model.n_layer must be an integer >= 1, got 0"),
-    case("train", ["model.mlp_ratio=abc"], "model.mlp_ratio must be a number > 0, got 'abc'"),
+    case("train", ["model.mlp_ratio=abc"], "model.mlp_ratio must be a number >= 0 (0: no MLP)"),
     case(
         "train",
         ["attention=fastmax_p1", "attention.normalize=false"],
@@ -164,6 +164,11 @@ CASES = [
     case("train", ["experiment=nope"], "unknown experiment 'nope'"),
     # the command line itself
     case("train", ["model.dropuot=0.1"], "unknown key model.dropuot (did you mean model.dropout?)"),
+    case(
+        "train",
+        ["experiment=mqar", "data.seq_len=64"],
+        "data.seq_len is now called data.block_size: give data.block_size=... instead",
+    ),
     case("train", ["model=transformer"], "unknown key model.n_layer (did you mean model.n_enc"),
     case("train", ["model.d_model=[1"], "no viable alternative at input '[1'"),
     case(  # argparse printed its usage

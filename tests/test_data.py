@@ -424,6 +424,18 @@ def test_mqar_answers_are_the_values_bound_earlier():
     assert not torch.equal(inputs, other)
 
 
+def test_mqar_without_random_non_queries_is_zoologys_figure2_layout():
+    noisy, labels = mqar(50, vocab_size=64, block_size=32, num_kv_pairs=4, seed=5)
+    plain, same_labels = mqar(
+        50, vocab_size=64, block_size=32, num_kv_pairs=4, seed=5, random_non_queries=False
+    )
+    assert torch.equal(labels, same_labels)  # the same pairs, queries and answers
+    kept = labels != -100  # a query's key sits where its answer is the label
+    kept[:, :8] = True  # the 4 pairs
+    assert torch.equal(plain[kept], noisy[kept])
+    assert (plain[~kept] == 0).all() and (noisy[~kept] != 0).float().mean() > 0.9
+
+
 def test_mqar_gaps_follow_a_power_law():
     _, labels = mqar(2000, vocab_size=256, block_size=256, num_kv_pairs=4, seed=0)
     positions = (labels != -100).nonzero()[:, 1].float()

@@ -505,3 +505,21 @@ def test_patch_stride_and_padding_set_the_grid():
     assert vit(images).shape == (2, 10)
     with pytest.raises(ValueError, match=r"= 23 is not a non-negative multiple of the stride 5"):
         PatchEmbedding(28, 5, 1, 8, stride=5)
+
+
+def test_mlp_ratio_zero_makes_attention_only_blocks():
+    """Zoology's models mix with attention alone (their state mixer is an Identity)."""
+    plain, bare = tiny_gpt(), tiny_gpt(mlp_ratio=0)
+    assert all(block.mlp is None and block.norm_mlp is None for block in bare.blocks)
+    d = 16  # per block: the MLP (d -> 4d -> d, with biases) and its LayerNorm are gone
+    mlp = (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * d
+    assert plain.num_params() - bare.num_params() == 2 * mlp
+    idx = torch.randint(0, V, (2, 8))
+    logits, cache = bare.forward_cached(idx[:, :5])
+    steps = [logits]
+    for t in range(5, 8):
+        logits, cache = bare.forward_cached(idx[:, t : t + 1], cache, offset=t)
+        steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), bare(idx), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="mlp_ratio must be >= 0"):
+        tiny_gpt(mlp_ratio=-1)

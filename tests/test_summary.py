@@ -132,8 +132,9 @@ def test_by_source_keeps_each_dirs_runs_apart_and_out_says_where(tmp_path, capsy
     with (out / "summary.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 4
     md = (out / "summary.md").read_text()
-    assert "| after: (all) | 2/2 | 1.1 ± 0.14 |" in md
-    assert "| before: (all) | 2/2 | 2.1 ± 0.14 |" in md
+    # two seeds: t(1) = 12.71 makes the 95% interval wide
+    assert "| after: (all) | 2/2 | 1.1 ± 0.14 [-0.171, 2.37] |" in md
+    assert "| before: (all) | 2/2 | 2.1 ± 0.14 [0.829, 3.37] |" in md
 
 
 def test_one_sweep_dir_keeps_its_summary_in_place(tmp_path):
@@ -159,7 +160,7 @@ def test_bookkeeping_keys_never_split_a_group(tmp_path):
     make_run(sweep / "1", ["attention=dot", "seed=1", "skip_finished=true"], val_loss=2.4)
     make_run(sweep / "2", ["attention=dot", "seed=2", "+fail_fast=true"], val_loss=2.2)
     make_run(sweep / "3", ["attention=softmax", "seed=0"], val_loss=1.0)
-    assert set(BOOKKEEPING_KEYS) == {"skip_finished", "fail_fast"}
+    assert set(BOOKKEEPING_KEYS) == {"skip_finished", "fail_fast", "summary"}
     groups = {g["choice"]: g["runs"] for g in summarize(sweep)["groups"]}
     assert groups == {"attention=dot": "3/3", "attention=softmax": "1/1"}
 

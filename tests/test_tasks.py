@@ -8,6 +8,7 @@ import math
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 
 from transformers_lab.data import DigitsDataModule, SyntheticDataModule
 from transformers_lab.models import GPT, Transformer, ViT
@@ -171,3 +172,21 @@ def test_sampling_at_validation_does_not_change_training():
 
     for with_samples, without in zip(fit(20), fit(0), strict=True):
         torch.testing.assert_close(with_samples, without)
+
+
+def test_sparse_answers_go_through_the_output_layer_alone():
+    """MQAR supervises a few positions: the loss and accuracy from their logits alone are
+    the full forward's."""
+    dm = SyntheticDataModule(
+        "mqar", vocab_size=64, block_size=32, num_kv_pairs=4, train_examples=16, val_examples=8
+    )
+    dm.setup()
+    x, y = next(iter(dm.train_dataloader()))
+    model = GPT(64, 32, n_layer=1, n_head=2, d_model=16)
+    task = LanguageModelTask(model, ADAMW)
+    loss, logits, targets = task.loss((x, y))
+    assert logits.shape == (int((y != -100).sum()), 64)  # the answers only
+    full = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+    torch.testing.assert_close(loss, full)
+    dense = (x, torch.roll(x, -1, dims=1))  # every position supervised: the full tensor
+    assert task.loss(dense)[1].shape == (x.numel(), 64)

@@ -74,6 +74,19 @@ def test_the_experiments_are_the_promised_ones():
     assert expected | {"transformer_multi30k"} <= set(EXPERIMENTS)
 
 
+def test_zoology_mqar_is_zoologys_figure2_cell(tmp_path):
+    cfg = compose_run("train", ["experiment=zoology_mqar"], tmp_path / "run")
+    m, d, o, s = cfg.model, cfg.data, cfg.optimizer, cfg.scheduler
+    assert (m.n_layer, m.n_head, m.d_model, m.mlp_ratio, m.dropout) == (2, 1, 64, 0, 0.1)
+    assert m.pos_encoding == "learned"
+    assert (d.vocab_size, d.block_size, d.num_kv_pairs, d.power_a) == (8192, 64, 4, 0.01)
+    assert (d.train_examples, d.val_examples, d.batch_size) == (100_000, 3000, 512)
+    assert d.random_non_queries is False
+    assert (o.weight_decay, s.warmup_steps, s.min_lr_ratio) == (0.1, 0, 0.0)
+    stop = cfg.callbacks.early_stopping
+    assert (stop.monitor, stop.mode, stop.stopping_threshold) == ("val/acc", "max", 0.99)
+
+
 def test_baby_gpt_is_nanogpts_cpu_config(tmp_path):
     cfg = compose_run("train", ["experiment=baby_gpt"], tmp_path / "run")
     m, d, o, s, t = cfg.model, cfg.data, cfg.optimizer, cfg.scheduler, cfg.trainer

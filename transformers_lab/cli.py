@@ -174,10 +174,17 @@ def check_run_dir(argv: Sequence[str]) -> None:
         ) from None
 
 
+# keys that were renamed, so that an old command line gets the new name
+RENAMED = {"data.seq_len": "data.block_size", "data.task": "data.problem"}
+
+
 def one_line(exc: Exception) -> str:
     """A config error of Hydra or OmegaConf, said briefly; a mistyped key gets the nearest."""
     cause = exc.__cause__
     if isinstance(cause, ConfigAttributeError | ConfigKeyError) and cause.parent_node is not None:
+        if cause.full_key in RENAMED:
+            new = RENAMED[cause.full_key]
+            return f"{cause.full_key} is now called {new}: give {new}=... instead"
         parent, _, key = cause.full_key.rpartition(".")
         near = difflib.get_close_matches(key, [str(k) for k in cause.parent_node], n=1)
         if near and not parent and (CONF_DIR / near[0]).is_dir():  # a misspelled group

@@ -92,7 +92,7 @@ RULES: dict[str, Expect] = {
     "model.n_layer": POSITIVE_INT,
     "model.n_encoder_layers": POSITIVE_INT,
     "model.n_decoder_layers": POSITIVE_INT,
-    "model.mlp_ratio": POSITIVE,
+    "model.mlp_ratio": Expect(lambda v: is_number(v) and v >= 0, "a number >= 0 (0: no MLP)"),
     "model.dropout": PROBABILITY,
     "model.patch_size": NULL | POSITIVE_INT,
     "data.batch_size": POSITIVE_INT,

@@ -22,6 +22,10 @@ class UnknownMetric(ValueError):
     """A metric was asked for that no run logged."""
 
 
+class UnknownChoice(ValueError):
+    """A baseline was asked for that no group of the summary is."""
+
+
 class RunStopped(Exception):
     """A training run stopped on purpose; ``exit_code`` is the process's exit status."""
 

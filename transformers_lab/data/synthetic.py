@@ -40,6 +40,7 @@ def mqar(
     num_kv_pairs: int = 8,
     power_a: float = 0.01,
     seed: int = 0,
+    random_non_queries: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """MQAR examples: ``num_kv_pairs`` key-value pairs, then each key again as a query.
 
@@ -48,7 +49,7 @@ def mqar(
     after them, at an even offset ``2 * gap`` whose gap follows the power law
     p(gap) ~ gap^(power_a - 1) (most queries come soon after the context). The label at a
     query position is the value bound to that key; the other positions hold random tokens
-    and the label -100.
+    (``random_non_queries``; else 0, as in Zoology's Figure 2) and the label -100.
     """
     check_mqar_sizes(vocab_size, block_size, num_kv_pairs)
     context = 2 * num_kv_pairs
@@ -84,8 +85,9 @@ def mqar(
     labels = torch.full((n, block_size + 1), IGNORE, dtype=torch.long)
     labels.scatter_(1, query_pos + 1, values)
     inputs, labels = seq[:, :-1], labels[:, 1:]
-    noise = torch.randint(vocab_size, inputs.shape, generator=g)
-    inputs = torch.where(inputs == 0, noise, inputs)  # random tokens between the queries
+    noise = torch.randint(vocab_size, inputs.shape, generator=g)  # drawn either way: the
+    if random_non_queries:  # pairs and queries are the same with and without the noise
+        inputs = torch.where(inputs == 0, noise, inputs)  # random tokens between the queries
     return inputs, labels
 
 
@@ -117,6 +119,9 @@ class SyntheticDataModule(L.LightningDataModule):
             last id is the separator).
         block_size: tokens per example (copy/sort: 2 * length + 1 - 1 inputs).
         num_kv_pairs: MQAR pairs per example.
+        power_a: MQAR's power law of the query gaps (Zoology's 0.01).
+        random_non_queries: MQAR's positions between the queries hold random tokens
+            (else 0, Zoology's Figure 2 setting).
         train_examples, val_examples: set sizes.
         batch_size, num_workers: loaders.
         seed: the training set uses ``seed``, validation ``seed + 1``.
@@ -133,6 +138,8 @@ class SyntheticDataModule(L.LightningDataModule):
         batch_size: int = 64,
         num_workers: int = 0,
         seed: int = 0,
+        power_a: float = 0.01,
+        random_non_queries: bool = True,
     ) -> None:
         super().__init__()
         if problem not in PROBLEMS:
@@ -144,7 +151,8 @@ class SyntheticDataModule(L.LightningDataModule):
         if problem == "mqar":  # what mqar() would refuse, said before any example is drawn
             check_mqar_sizes(vocab_size, block_size, num_kv_pairs)
         self.problem, self.vocab_size, self.block_size = problem, vocab_size, block_size
-        self.num_kv_pairs = num_kv_pairs
+        self.num_kv_pairs, self.power_a = num_kv_pairs, power_a
+        self.random_non_queries = random_non_queries
         self.train_examples, self.val_examples = train_examples, val_examples
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.train_set: TensorDataset | None = None
@@ -153,7 +161,13 @@ class SyntheticDataModule(L.LightningDataModule):
     def generate(self, num_examples: int, seed: int) -> TensorDataset:
         if self.problem == "mqar":
             inputs, labels = mqar(
-                num_examples, self.vocab_size, self.block_size, self.num_kv_pairs, seed=seed
+                num_examples,
+                self.vocab_size,
+                self.block_size,
+                self.num_kv_pairs,
+                self.power_a,
+                seed=seed,
+                random_non_queries=self.random_non_queries,
             )
         else:
             length = self.block_size // 2

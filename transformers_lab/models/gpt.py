@@ -117,10 +117,19 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits (B, T, vocab) of the next token at every position of idx (B, T)."""
+        return self.logits(self.features(idx))
+
+    def features(self, idx: Tensor) -> Tensor:
+        """The final normalised hidden states (B, T, d_model) of idx (B, T)."""
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, causal=True)
-        return self.lm_head(self.norm(x))
+        return self.norm(x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Next-token logits (..., vocab) of hidden states (..., d_model): a task that
+        scores a few positions (MQAR's answers) projects only those."""
+        return self.lm_head(h)
 
     def forward_cached(
         self, idx: Tensor, cache: list[Any] | None = None, offset: int = 0

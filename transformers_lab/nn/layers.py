@@ -224,7 +224,8 @@ class Block(nn.Module):
         d_model, num_heads: width and heads of every attention.
         attention: kernel factory of the self-attention.
         cross_attention: kernel factory of the cross-attention; None for no cross-attention.
-        mlp_ratio: hidden width of the MLP over d_model.
+        mlp_ratio: hidden width of the MLP over d_model; 0 for no MLP sublayer at all (an
+            attention-only block, Zoology's ``Identity`` state mixer).
         act: MLP activation.
         dropout: dropout on the residual branches (attention and MLP outputs).
         bias: biases in the linear layers and LayerNorms.
@@ -261,8 +262,10 @@ class Block(nn.Module):
                 d_model, num_heads, cross_attention, cross=True, bias=bias, dropout=dropout
             )
             self.norm_cross = nn.LayerNorm(d_model, bias=bias)
-        self.mlp = MLP(d_model, int(mlp_ratio * d_model), act, dropout, bias)
-        self.norm_mlp = nn.LayerNorm(d_model, bias=bias)
+        if mlp_ratio < 0:
+            raise ValueError(f"mlp_ratio must be >= 0 (0: no MLP), got {mlp_ratio}")
+        self.mlp = MLP(d_model, int(mlp_ratio * d_model), act, dropout, bias) if mlp_ratio else None
+        self.norm_mlp = nn.LayerNorm(d_model, bias=bias) if mlp_ratio else None
 
     def forward(
         self,
@@ -310,4 +313,6 @@ class Block(nn.Module):
                 return self.cross(h, memory, key_padding_mask=memory_padding_mask)
 
             x = _sublayer(x, self.norm_cross, cross_attention, self.norm_first)
+        if self.mlp is None:
+            return x
         return _sublayer(x, self.norm_mlp, self.mlp, self.norm_first)

@@ -7,7 +7,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 SEED_KEYS = ("seed",)  # overrides that repeat a run rather than change it
-BOOKKEEPING_KEYS = ("skip_finished", "fail_fast")  # overrides that do not change what runs
+# overrides that do not change what runs (summary.* only says how the sweep is summarised)
+BOOKKEEPING_KEYS = ("skip_finished", "fail_fast", "summary")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ def parse(text: str) -> Override:
     return Override(head[: len(head) - len(key)], key, value if eq else None)
 
 
+def bookkeeping(key: str) -> bool:
+    """Whether an override of ``key`` leaves what a job runs as it is."""
+    return key.split(".", 1)[0] in BOOKKEEPING_KEYS
+
+
 def override_key(text: str) -> str:
     """The key an override sets: ``+trainer.x=1`` -> ``trainer.x``."""
     return parse(text).key
@@ -51,12 +57,12 @@ def overrides_in(argv: Iterable[str]) -> list[Override]:
 def override_map(overrides: Sequence[str]) -> dict[str, str]:
     """``key -> value`` of a job's overrides, bookkeeping keys left out."""
     parsed = (parse(o) for o in overrides)
-    return {o.key: o.value for o in parsed if o.value is not None and o.key not in BOOKKEEPING_KEYS}
+    return {o.key: o.value for o in parsed if o.value is not None and not bookkeeping(o.key)}
 
 
 def identity(overrides: Sequence[str]) -> list[str]:
     """The overrides that say what a job is: its own, bookkeeping keys left out."""
-    return [o for o in overrides if override_key(o) not in BOOKKEEPING_KEYS]
+    return [o for o in overrides if not bookkeeping(override_key(o))]
 
 
 def same_job(a: Sequence[str], b: Sequence[str]) -> bool:

@@ -36,11 +36,12 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.errors import UnknownMetric
+from transformers_lab.errors import UnknownChoice, UnknownMetric
 from transformers_lab.files import atomic_write
 from transformers_lab.sweeps.curves import history
 from transformers_lab.sweeps.overrides import SEED_KEYS, override_map
 from transformers_lab.sweeps.record import RESULT_FILE, STATUSES, JobRecord, read_record
+from transformers_lab.sweeps.stats import best_of, compare, t_interval
 
 log = logging.getLogger(__name__)
 
@@ -168,32 +169,73 @@ def job_rows(runs: Sequence[Run], metric: str) -> list[dict[str, Any]]:
     return rows
 
 
+def seed_of(run: Run) -> str:
+    """The run's seed (what repeats a choice), or its job name when it has none."""
+    values = override_map(run.record.overrides)
+    return next((values[k] for k in SEED_KEYS if k in values), run.job)
+
+
+def best_in_cells(runs: Sequence[Run], metric: str, mode: str, over: Sequence[str]) -> set[str]:
+    """The jobs that are the best of their cell: runs that differ only in the ``over``
+    keys (a learning-rate grid) form a cell, and its best finished run stands for it."""
+    cells: dict[tuple, list[Run]] = {}
+    for run in runs:
+        values = override_map(run.record.overrides)
+        cell = tuple(sorted((k, v) for k, v in values.items() if k not in over))
+        cells.setdefault((run.source, cell), []).append(run)
+    chosen = set()
+    for members in cells.values():
+        finished = [r for r in members if r.record.status == "ok"]
+        index = best_of([r.record.metrics.get(metric) for r in finished], mode)
+        if index is not None:
+            chosen.add(finished[index].job)
+    return chosen
+
+
 def group_rows(
     runs: Sequence[Run], metric: str, keys: Sequence[str], by_source: bool = False
 ) -> list[dict[str, Any]]:
-    """Mean ± std of ``metric`` (final and best) over the finished jobs of each choice."""
-    groups: dict[str, list[JobRecord]] = {}
+    """The mean of ``metric`` (final and best) over the finished jobs of each choice, its
+    std and its 95% t-interval over seeds; ``seeds`` maps each seed to its final value."""
+    groups: dict[str, list[Run]] = {}
     for run in runs:
-        groups.setdefault(choice_of(run, keys, by_source), []).append(run.record)
+        groups.setdefault(choice_of(run, keys, by_source), []).append(run)
     rows = []
     for choice, members in groups.items():
-        ok = [r for r in members if r.status == "ok"]
-        finals = [r.metrics[metric] for r in ok if metric in r.metrics]
-        bests = [b for r in ok if (b := r.best_of(metric)) is not None]
-        sizes = {r.state_size for r in members} - {None}
+        ok = [r for r in members if r.record.status == "ok"]
+        seeds = {seed_of(r): r.record.metrics[metric] for r in ok if metric in r.record.metrics}
+        finals = list(seeds.values())
+        bests = [b for r in ok if (b := r.record.best_of(metric)) is not None]
+        sizes = {r.record.state_size for r in members} - {None}
+        interval = t_interval(finals) if finals else None
         rows.append(
             {
                 "choice": choice,
                 "runs": f"{len(ok)}/{len(members)}",
                 "state_size": sizes.pop() if len(sizes) == 1 else None,
-                "mean": statistics.fmean(finals) if finals else None,
+                "mean": interval.mean if interval else None,
                 "std": statistics.stdev(finals) if len(finals) > 1 else 0.0 if finals else None,
+                "ci": (interval.low, interval.high)
+                if interval and interval.low is not None
+                else None,
                 "best mean": statistics.fmean(bests) if bests else None,
                 "best std": statistics.stdev(bests) if len(bests) > 1 else 0.0 if bests else None,
                 "values": finals,
+                "seeds": seeds,
             }
         )
     return rows
+
+
+def against_baseline(groups: Sequence[dict[str, Any]], baseline: str) -> None:
+    """Add to each group its comparison with the ``baseline`` choice (``comparison``)."""
+    base = next((g for g in groups if g["choice"] == baseline), None)
+    if base is None:
+        choices = ", ".join(repr(g["choice"]) for g in groups)
+        raise UnknownChoice(f"no choice {baseline!r} to compare with; the choices are: {choices}")
+    for g in groups:
+        if g is not base and g["seeds"] and base["seeds"]:
+            g["comparison"] = compare(g["seeds"], base["seeds"])
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -237,7 +279,8 @@ def pick_metric(runs: Sequence[Run], metric: str | None) -> tuple[str, str]:
 
 
 def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -> None:
-    """Bars: mean of ``metric`` per choice; error bars: std over seeds; dots: the seeds."""
+    """Bars: mean of ``metric`` per choice; error bars: its 95% t-interval over seeds
+    (none with one seed); dots: the seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,14 +291,14 @@ def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -
     ax.bar(
         range(len(shown)),
         [g["mean"] for g in shown],
-        yerr=[g["std"] for g in shown],
+        yerr=[half_ci(g) for g in shown],
         capsize=4,
         color="#4c72b0",
     )
     for i, g in enumerate(shown):  # each seed's value
         ax.plot([i] * len(g["values"]), g["values"], "o", color="#222222", markersize=3.5)
     ax.set_xticks(range(len(shown)), [g["choice"] for g in shown], rotation=30, ha="right")
-    ax.set_ylabel(f"final {metric} (mean ± std)")
+    ax.set_ylabel(f"final {metric} (mean, 95% CI)")
     ax.set_title(title, fontsize=9)
     failed = [g["choice"] for g in groups if g["mean"] is None]
     if failed:
@@ -274,6 +317,11 @@ def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -
     plt.close(fig)
 
 
+def half_ci(g: dict[str, Any]) -> float:
+    """Half the width of a group's interval (0 with one seed)."""
+    return 0.0 if g.get("ci") is None else (g["ci"][1] - g["ci"][0]) / 2
+
+
 def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -> None:
     """``metric`` against the decoding state each choice keeps (log scale), as Zoology
     and Based plot recall against state size: one point per choice, std as error bar."""
@@ -285,12 +333,12 @@ def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: 
     shown = [g for g in groups if g["mean"] is not None and g["state_size"]]
     fig, ax = plt.subplots(figsize=(6.0, 4.0), dpi=120)
     for g in shown:
-        ax.errorbar(g["state_size"], g["mean"], yerr=g["std"], fmt="o", capsize=3)
+        ax.errorbar(g["state_size"], g["mean"], yerr=half_ci(g), fmt="o", capsize=3)
         ax.annotate(g["choice"], (g["state_size"], g["mean"]), fontsize=7,
                     xytext=(4, 3), textcoords="offset points")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("decoding state after block_size tokens (numbers per sequence)")
-    ax.set_ylabel(f"final {metric} (mean ± std)")
+    ax.set_ylabel(f"final {metric} (mean, 95% CI)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, format="png")
@@ -311,11 +359,18 @@ def summarize(
     mode: str | None = None,
     out: str | Path | None = None,
     by_source: bool = False,
+    baseline: str | None = None,
+    best_over: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Write ``summary.csv`` (one row per job), ``summary.md`` (that table and the
     grouped view) and ``summary.png`` for the runs of ``dirs`` (sweep or run dirs) into
     ``out`` (default: the one dir given, else ``logs/summaries/<time>``); return the
-    tables. ``by_source`` keeps each dir's jobs in groups of their own."""
+    tables. ``by_source`` keeps each dir's jobs in groups of their own.
+
+    Each group gets its mean over seeds with a 95% t-interval. ``baseline`` (a choice's
+    label, such as ``attention=softmax``) compares every other choice with it: a paired
+    t-test over seeds when both have the same ones, else Welch's. ``best_over`` (keys such
+    as ``optimizer.lr``) first keeps the best finished run of each cell of that grid."""
     dirs = [Path(dirs)] if isinstance(dirs, (str, Path)) else [Path(d) for d in dirs]
     runs = collect(*dirs)
     if not runs:
@@ -325,12 +380,21 @@ def summarize(
     out = Path(out) if out is not None else default_out(dirs)
     metric, default_mode = pick_metric(runs, metric)
     mode = mode or default_mode
-    keys = varying_keys(runs)
+    over = list(best_over)
+    keys = [k for k in varying_keys(runs) if k not in over]
     rows = job_rows(runs, metric)
-    groups = group_rows(runs, metric, keys, by_source)
+    grouped = runs
+    if over:
+        chosen = best_in_cells(runs, metric, mode, over)
+        grouped = [r for r in runs if r.job in chosen or r.record.status != "ok"]
+        for row in rows:
+            row["best of cell"] = "yes" if row["job"] in chosen else ""
+    groups = group_rows(grouped, metric, keys, by_source)
     groups.sort(
         key=lambda g: (g["mean"] is None, -(g["mean"] or 0) if mode == "max" else g["mean"] or 0)
     )
+    if baseline:
+        against_baseline(groups, baseline)
 
     columns = list(rows[0])
     table = io.StringIO(newline="")
@@ -349,20 +413,13 @@ def summarize(
         "",
         f"{len(rows)} jobs ({status}). Metric: `{metric}` ({better} is better).",
         "",
-        f"## By choice (mean ± std over seeds of the final `{metric}`)",
+        f"## By choice (final `{metric}`: mean ± std [95% t-interval] over seeds)",
         "",
+        *grouping_notes(over, baseline),
         markdown_table(
-            [
-                {
-                    "choice": g["choice"],
-                    "runs ok": g["runs"],
-                    f"final {metric}": pm(g["mean"], g["std"]),
-                    f"best {metric}": pm(g["best mean"], g["best std"]),
-                    "state size": g["state_size"],
-                }
-                for g in groups
-            ],
+            [group_cells(g, metric) for g in groups],
             ["choice", "runs ok", f"final {metric}", f"best {metric}"]
+            + (["vs baseline", "p (test)"] if baseline else [])
             + (["state size"] if any(g["state_size"] for g in groups) else []),
         ),
         "",
@@ -460,6 +517,44 @@ def plot_curves(
     return write_curves(histories, metrics, Path(out) if out is not None else default_out(dirs))
 
 
+def grouping_notes(over: Sequence[str], baseline: str | None) -> list[str]:
+    """The lines that say how the grouped table was made."""
+    notes = []
+    if over:
+        notes.append(f"Each cell is the best finished run over {', '.join(over)}.")
+    if baseline:
+        notes.append(
+            f"Compared with {baseline}: the difference of means, and the two-sided p of a "
+            "paired t-test over seeds (Welch's t-test where the seeds differ); * marks "
+            "p < 0.05."
+        )
+    return [" ".join(notes), ""] if notes else []
+
+
+def group_cells(g: dict[str, Any], metric: str) -> dict[str, Any]:
+    """One row of the grouped table."""
+    row = {
+        "choice": g["choice"],
+        "runs ok": g["runs"],
+        f"final {metric}": with_ci(g),
+        f"best {metric}": pm(g["best mean"], g["best std"]),
+        "state size": g["state_size"],
+    }
+    if (c := g.get("comparison")) is not None:
+        row["vs baseline"] = f"{c.difference:+.3g}"
+        p = "—" if c.p is None else f"{c.p:.2g}{'*' if c.significant() else ''}"
+        row["p (test)"] = f"{p} ({c.test})"
+    return row
+
+
+def with_ci(g: dict[str, Any]) -> str:
+    """``mean ± std [low, high]``; the interval only with two seeds or more."""
+    text = pm(g["mean"], g["std"])
+    if g.get("ci") is not None:
+        text += f" [{g['ci'][0]:.3g}, {g['ci'][1]:.3g}]"
+    return text
+
+
 def pm(mean: float | None, std: float | None) -> str:
     if mean is None:
         return "—"
@@ -468,15 +563,10 @@ def pm(mean: float | None, std: float | None) -> str:
 
 def print_summary(summary: dict[str, Any]) -> None:
     metric = summary["metric"]
-    print(
-        markdown_table(
-            [
-                {"choice": g["choice"], "runs ok": g["runs"], metric: pm(g["mean"], g["std"])}
-                for g in summary["groups"]
-            ],
-            ["choice", "runs ok", metric],
-        )
-    )
+    rows = [group_cells(g, metric) for g in summary["groups"]]
+    compared = any("vs baseline" in row for row in rows)
+    columns = ["choice", "runs ok", f"final {metric}"]
+    print(markdown_table(rows, columns + (["vs baseline", "p (test)"] if compared else [])))
     failed = [r for r in summary["jobs"] if r["status"] != "ok"]
     for r in failed:
         print(f"job {r['job']} {r['status']}: {r['overrides']} {r['error']}".rstrip())
@@ -492,8 +582,15 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        options = config.get("summary") or {}  # summary.baseline=..., summary.best_over=[...]
         try:
-            summary = summarize(sweep_dir, self.metric, self.mode)
+            summary = summarize(
+                sweep_dir,
+                self.metric,
+                self.mode,
+                baseline=options.get("baseline"),
+                best_over=list(options.get("best_over") or ()),
+            )
         except Exception as exc:  # the sweep itself succeeded; say how to retry
             log.warning("no summary for %s (%s); run: tlab-summarize %s", sweep_dir, exc, sweep_dir)
             return
@@ -528,6 +625,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="keep each DIR's runs in groups of their own (compare two sweeps of one grid)",
     )
     parser.add_argument(
+        "--baseline",
+        metavar="CHOICE",
+        help="compare every choice with this one (its label, e.g. attention=softmax): "
+        "a paired t-test over seeds, or Welch's",
+    )
+    parser.add_argument(
+        "--best-over",
+        nargs="+",
+        default=[],
+        metavar="KEY",
+        help="keep the best run of each cell of a grid over these keys (e.g. optimizer.lr) "
+        "before averaging over seeds",
+    )
+    parser.add_argument(
         "--curves",
         action="store_true",
         help="write curves.png and curves.csv: train/loss and the metric against the step",
@@ -538,8 +649,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             png, _ = plot_curves(args.dirs, args.metric, args.out)
             print(f"curves: {png} (and curves.csv)")
             return 0
-        summary = summarize(args.dirs, args.metric, args.mode, args.out, args.by_source)
-    except (FileNotFoundError, UnknownMetric) as exc:
+        summary = summarize(
+            args.dirs,
+            args.metric,
+            args.mode,
+            args.out,
+            args.by_source,
+            baseline=args.baseline,
+            best_over=args.best_over,
+        )
+    except (FileNotFoundError, UnknownMetric, UnknownChoice) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print_summary(summary)

@@ -21,6 +21,16 @@ class Generating(Protocol):
 
 
 @runtime_checkable
+class TokenScorer(Protocol):
+    """A language model whose logits can be taken at chosen positions only: hidden
+    states first (``features``), then ``logits`` of the ones that are scored."""
+
+    def features(self, idx: Tensor) -> Tensor: ...
+
+    def logits(self, h: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
 class PatchLayout(Protocol):
     """A model that cuts an image into patches: how many, and how many tokens (a class
     token) come before them."""

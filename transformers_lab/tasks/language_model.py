@@ -12,7 +12,13 @@ from torch import Tensor
 
 from transformers_lab.data.base import IGNORE
 from transformers_lab.tasks.base import Task, log_text
-from transformers_lab.tasks.examples import Detokenizer, Example, Generating, token_labels
+from transformers_lab.tasks.examples import (
+    Detokenizer,
+    Example,
+    Generating,
+    TokenScorer,
+    token_labels,
+)
 
 
 class LanguageModelTask(Task):
@@ -50,13 +56,24 @@ class LanguageModelTask(Task):
         self.samples: list[str] = []
         self.validations = 0  # finished validations, sanity check excluded
 
-    def loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    def loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """The mean loss over the supervised positions, their logits (S, V) and labels (S,).
+
+        Where most positions are not supervised (MQAR: a few answers in a sequence), only
+        the supervised ones go through the output layer, a large saving with a large
+        vocabulary; where all are (language modelling), all do, as one tensor."""
         x, y = batch
-        logits = self.model(x)  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE), logits
+        supervised = y != IGNORE
+        if isinstance(self.model, TokenScorer) and not bool(supervised.all()):
+            logits = self.model.logits(self.model.features(x)[supervised])  # (S, V)
+            targets = y[supervised]
+        else:
+            logits, targets = self.model(x).flatten(0, 1), y.flatten()  # (B T, V)
+        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE)
+        return loss, logits, targets
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss, _ = self.loss(batch)  # the loss alone: accuracy is an evaluation metric
+        loss, _, _ = self.loss(batch)  # the loss alone: accuracy is an evaluation metric
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # DDP: all processes' mean
         return loss
 
@@ -70,10 +87,9 @@ class LanguageModelTask(Task):
         )
 
     def accumulate(self, batch: tuple[Tensor, Tensor]) -> None:
-        loss, logits = self.loss(batch)
-        y = batch[1]
-        supervised = y != IGNORE
-        correct = ((logits.argmax(-1) == y) & supervised).sum()
+        loss, logits, targets = self.loss(batch)
+        supervised = targets != IGNORE
+        correct = ((logits.argmax(-1) == targets) & supervised).sum()
         self.totals.update(loss, correct, supervised.sum())
 
     def log_totals(self, stage: str) -> None:

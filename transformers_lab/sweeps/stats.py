@@ -1,0 +1,78 @@
+"""The statistics of a sweep summary: a t-interval over seeds, a test of each choice
+against a baseline, and the best run of a grid cell (Zoology's and MAD's "best over
+learning rates")."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from scipy import stats as scipy_stats
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The mean of n values and its two-sided confidence interval (None for n < 2)."""
+
+    mean: float
+    low: float | None
+    high: float | None
+    n: int
+
+
+def t_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
+    """mean ± t_{n-1} s / sqrt(n): Student's interval for the mean of a few seeds."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("no values to take a mean of")
+    mean = statistics.fmean(values)
+    if n < 2:
+        return Interval(mean, None, None, n)
+    half = scipy_stats.t.ppf(0.5 + confidence / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A choice against the baseline: the difference of means, the test's name, its
+    statistic and two-sided p value (None where the test cannot be made)."""
+
+    difference: float
+    test: str
+    statistic: float | None
+    p: float | None
+
+    def significant(self, alpha: float = 0.05) -> bool:
+        return self.p is not None and self.p < alpha
+
+
+def compare(values: Mapping[str, float], baseline: Mapping[str, float]) -> Comparison:
+    """``values`` against ``baseline`` (each keyed by seed): a paired t-test on the
+    differences when both have the same seeds (at least 2), else Welch's t-test. Two
+    groups that do not vary at all are equal (p = 1) or differ surely (p = 0)."""
+    a, b = list(values.values()), list(baseline.values())
+    if not a or not b:
+        raise ValueError("a comparison needs values on both sides")
+    difference = statistics.fmean(a) - statistics.fmean(b)
+    if set(values) == set(baseline) and len(values) >= 2:
+        diffs = [values[seed] - baseline[seed] for seed in values]
+        if statistics.pstdev(diffs) == 0:
+            return Comparison(difference, "paired t", None, 1.0 if diffs[0] == 0 else 0.0)
+        result = scipy_stats.ttest_rel(a, [baseline[seed] for seed in values])
+        return Comparison(difference, "paired t", float(result.statistic), float(result.pvalue))
+    if len(a) < 2 or len(b) < 2:
+        return Comparison(difference, "Welch t", None, None)
+    if statistics.pstdev(a) == 0 and statistics.pstdev(b) == 0:
+        return Comparison(difference, "Welch t", None, 1.0 if difference == 0 else 0.0)
+    result = scipy_stats.ttest_ind(a, b, equal_var=False)
+    return Comparison(difference, "Welch t", float(result.statistic), float(result.pvalue))
+
+
+def best_of(values: Sequence[float | None], mode: str) -> int | None:
+    """The index of the best value (``mode`` min or max), None values aside."""
+    scored = [(v, i) for i, v in enumerate(values) if v is not None and not math.isnan(v)]
+    if not scored:
+        return None
+    return (max(scored) if mode == "max" else min(scored))[1]
