@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install train ablate test test-fast lint format docs bench bench-training notebooks clean
+.PHONY: help install train ablate zoology mad test test-fast lint format docs bench bench-training notebooks clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -26,6 +26,12 @@ ABLATE_BUDGET ?= trainer.max_epochs=6
 
 ablate: install  ## the kernel ablation on MQAR: every kernel x 2 seeds, 6 epochs each (ABLATE_BUDGET), about 15 min on 2 cores, offline, 2 jobs at a time; prints the table, saves summary.png
 	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=attention_kernels experiment=mqar launcher=joblib trainer.enable_progress_bar=false $(ABLATE_BUDGET) $(ARGS)
+
+zoology: install  ## Zoology's MQAR figure at CPU scale (sweep=zoology_mqar): grid.png, state.png, summary.md; see docs/ablations.md for its time
+	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=zoology_mqar launcher=joblib trainer.enable_progress_bar=false $(ARGS)
+
+mad: install  ## MAD's six tasks at CPU scale for softmax (sweep=mad; ARGS="attention=softmax,fastmax_p2" for more kernels)
+	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=mad launcher=joblib trainer.enable_progress_bar=false $(ARGS)
 
 test: install  ## run the whole test suite (what CI runs)
 	WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)

@@ -22,6 +22,11 @@ def test_resolvers():
         optuna_direction("up")
     cfg = OmegaConf.create({"a": "${run_id:}", "b": "${run_id:}"})
     assert len(cfg.a) == 6 and cfg.a == cfg.a  # drawn once per config
+    # Zoology's cosine over 64 epochs of 100k examples at batch 512: 196 steps an epoch
+    cfg = OmegaConf.create({"n": 100_000, "b": 512, "steps": "${epoch_steps:64,${n},${b}}"})
+    assert cfg.steps == 64 * 196
+    with pytest.raises(Exception, match="epoch_steps needs positive epochs"):
+        OmegaConf.to_container(OmegaConf.create({"s": "${epoch_steps:64,0,512}"}), resolve=True)
 
 
 def test_call_gives_the_targets_own_error_in_one_line():

@@ -43,6 +43,20 @@ BUDGET = [
     ("tlab-train debug=", QUIET),
     ("tlab-train sweep=attention_kernels", [*TINY, "hydra.sweeper.params.seed=0"]),
     ("tlab-train sweep=lr_optuna", [*TINY, "hydra.sweeper.n_trials=2"]),
+    (
+        "tlab-train sweep=mad",
+        [*TINY, "data=mad_in_context_recall,mad_compression", "optimizer.lr=1e-3"],
+    ),
+    (
+        "tlab-train sweep=zoology_mqar",
+        [
+            *TINY,
+            "attention=softmax,linear",
+            "model.d_model=32",
+            "optimizer.lr=1e-2",
+            "data.vocab_size=256",
+        ],
+    ),  # fmt: skip
     ("tlab-train", TINY),
     ("tlab-sample", ["max_new_tokens=20"]),
     ("tlab-eval", []),

@@ -94,6 +94,38 @@ def test_best_over_lr_then_the_mean_over_seeds_and_the_test(tmp_path):
     assert "(paired t)" in line and "*" in line and "[" in line
 
 
+def test_the_baseline_is_matched_at_the_same_values_of_the_other_keys(tmp_path):
+    """In kernels x widths, linear at width 64 is tested against softmax at width 64 (a
+    real difference) and at width 128 against softmax at 128 (none)."""
+    sweep = tmp_path / "widths"
+    accs = {
+        ("softmax", 64): (0.90, 0.92, 0.91), ("linear", 64): (0.50, 0.55, 0.52),
+        ("softmax", 128): (0.60, 0.70, 0.80), ("linear", 128): (0.61, 0.69, 0.81),
+        ("cosine", 256): (0.3, 0.3, 0.3),  # no softmax at 256: no comparison
+    }  # fmt: skip
+    n = 0
+    for (kernel, width), per_seed in accs.items():
+        for seed, acc in enumerate(per_seed):
+            job(
+                sweep / str(n),
+                [f"attention={kernel}", f"model.d_model={width}", f"seed={seed}"],
+                acc,
+            )
+            n += 1
+    summary = summarize(sweep, baseline="attention=softmax")
+    groups = {g["choice"]: g for g in summary["groups"]}
+    at_64 = groups["attention=linear model.d_model=64"]
+    at_128 = groups["attention=linear model.d_model=128"]
+    assert at_64["versus"] == "attention=softmax model.d_model=64"
+    assert at_64["comparison"].difference == pytest.approx(0.52333 - 0.91, abs=1e-4)
+    assert at_64["comparison"].significant()
+    assert at_128["versus"] == "attention=softmax model.d_model=128"
+    assert at_128["comparison"].difference == pytest.approx(0.0033333, abs=1e-6)
+    assert not at_128["comparison"].significant()
+    assert "comparison" not in groups["attention=cosine model.d_model=256"]
+    assert "comparison" not in groups["attention=softmax model.d_model=64"]
+
+
 def test_an_unknown_baseline_lists_the_choices(tmp_path):
     with pytest.raises(
         UnknownChoice,
@@ -112,3 +144,51 @@ def test_tlab_summarize_takes_the_baseline_and_the_grid(tmp_path, capsys):
     assert "| attention=fastmax | 3/3 |" in out and "(paired t)" in out
     assert summary_module.main([str(sweep), "--baseline", "attention=nope"]) == 2
     assert capsys.readouterr().err.startswith("error: no choice 'attention=nope'")
+
+
+def test_a_grid_figure_of_the_best_runs(tmp_path):
+    """Zoology's Figure 2 layout: accuracy against d_model, a panel per size, a line per
+    kernel, the best learning rate of each cell."""
+    sweep, n = tmp_path / "zoo", 0
+    for size in ("64x4", "128x8"):
+        for kernel, base in (("softmax", 0.9), ("linear", 0.4)):
+            for width in (64, 128):
+                for lr, bonus in (("1e-3", 0.0), ("1e-2", 0.05)):
+                    overrides = [f"attention={kernel}", f"model.d_model={width}",
+                                 f"mqar_size={size}", f"optimizer.lr={lr}"]  # fmt: skip
+                    acc = base + bonus + (0.02 if width == 128 else 0.0)
+                    job(sweep / str(n), overrides, acc)
+                    n += 1
+    summary = summarize(
+        sweep, best_over=["optimizer.lr"], grid=["model.d_model", "attention", "mqar_size"]
+    )
+    rows = {(r["panel"], r["line"], r["x"]): r["val/acc"] for r in summary["grid"]}
+    assert len(rows) == 8
+    assert rows[("64x4", "softmax", "128")] == pytest.approx(0.97)  # the better lr
+    assert rows[("128x8", "linear", "64")] == pytest.approx(0.45)
+    assert (sweep / "grid.png").stat().st_size > 0
+    assert "| 64x4 | softmax | 128 | 0.97 | 1 |" in (sweep / "grid.md").read_text()
+    with pytest.raises(ValueError, match="a grid is X LINES"):
+        summarize(sweep, grid=["model.d_model"])
+
+
+def test_mean_over_tasks_is_the_mad_score_of_each_kernel(tmp_path):
+    """MAD's score: the best lr of each (kernel, task), then the mean over tasks."""
+    sweep = tmp_path / "mad"
+    accs = {
+        ("softmax", "mad_a"): (0.9, 1.0), ("softmax", "mad_b"): (0.6, 0.5),
+        ("linear", "mad_a"): (0.7, 0.2), ("linear", "mad_b"): (0.1, 0.3),
+    }  # fmt: skip
+    n = 0
+    for (kernel, task), per_lr in accs.items():
+        for lr, acc in zip(("1e-3", "5e-4"), per_lr, strict=True):
+            job(sweep / str(n), [f"attention={kernel}", f"data={task}", f"optimizer.lr={lr}"], acc)
+            n += 1
+    summary = summarize(sweep, best_over=["optimizer.lr"], mean_over=["data"])
+    scores = {r["choice"]: r for r in summary["scores"]}
+    assert scores["attention=softmax"]["score"] == pytest.approx((1.0 + 0.6) / 2)
+    assert scores["attention=linear"]["score"] == pytest.approx((0.7 + 0.3) / 2)
+    assert scores["attention=linear"]["cells"] == 2
+    md = (sweep / "summary.md").read_text()
+    assert "## Score: mean of `val/acc` over data" in md
+    assert "| attention=softmax | 0.8 | 2 |" in md

@@ -7,6 +7,7 @@ The resolvers are registered on import; every entry point imports this module (t
 from __future__ import annotations
 
 import importlib
+import math
 import secrets
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,20 @@ def run_id() -> str:
     return secrets.token_hex(3)
 
 
+def epoch_steps(epochs: int, examples: int, batch_size: int) -> int:
+    """``${epoch_steps:64,${data.train_examples},${data.batch_size}}``: the optimizer steps
+    of ``epochs`` epochs on one device (a schedule's horizon given in epochs, as Zoology's
+    cosine over 64 epochs, when the run itself may be shorter)."""
+    if min(epochs, examples, batch_size) < 1:
+        raise ConfigError(
+            f"epoch_steps needs positive epochs, examples and batch size, got {epochs}, "
+            f"{examples} and {batch_size}"
+        )
+    return epochs * math.ceil(examples / batch_size)
+
+
 OmegaConf.register_new_resolver("optuna_direction", optuna_direction, replace=True)
+OmegaConf.register_new_resolver("epoch_steps", epoch_steps, replace=True)
 
 
 OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)

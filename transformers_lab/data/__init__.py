@@ -3,6 +3,7 @@ tokenizers, verified atomic downloads (``download``), and what they share (``bas
 IGNORE label, the ``TextData`` protocol, the resumable training loader)."""
 
 from transformers_lab.data.download import data_root, ensure_file
+from transformers_lab.data.mad import MAD_PROBLEMS, MADDataModule
 from transformers_lab.data.synthetic import SyntheticDataModule, copy_or_sort, mqar
 from transformers_lab.data.text import ShakespeareBPEDataModule, ShakespeareCharDataModule
 from transformers_lab.data.tokenizers import (
@@ -20,6 +21,8 @@ __all__ = [
     "DataFileError",
     "DigitsDataModule",
     "FashionMNISTDataModule",
+    "MADDataModule",
+    "MAD_PROBLEMS",
     "MNISTDataModule",
     "ShakespeareBPEDataModule",
     "ShakespeareCharDataModule",

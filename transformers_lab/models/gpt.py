@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from transformers_lab.models.common import block_stack, final_norm, sample_next
 from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
 from transformers_lab.nn.attention import refuse_causal
+from transformers_lab.nn.layers import sinusoidal_table
 
 
 class GPT(nn.Module):
@@ -32,6 +33,10 @@ class GPT(nn.Module):
         rope_theta: the base of RoPE's frequencies (``pos_encoding=rope``).
         tie_weights: share the LM head with the token embedding.
         attention: kernel factory (``${attention}`` in the configs) or kernel name.
+        bottleneck: MAD's encoder-bottleneck for its compression task (Poli et al., 2024):
+            the blocks read the sequence, the last position's state is all that is kept,
+            and a small decoder (``Bottleneck``) reads every token back from it. The
+            compression data sets this; such a model does not generate.
     """
 
     causal_self_attention: ClassVar[bool] = True  # its kernel must support causal=True
@@ -52,6 +57,7 @@ class GPT(nn.Module):
         rope_theta: float = 10000.0,
         tie_weights: bool = True,
         attention: KernelFactory | str = "softmax",
+        bottleneck: bool = False,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
@@ -76,6 +82,7 @@ class GPT(nn.Module):
         )
         refuse_causal(self.blocks, "GPT")
         self.norm = final_norm(d_model, bias, norm_first)
+        self.bottleneck = Bottleneck(d_model, block_size, bias) if bottleneck else None
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections by 1/sqrt(2 n_layer), one per sub-layer
@@ -124,7 +131,8 @@ class GPT(nn.Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, causal=True)
-        return self.norm(x)
+        x = self.norm(x)
+        return x if self.bottleneck is None else self.bottleneck(x[:, -1], x.shape[1])
 
     def logits(self, h: Tensor) -> Tensor:
         """Next-token logits (..., vocab) of hidden states (..., d_model): a task that
@@ -140,6 +148,11 @@ class GPT(nn.Module):
         The cache is, per layer, the kernel's decoding state: keys and values for the
         softmax family, the recurrent state for fastmax.
         """
+        if self.bottleneck is not None:
+            raise RuntimeError(
+                "this GPT has a bottleneck (model.bottleneck=true, MAD's compression): it "
+                "reconstructs its input and does not generate"
+            )
         x = self.embed(idx, offset)
         cache = cache or [None] * len(self.blocks)
         new_cache = []
@@ -167,6 +180,8 @@ class GPT(nn.Module):
         last ``block_size`` tokens are kept (and, with the cache, re-encoded once the
         window moves).
         """
+        if self.bottleneck is not None:
+            self.forward_cached(idx)  # refuses, in one line
         cache, cached = None, 0  # tokens held by the cache
         for _ in range(max_new_tokens):
             if not use_cache:
@@ -197,3 +212,27 @@ class GPT(nn.Module):
         The sampling is ``stream``'s, with the same arguments."""
         tokens = self.stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator)
         return torch.cat([idx, *(next_id[:, None] for next_id in tokens)], dim=1)
+
+
+class Bottleneck(nn.Module):
+    """MAD's compression decoder (``mad/model/auto_encoder.py``): the encoded sequence's
+    last state plus a fixed sinusoidal embedding of each position, through a two-layer
+    MLP without residuals (norm, linear, GELU, twice) and a final norm: one state per
+    position to reconstruct, for the LM head to score."""
+
+    def __init__(self, d_model: int, block_size: int, bias: bool = True) -> None:
+        super().__init__()
+        self.register_buffer("positions", sinusoidal_table(block_size, d_model), persistent=False)
+        self.mlp = nn.Sequential(
+            nn.LayerNorm(d_model, bias=bias),
+            nn.Linear(d_model, d_model, bias=bias),
+            nn.GELU(),
+            nn.LayerNorm(d_model, bias=bias),
+            nn.Linear(d_model, d_model, bias=bias),
+            nn.GELU(),
+            nn.LayerNorm(d_model, bias=bias),
+        )
+
+    def forward(self, h: Tensor, length: int) -> Tensor:
+        """States (B, length, d_model) to read ``length`` tokens back from h (B, d_model)."""
+        return self.mlp(h[:, None, :] + self.positions[:length])

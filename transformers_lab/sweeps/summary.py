@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers_lab.errors import UnknownChoice, UnknownMetric
 from transformers_lab.files import atomic_write
 from transformers_lab.sweeps.curves import history
-from transformers_lab.sweeps.overrides import SEED_KEYS, override_map
+from transformers_lab.sweeps.overrides import SEED_KEYS, override_key, override_map
 from transformers_lab.sweeps.record import RESULT_FILE, STATUSES, JobRecord, read_record
 from transformers_lab.sweeps.stats import best_of, compare, t_interval
 
@@ -127,13 +127,20 @@ def varying_keys(runs: Sequence[Run]) -> list[str]:
     return [k for k in keys if len({m.get(k) for m in maps}) > 1] or keys
 
 
-def choice_of(run: Run, keys: Sequence[str], by_source: bool = False) -> str:
-    """The job's swept values, seeds aside: the label of its group (prefixed with the
-    dir it came from when ``by_source``)."""
+def choice_values(run: Run, keys: Sequence[str], by_source: bool = False) -> dict[str, str]:
+    """The job's swept values, seeds aside (and the dir it came from when ``by_source``):
+    what makes its group."""
     values = override_map(run.record.overrides)
-    choice = [k for k in keys if k not in SEED_KEYS]
-    label = " ".join(f"{k}={values[k]}" for k in choice if k in values)
-    label = label or ("(defaults)" if choice else "(all)")
+    chosen = {k: values[k] for k in keys if k not in SEED_KEYS and k in values}
+    return {"(source)": str(run.source), **chosen} if by_source else chosen
+
+
+def choice_of(run: Run, keys: Sequence[str], by_source: bool = False) -> str:
+    """The label of the job's group: its swept values, seeds aside (prefixed with the
+    dir it came from when ``by_source``)."""
+    values = choice_values(run, keys)
+    label = " ".join(f"{k}={v}" for k, v in values.items())
+    label = label or ("(defaults)" if any(k not in SEED_KEYS for k in keys) else "(all)")
     return f"{run.source}: {label}" if by_source else label
 
 
@@ -211,6 +218,7 @@ def group_rows(
         rows.append(
             {
                 "choice": choice,
+                "values_of": choice_values(members[0], keys, by_source),
                 "runs": f"{len(ok)}/{len(members)}",
                 "state_size": sizes.pop() if len(sizes) == 1 else None,
                 "mean": interval.mean if interval else None,
@@ -228,14 +236,66 @@ def group_rows(
 
 
 def against_baseline(groups: Sequence[dict[str, Any]], baseline: str) -> None:
-    """Add to each group its comparison with the ``baseline`` choice (``comparison``)."""
-    base = next((g for g in groups if g["choice"] == baseline), None)
-    if base is None:
+    """Add to each group its comparison with its baseline (``comparison``, ``versus``).
+
+    ``baseline`` sets some keys (``attention=softmax``, or several, space-separated); a
+    group is compared with the group that differs from it only in those keys, set to the
+    baseline's values: in a grid of kernels x widths, each kernel against softmax at the
+    same width. A group with no such partner gets no comparison."""
+    wanted = override_map(baseline.split())
+    if not wanted:
+        raise UnknownChoice(f"the baseline {baseline!r} sets no key; give one as key=value")
+    by_values = {frozenset(g["values_of"].items()): g for g in groups}
+    for g in groups:
+        target = frozenset({**g["values_of"], **wanted}.items())
+        base = by_values.get(target)
+        if base is None or base is g:
+            continue
+        if g["seeds"] and base["seeds"]:
+            g["comparison"] = compare(g["seeds"], base["seeds"])
+            g["versus"] = base["choice"]
+    if not any(frozenset(wanted.items()) <= frozenset(g["values_of"].items()) for g in groups):
         choices = ", ".join(repr(g["choice"]) for g in groups)
         raise UnknownChoice(f"no choice {baseline!r} to compare with; the choices are: {choices}")
+
+
+def score_rows(groups: Sequence[dict[str, Any]], over: Sequence[str]) -> list[dict[str, Any]]:
+    """The mean of the groups' means over the values of the ``over`` keys, for each
+    setting of the other keys (a kernel's MAD score over tasks), in the groups' order. A
+    group whose runs all failed has no mean: it is listed as missing, not averaged."""
+    cells: dict[tuple, list[dict[str, Any]]] = {}
     for g in groups:
-        if g is not base and g["seeds"] and base["seeds"]:
-            g["comparison"] = compare(g["seeds"], base["seeds"])
+        rest = tuple((k, v) for k, v in g["values_of"].items() if k not in over)
+        cells.setdefault(rest, []).append(g)
+
+    def part(g: dict[str, Any]) -> str:
+        return " ".join(f"{k}={v}" for k, v in g["values_of"].items() if k in over) or "(all)"
+
+    rows = []
+    for rest, members in cells.items():
+        means = [g["mean"] for g in members if g["mean"] is not None]
+        rows.append(
+            {
+                "choice": " ".join(f"{k}={v}" for k, v in rest) or "(all)",
+                "score": statistics.fmean(means) if means else None,
+                "cells": len(means),
+                "missing": ", ".join(part(g) for g in members if g["mean"] is None),
+            }
+        )
+    return rows
+
+
+def score_section(
+    scores: list[dict[str, Any]] | None, metric: str, over: Sequence[str]
+) -> list[str]:
+    if scores is None:
+        return []
+    return [
+        f"## Score: mean of `{metric}` over {', '.join(over)}",
+        "",
+        markdown_table(scores, ["choice", "score", "cells", "missing"]),
+        "",
+    ]
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -345,6 +405,83 @@ def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: 
     plt.close(fig)
 
 
+def as_number(value: str) -> float | str:
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def grid_rows(
+    runs: Sequence[Run], metric: str, x: str, lines: str, panels: str | None
+) -> list[dict[str, Any]]:
+    """The mean of ``metric`` over seeds for every (panel, line, x) of the finished
+    ``runs`` (already the best of their cells, when a grid is searched)."""
+    cells: dict[tuple[str, str, str], list[float]] = {}
+    for run in runs:
+        values = override_map(run.record.overrides)
+        if run.record.status != "ok" or metric not in run.record.metrics or x not in values:
+            continue
+        panel = values.get(panels, "(all)") if panels else "(all)"
+        key = (panel, values.get(lines, "(default)"), values[x])
+        cells.setdefault(key, []).append(run.record.metrics[metric])
+    rows = [
+        {"panel": p, "line": ln, "x": v, metric: statistics.fmean(vals), "runs": len(vals)}
+        for (p, ln, v), vals in cells.items()
+    ]
+    return sorted(rows, key=lambda r: (r["panel"], r["line"], as_number(r["x"])))
+
+
+def plot_grid(
+    rows: Sequence[dict[str, Any]], metric: str, x: str, lines: str, panels: str | None, path: Any
+) -> None:
+    """Zoology's Figure 2 layout: ``metric`` against ``x``, one panel per value of
+    ``panels``, one line per value of ``lines``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["panel"] for r in rows}, key=as_number)
+    fig, axes = plt.subplots(
+        1, len(names), figsize=(3.6 * len(names) + 1.2, 3.4), dpi=120, squeeze=False
+    )
+    for ax, panel in zip(axes[0], names, strict=True):
+        for line in sorted({r["line"] for r in rows if r["panel"] == panel}):
+            points = [r for r in rows if r["panel"] == panel and r["line"] == line]
+            xs = [as_number(r["x"]) for r in points]
+            ax.plot(xs, [r[metric] for r in points], "o-", label=line, markersize=4)
+        if all(isinstance(as_number(r["x"]), float) for r in rows):
+            ax.set_xscale("log", base=2)
+        ax.set_title(f"{panels}={panel}" if panels else "", fontsize=9)
+        ax.set_xlabel(x)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(metric)
+    axes[0][-1].legend(fontsize=7, title=lines, title_fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def write_grid(
+    runs: Sequence[Run], metric: str, grid: Sequence[str], out: Path
+) -> list[dict[str, Any]]:
+    """``grid.png`` and ``grid.md``: ``metric`` against ``grid[0]``, a line per value of
+    ``grid[1]``, a panel per value of ``grid[2]`` (if given)."""
+    if len(grid) not in (2, 3):
+        raise ValueError(f"a grid is X LINES [PANELS], got {list(grid)}")
+    x, lines, panels = grid[0], grid[1], grid[2] if len(grid) == 3 else None
+    x, lines = override_key(x), override_key(lines)
+    panels = override_key(panels) if panels else None
+    rows = grid_rows(runs, metric, x, lines, panels)
+    if not rows:
+        raise ValueError(f"no finished run sets {x}: nothing to plot against it")
+    atomic_write(out / "grid.png", lambda f: plot_grid(rows, metric, x, lines, panels, f))
+    table = markdown_table(rows, ["panel", "line", "x", metric, "runs"])
+    atomic_write(out / "grid.md", f"# {metric} against {x}\n\n{table}\n")
+    return rows
+
+
 def default_out(dirs: Sequence[Path]) -> Path:
     """Where a summary goes unless ``--out`` says: the one dir it is about, else a new
     ``logs/summaries/<time>`` under the current dir."""
@@ -361,6 +498,8 @@ def summarize(
     by_source: bool = False,
     baseline: str | None = None,
     best_over: Sequence[str] = (),
+    grid: Sequence[str] = (),
+    mean_over: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Write ``summary.csv`` (one row per job), ``summary.md`` (that table and the
     grouped view) and ``summary.png`` for the runs of ``dirs`` (sweep or run dirs) into
@@ -370,7 +509,12 @@ def summarize(
     Each group gets its mean over seeds with a 95% t-interval. ``baseline`` (a choice's
     label, such as ``attention=softmax``) compares every other choice with it: a paired
     t-test over seeds when both have the same ones, else Welch's. ``best_over`` (keys such
-    as ``optimizer.lr``) first keeps the best finished run of each cell of that grid."""
+    as ``optimizer.lr``) first keeps the best finished run of each cell of that grid.
+    ``grid`` (X LINES [PANELS], override keys) also writes ``grid.png`` and ``grid.md``:
+    the metric against X, a line per LINES value, a panel per PANELS value (Zoology's
+    Figure 2 is ``model.d_model attention mqar_size``). ``mean_over`` (keys such as
+    ``data``) adds a score per remaining choice: the mean of the group means over those
+    keys' values (MAD's score: the mean over task settings of the best run of each)."""
     dirs = [Path(dirs)] if isinstance(dirs, (str, Path)) else [Path(d) for d in dirs]
     runs = collect(*dirs)
     if not runs:
@@ -395,6 +539,8 @@ def summarize(
     )
     if baseline:
         against_baseline(groups, baseline)
+    grid_table = write_grid(grouped, metric, grid, out) if grid else None
+    scores = score_rows(groups, [override_key(k) for k in mean_over]) if mean_over else None
 
     columns = list(rows[0])
     table = io.StringIO(newline="")
@@ -423,6 +569,7 @@ def summarize(
             + (["state size"] if any(g["state_size"] for g in groups) else []),
         ),
         "",
+        *score_section(scores, metric, mean_over),
         "## Jobs",
         "",
         markdown_table(rows, [c for c in columns if c != "overrides"] + ["overrides"]),
@@ -433,7 +580,15 @@ def summarize(
     if len({g["state_size"] for g in groups if g["mean"] is not None} - {None}) > 1:
         title = f"{name}: {metric} against state size"
         atomic_write(out / "state.png", lambda f: plot_state(groups, metric, title, f))
-    return {"metric": metric, "mode": mode, "jobs": rows, "groups": groups, "out": out}
+    return {
+        "metric": metric,
+        "mode": mode,
+        "jobs": rows,
+        "groups": groups,
+        "grid": grid_table,
+        "scores": scores,
+        "out": out,
+    }
 
 
 # ---------------------------------------------------------------- curves
@@ -524,9 +679,10 @@ def grouping_notes(over: Sequence[str], baseline: str | None) -> list[str]:
         notes.append(f"Each cell is the best finished run over {', '.join(over)}.")
     if baseline:
         notes.append(
-            f"Compared with {baseline}: the difference of means, and the two-sided p of a "
-            "paired t-test over seeds (Welch's t-test where the seeds differ); * marks "
-            "p < 0.05."
+            f"Compared with {baseline} at the same values of the other keys: the difference "
+            "of means, and the two-sided p of a paired t-test over seeds (Welch's t-test "
+            "where the seeds differ); * marks p < 0.05; a single seed on either side has "
+            "no test (—)."
         )
     return [" ".join(notes), ""] if notes else []
 
@@ -583,14 +739,20 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         options = config.get("summary") or {}  # summary.baseline=..., summary.best_over=[...]
+        settings = {
+            "baseline": options.get("baseline"),
+            "best_over": list(options.get("best_over") or ()),
+            "grid": list(options.get("grid") or ()),
+            "mean_over": list(options.get("mean_over") or ()),
+        }
         try:
-            summary = summarize(
-                sweep_dir,
-                self.metric,
-                self.mode,
-                baseline=options.get("baseline"),
-                best_over=list(options.get("best_over") or ()),
-            )
+            try:
+                summary = summarize(sweep_dir, self.metric, self.mode, **settings)
+            except UnknownChoice as exc:  # a preset's baseline this sweep did not run
+                log.warning("%s: the summary compares nothing", exc)
+                summary = summarize(
+                    sweep_dir, self.metric, self.mode, **settings | {"baseline": None}
+                )
         except Exception as exc:  # the sweep itself succeeded; say how to retry
             log.warning("no summary for %s (%s); run: tlab-summarize %s", sweep_dir, exc, sweep_dir)
             return
@@ -639,6 +801,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "before averaging over seeds",
     )
     parser.add_argument(
+        "--mean-over",
+        nargs="+",
+        default=[],
+        metavar="KEY",
+        help="also score each choice by the mean over these keys' values (e.g. data: MAD's "
+        "score over tasks, after --best-over)",
+    )
+    parser.add_argument(
+        "--grid",
+        nargs="+",
+        default=[],
+        metavar="KEY",
+        help="X LINES [PANELS]: also plot the metric against X, a line per LINES value and "
+        "a panel per PANELS value (grid.png, grid.md)",
+    )
+    parser.add_argument(
         "--curves",
         action="store_true",
         help="write curves.png and curves.csv: train/loss and the metric against the step",
@@ -657,8 +835,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.by_source,
             baseline=args.baseline,
             best_over=args.best_over,
+            grid=args.grid,
+            mean_over=args.mean_over,
         )
-    except (FileNotFoundError, UnknownMetric, UnknownChoice) as exc:
+    except (FileNotFoundError, UnknownMetric, UnknownChoice, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print_summary(summary)
