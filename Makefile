@@ -28,10 +28,10 @@ ablate: install  ## the kernel ablation on MQAR: every kernel x 2 seeds, 6 epoch
 	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=attention_kernels experiment=mqar launcher=joblib trainer.enable_progress_bar=false $(ABLATE_BUDGET) $(ARGS)
 
 zoology: install  ## Zoology's MQAR figure at CPU scale (sweep=zoology_mqar): grid.png, state.png, summary.md; see docs/ablations.md for its time
-	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=zoology_mqar launcher=joblib trainer.enable_progress_bar=false $(ARGS)
+	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=zoology_mqar trainer.enable_progress_bar=false $(ARGS)
 
 mad: install  ## MAD's six tasks at CPU scale for softmax (sweep=mad; ARGS="attention=softmax,fastmax_p2" for more kernels)
-	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=mad launcher=joblib trainer.enable_progress_bar=false $(ARGS)
+	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=mad trainer.enable_progress_bar=false $(ARGS)
 
 test: install  ## run the whole test suite (what CI runs)
 	WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)

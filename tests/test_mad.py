@@ -4,6 +4,8 @@ compression task, and a fast run of every task through tlab-train."""
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from transformers_lab.data.mad import (
     selective_copying,
 )
 from transformers_lab.models import GPT
+from transformers_lab.sweeps.summary import summarize
 
 
 def recall_reference(seq: list[int], keys: int, noise_from: int) -> list[int]:
@@ -80,26 +83,31 @@ def test_noisy_recall_noise_is_never_asked_and_has_its_rate():
 def test_fuzzy_recall_motifs_padding_and_the_probe():
     x, y = fuzzy_recall(300, 16, 64, training=False, seed=2)
     assert x.shape == y.shape == (300, 64)
-    pad, keys = 15, 7
+    pad, keys, values_end = 15, 7, 15  # MAD: keys [0, 7), values [7, 15), pad 15
     for inputs, labels in zip(x.tolist(), y.tolist(), strict=True):
         body = inputs[next(i for i, t in enumerate(inputs) if t != pad) :]
         assert pad not in body  # padding on the left only
-        asked = [lab for lab in labels if lab != IGNORE]
-        assert asked and all(keys <= lab < 2 * keys for lab in asked)  # only values asked
+        asked = [t for t, lab in enumerate(labels) if lab != IGNORE]
+        assert asked and all(keys <= labels[t] < values_end for t in asked)  # values only
+        # labels[t] is the token after position t: the shift is right
+        assert all(labels[t] == inputs[t + 1] for t in asked if t + 1 < len(inputs))
+    assert (y == values_end - 1).any()  # every value id is used, the last one too
     xtr, ytr = fuzzy_recall(300, 16, 64, training=True, seed=2)
     assert torch.equal(xtr[:, 1:], ytr[:, :-1])
     # the test presents keys at the full 3 tokens: runs of key tokens are 3 long
-    tokens = x[0].tolist()
-    runs, n = [], 0
-    for t in tokens:
-        if t < keys:
-            n += 1
-        elif n:
-            runs.append(n)
-            n = 0
-    assert set(runs) == {3}
+    for tokens in x[:20].tolist():
+        runs, n = [], 0
+        for t in tokens:
+            if t < keys:
+                n += 1
+            elif n:
+                runs.append(n)
+                n = 0
+        assert set(runs + [n] if n else runs) == {3}
     with pytest.raises(ValueError, match=r"too small for motifs of 3"):
         fuzzy_recall(1, vocab_size=6)
+    with pytest.raises(ValueError, match=r"motif sizes must be >= 1"):
+        fuzzy_recall(1, k_motif_size=0)
 
 
 def test_selective_copying_writes_the_scattered_tokens_in_order():
@@ -163,6 +171,12 @@ def test_the_data_module_uses_training_targets_to_train_and_test_targets_to_vali
     assert not (y_train == IGNORE).any() and (y_val == IGNORE).any()
     assert dm.model_kwargs() == {"vocab_size": 16, "block_size": 31}
     assert MADDataModule("compression").model_kwargs()["bottleneck"] is True
+    # memorization's 256 sequences, passed 10 times an epoch: MAD's 400 steps in 20 epochs
+    memo = MADDataModule("memorization", train_examples=256, repeat=10)
+    memo.setup()
+    assert len(memo.train_set) == 2560 and len(memo.train_dataloader()) == 20
+    assert memo.train_set.tensors[0][:256].unique(dim=0).shape[0] == 256
+    assert torch.equal(memo.train_set.tensors[0][:256], memo.train_set.tensors[0][256:512])
 
 
 def test_the_bottleneck_gpt_reads_every_token_back_from_the_last_state():
@@ -174,8 +188,14 @@ def test_the_bottleneck_gpt_reads_every_token_back_from_the_last_state():
     with torch.no_grad():  # only the last position's state reaches the decoder
         h = model.norm(model.blocks[0](model.embed(x), causal=True))
         assert torch.allclose(model.lm_head(model.bottleneck(h[:, -1], 32)), logits)
+    changed = x.clone()
+    changed[:, 0] = (x[:, 0] + 1) % 15
+    with torch.no_grad():  # the first token reaches every output through the last state
+        assert (model(changed) - logits).abs().amax(-1).gt(1e-6).all()
     with pytest.raises(RuntimeError, match="reconstructs its input and does not generate"):
         model.generate(x[:, :4], 2)
+    with pytest.raises(ValueError, match="decodes at most block_size=32 tokens, got 40"):
+        model.bottleneck(torch.zeros(2, 32), 40)
 
 
 def test_only_gpt_takes_the_compression_data(tmp_path):
@@ -210,8 +230,19 @@ def test_a_tiny_mad_sweep_scores_each_kernel(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = (sweep_dir_of(tmp_path) / "summary.md").read_text()
-    assert "## Score: mean of `val/acc` over data" in summary
-    for kernel in ("softmax", "linear"):
-        assert any(line.startswith(f"| attention={kernel} | ") and "| 2 |" in line
-                   for line in summary.split("## Score")[1].splitlines())  # fmt: skip
+    sweep = sweep_dir_of(tmp_path)
+    assert "## Score: mean of `val/acc` over data" in (sweep / "summary.md").read_text()
+    with (sweep / "summary.csv").open() as f:
+        jobs = list(csv.DictReader(f))
+    best: dict[tuple[str, str], float] = {}  # the best lr of each (kernel, task)
+    for j in jobs:
+        values = dict(o.split("=", 1) for o in j["overrides"].split())
+        cell = (values["attention"], values["data"])
+        best[cell] = max(best.get(cell, 0.0), float(j["val/acc"]))
+    scores = summarize(sweep, best_over=["optimizer.lr"], mean_over=["data"])["scores"]
+    for row in scores:
+        kernel = row["choice"].removeprefix("attention=")
+        expected = (best[kernel, "mad_in_context_recall"] + best[kernel, "mad_compression"]) / 2
+        assert row["score"] == pytest.approx(expected, rel=1e-5)  # the csv has 6 digits
+        assert row["cells"] == "2/2"
+    assert sorted(r["choice"] for r in scores) == ["attention=linear", "attention=softmax"]

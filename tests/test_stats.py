@@ -188,7 +188,46 @@ def test_mean_over_tasks_is_the_mad_score_of_each_kernel(tmp_path):
     scores = {r["choice"]: r for r in summary["scores"]}
     assert scores["attention=softmax"]["score"] == pytest.approx((1.0 + 0.6) / 2)
     assert scores["attention=linear"]["score"] == pytest.approx((0.7 + 0.3) / 2)
-    assert scores["attention=linear"]["cells"] == 2
+    assert scores["attention=linear"]["cells"] == "2/2"
     md = (sweep / "summary.md").read_text()
     assert "## Score: mean of `val/acc` over data" in md
-    assert "| attention=softmax | 0.8 | 2 |" in md
+    assert "| attention=softmax | 0.8 | 2/2 |" in md
+
+
+def test_a_score_is_only_given_over_every_task(tmp_path):
+    """A kernel whose task failed (or was not run) gets no score, and the gap is named."""
+    sweep = tmp_path / "partial"
+    job(sweep / "0", ["attention=softmax", "data=mad_a"], 0.9)
+    job(sweep / "1", ["attention=softmax", "data=mad_b"], 0.7)
+    job(sweep / "2", ["attention=linear", "data=mad_a"], 0.5)
+    job(sweep / "3", ["attention=linear", "data=mad_b"], None, status="failed")
+    job(sweep / "4", ["attention=cosine", "data=mad_a"], 0.4)
+    scores = {r["choice"]: r for r in summarize(sweep, mean_over=["data"])["scores"]}
+    assert scores["attention=softmax"]["score"] == pytest.approx(0.8)
+    for kernel in ("linear", "cosine"):
+        row = scores[f"attention={kernel}"]
+        assert row["score"] is None and row["cells"] == "1/2" and row["missing"] == "data=mad_b"
+
+
+def test_a_grid_refuses_to_average_what_it_does_not_show(tmp_path):
+    """Two vocab sizes at one (kernel, width) point: no figure, but the summary stands."""
+    sweep = tmp_path / "mixed"
+    for n, (vocab, acc) in enumerate((("64", 0.9), ("128", 0.5))):
+        job(
+            sweep / str(n),
+            ["attention=softmax", "model.d_model=64", f"data.vocab_size={vocab}"],
+            acc,
+        )
+    summary = summarize(sweep, grid=["model.d_model", "attention"])
+    assert summary["grid"] is None and not (sweep / "grid.png").exists()
+    md = (sweep / "summary.md").read_text()
+    assert "No grid figure: the grid's point" in md and "differ in data.vocab_size" in md
+
+
+def test_a_baseline_that_every_run_shares_compares_nothing(tmp_path):
+    sweep = tmp_path / "one"
+    for seed in (0, 1):
+        job(sweep / str(seed), ["attention=softmax", f"data=mad_{seed}"], 0.5 + seed / 10)
+    summary = summarize(sweep, baseline="attention=softmax")  # no error: softmax is all
+    assert all("comparison" not in g for g in summary["groups"])
+    assert "Every run has the baseline's attention=softmax" in (sweep / "summary.md").read_text()

@@ -72,11 +72,13 @@ def in_context_recall(
     """MAD's (noisy) in-context recall, multi-query: ``seq_len // 2`` slots of (key, value),
     the last one a probe of a key already shown; ``seq_len - 1`` input tokens.
 
-    Keys are ``[0, K)``, values ``[K, 2K)`` with ``K = (vocab_size - noise_vocab_size) // 2``;
-    noise tokens the last ``noise_vocab_size`` ids. A key keeps its value within a sequence.
-    With ``frac_noise`` each slot but one (and the probe) is two noise tokens instead."""
+    With ``n = vocab_size - noise_vocab_size``, keys are ``[0, n // 2)``, values
+    ``[n // 2, n)`` and noise tokens the last ``noise_vocab_size`` ids, as in MAD. A key
+    keeps its value within a sequence. With ``frac_noise`` each slot but one (and the
+    probe) is two noise tokens instead."""
     check(seq_len % 2 == 0 and seq_len >= 4, f"seq_len must be even and >= 4, got {seq_len}")
     check(0 <= frac_noise < 1, f"frac_noise must be in [0, 1), got {frac_noise}")
+    check(noise_vocab_size >= 0, f"noise_vocab_size must be >= 0, got {noise_vocab_size}")
     check(
         frac_noise == 0 or noise_vocab_size > 0,
         f"frac_noise={frac_noise} needs noise tokens: set noise_vocab_size > 0",
@@ -88,7 +90,7 @@ def in_context_recall(
 
     def make(n: int, g: Generator) -> tuple[Tensor, Tensor]:
         keys = torch.randint(K, (n, S - 1), generator=g)
-        table = torch.randint(K, 2 * K, (n, K), generator=g)  # each key's value
+        table = torch.randint(K, ns, (n, K), generator=g)  # each key's value
         values = table.gather(1, keys)
         noise = torch.rand(n, S - 1, generator=g) < frac_noise
         kept = torch.randint(S - 1, (n,), generator=g)  # one slot is always a pair
@@ -143,8 +145,14 @@ def fuzzy_recall(
     """MAD's fuzzy in-context recall, multi-query: keys of 1..k and values of 1..v distinct
     tokens (keys at the full k in the test), a probe pair placed at a random point and
     repeated at the end, left-padded with the pad token ``vocab_size - 1``; ``seq_len``
-    input tokens. Keys are ``[0, K)``, values ``[K, 2K)``, ``K = (vocab_size - 1) // 2``."""
-    K = (vocab_size - 1) // 2
+    input tokens. With ``n = vocab_size - 1``, keys are ``[0, n // 2)`` and values
+    ``[n // 2, n)``, as in MAD."""
+    ns = vocab_size - 1
+    K = ns // 2
+    check(
+        min(k_motif_size, v_motif_size) >= 1,
+        f"motif sizes must be >= 1, got k_motif_size={k_motif_size}, v_motif_size={v_motif_size}",
+    )
     check(
         max(k_motif_size, v_motif_size) <= K,
         f"vocab_size={vocab_size} is too small for motifs of {k_motif_size} keys and "
@@ -158,13 +166,13 @@ def fuzzy_recall(
     key_sizes = list(range(1, k_motif_size + 1)) if training else [k_motif_size]
     value_sizes = list(range(1, v_motif_size + 1))
 
-    def motif(low: int, size: int) -> tuple[int, ...]:
-        return tuple(rng.sample(range(low, low + K), size))
+    def motif(low: int, high: int, size: int) -> tuple[int, ...]:
+        return tuple(rng.sample(range(low, high), size))
 
     rows_in, rows_out = [], []
     for _ in range(num_examples):
-        k_probe = motif(0, rng.choice(key_sizes))
-        v_probe = motif(K, rng.choice(value_sizes))
+        k_probe = motif(0, K, rng.choice(key_sizes))
+        v_probe = motif(K, ns, rng.choice(value_sizes))
         probe_len = len(k_probe) + len(v_probe)
         probe_at = rng.randrange(seq_len - 2 * probe_len)
         value_of: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -174,12 +182,12 @@ def fuzzy_recall(
             if len(inputs) >= probe_at and k_probe not in value_of:
                 key, value, asked = k_probe, v_probe, False
             else:
-                key = motif(0, rng.choice(key_sizes))
+                key = motif(0, K, rng.choice(key_sizes))
                 asked = key in value_of
                 if key == k_probe:
                     value = v_probe
                 else:
-                    value = value_of.get(key) or motif(K, rng.choice(value_sizes))
+                    value = value_of.get(key) or motif(K, ns, rng.choice(value_sizes))
             value_of[key] = value
             inputs += [*key, *value]
             targets += [IGNORE] * len(key) + (list(value) if asked else [IGNORE] * len(value))
@@ -205,7 +213,8 @@ def selective_copying(
     (``vocab_size - 1``), then blanks at which the tokens are to be written in order."""
     ntc = num_tokens_to_copy
     blanks = seq_len - 2 * ntc - 1
-    check(blanks >= 0 and ntc >= 1, f"seq_len={seq_len} is too short to copy {ntc} tokens: "
+    check(ntc >= 1, f"num_tokens_to_copy must be >= 1, got {ntc}")
+    check(blanks >= 0, f"seq_len={seq_len} is too short to copy {ntc} tokens: "
           f"need seq_len >= 2 * num_tokens_to_copy + 1 = {2 * ntc + 1}")  # fmt: skip
     check(vocab_size >= 3, f"vocab_size={vocab_size} leaves no data tokens (2 are reserved)")
     blank, copy = vocab_size - 2, vocab_size - 1
@@ -316,6 +325,8 @@ class MADDataModule(L.LightningDataModule):
         k_motif_size, v_motif_size: fuzzy recall's longest keys and values.
         num_tokens_to_copy: selective copying.
         map_seed: memorization's fixed key-value map (MAD's 12345).
+        repeat: passes over the training set in one epoch (memorization's 256 sequences
+            make 2 steps an epoch; repeat 10 gives it MAD's 400 steps in 20 epochs).
         Problem options left null take MAD's defaults; one the problem does not take is
         refused.
     """
@@ -336,8 +347,11 @@ class MADDataModule(L.LightningDataModule):
         v_motif_size: int | None = None,
         num_tokens_to_copy: int | None = None,
         map_seed: int | None = None,
+        repeat: int = 1,
     ) -> None:
         super().__init__()
+        if repeat < 1:
+            raise ValueError(f"repeat must be >= 1 passes over the training set, got {repeat}")
         if problem not in GENERATORS:
             raise ValueError(
                 f"unknown MAD problem {problem!r}; valid ones are: {', '.join(MAD_PROBLEMS)}"
@@ -362,6 +376,7 @@ class MADDataModule(L.LightningDataModule):
         self.vocab_size, self.block_size = vocab_size, block_size
         self.train_examples, self.val_examples = train_examples, val_examples
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        self.repeat = repeat
         # draw one example now: a setting the generator refuses is said before training
         inputs, _ = self.generate(1, seed, training=False)
         self.length = inputs.shape[1]
@@ -374,7 +389,10 @@ class MADDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
-            self.train_set = TensorDataset(*self.generate(self.train_examples, self.seed, True))
+            inputs, labels = self.generate(self.train_examples, self.seed, True)
+            self.train_set = TensorDataset(
+                inputs.repeat(self.repeat, 1), labels.repeat(self.repeat, 1)
+            )
             self.val_set = TensorDataset(*self.generate(self.val_examples, self.seed + 1, False))
 
     def model_kwargs(self) -> dict[str, Any]:

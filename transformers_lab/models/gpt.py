@@ -36,7 +36,8 @@ class GPT(nn.Module):
         bottleneck: MAD's encoder-bottleneck for its compression task (Poli et al., 2024):
             the blocks read the sequence, the last position's state is all that is kept,
             and a small decoder (``Bottleneck``) reads every token back from it. The
-            compression data sets this; such a model does not generate.
+            compression data sets this (None: as the data asks, else False); such a
+            model does not generate.
     """
 
     causal_self_attention: ClassVar[bool] = True  # its kernel must support causal=True
@@ -57,7 +58,7 @@ class GPT(nn.Module):
         rope_theta: float = 10000.0,
         tie_weights: bool = True,
         attention: KernelFactory | str = "softmax",
-        bottleneck: bool = False,
+        bottleneck: bool | None = False,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
@@ -139,6 +140,13 @@ class GPT(nn.Module):
         scores a few positions (MQAR's answers) projects only those."""
         return self.lm_head(h)
 
+    def refuse_bottleneck(self) -> None:
+        if self.bottleneck is not None:
+            raise RuntimeError(
+                "this GPT has a bottleneck (bottleneck=True, MAD's compression data): it "
+                "reconstructs its input and does not generate"
+            )
+
     def forward_cached(
         self, idx: Tensor, cache: list[Any] | None = None, offset: int = 0
     ) -> tuple[Tensor, list[Any]]:
@@ -148,11 +156,7 @@ class GPT(nn.Module):
         The cache is, per layer, the kernel's decoding state: keys and values for the
         softmax family, the recurrent state for fastmax.
         """
-        if self.bottleneck is not None:
-            raise RuntimeError(
-                "this GPT has a bottleneck (model.bottleneck=true, MAD's compression): it "
-                "reconstructs its input and does not generate"
-            )
+        self.refuse_bottleneck()
         x = self.embed(idx, offset)
         cache = cache or [None] * len(self.blocks)
         new_cache = []
@@ -180,8 +184,7 @@ class GPT(nn.Module):
         last ``block_size`` tokens are kept (and, with the cache, re-encoded once the
         window moves).
         """
-        if self.bottleneck is not None:
-            self.forward_cached(idx)  # refuses, in one line
+        self.refuse_bottleneck()
         cache, cached = None, 0  # tokens held by the cache
         for _ in range(max_new_tokens):
             if not use_cache:
@@ -235,4 +238,9 @@ class Bottleneck(nn.Module):
 
     def forward(self, h: Tensor, length: int) -> Tensor:
         """States (B, length, d_model) to read ``length`` tokens back from h (B, d_model)."""
+        if length > len(self.positions):
+            raise ValueError(
+                f"the bottleneck decodes at most block_size={len(self.positions)} tokens, "
+                f"got {length}"
+            )
         return self.mlp(h[:, None, :] + self.positions[:length])

@@ -25,6 +25,7 @@ import difflib
 import io
 import logging
 import math
+import re
 import statistics
 import sys
 from collections.abc import Sequence
@@ -261,25 +262,29 @@ def against_baseline(groups: Sequence[dict[str, Any]], baseline: str) -> None:
 
 def score_rows(groups: Sequence[dict[str, Any]], over: Sequence[str]) -> list[dict[str, Any]]:
     """The mean of the groups' means over the values of the ``over`` keys, for each
-    setting of the other keys (a kernel's MAD score over tasks), in the groups' order. A
-    group whose runs all failed has no mean: it is listed as missing, not averaged."""
-    cells: dict[tuple, list[dict[str, Any]]] = {}
-    for g in groups:
-        rest = tuple((k, v) for k, v in g["values_of"].items() if k not in over)
-        cells.setdefault(rest, []).append(g)
+    setting of the other keys (a kernel's MAD score over tasks), in the groups' order.
+
+    A score is only given over every value the sweep has for those keys: a choice with a
+    task that failed, or was not run, gets none, and the missing values are listed."""
 
     def part(g: dict[str, Any]) -> str:
         return " ".join(f"{k}={v}" for k, v in g["values_of"].items() if k in over) or "(all)"
 
+    everything = {part(g) for g in groups}
+    cells: dict[tuple, dict[str, float | None]] = {}
+    for g in groups:
+        rest = tuple((k, v) for k, v in g["values_of"].items() if k not in over)
+        cells.setdefault(rest, {})[part(g)] = g["mean"]
     rows = []
-    for rest, members in cells.items():
-        means = [g["mean"] for g in members if g["mean"] is not None]
+    for rest, means in cells.items():
+        done = {k: v for k, v in means.items() if v is not None}
+        missing = sorted(everything - set(done), key=natural)
         rows.append(
             {
                 "choice": " ".join(f"{k}={v}" for k, v in rest) or "(all)",
-                "score": statistics.fmean(means) if means else None,
-                "cells": len(means),
-                "missing": ", ".join(part(g) for g in members if g["mean"] is None),
+                "score": statistics.fmean(done.values()) if done and not missing else None,
+                "cells": f"{len(done)}/{len(everything)}",
+                "missing": ", ".join(missing),
             }
         )
     return rows
@@ -412,24 +417,47 @@ def as_number(value: str) -> float | str:
         return value
 
 
+def natural(value: str) -> tuple:
+    """A sort key that orders ``64x4`` before ``128x8`` and ``64`` before ``128``."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", value))
+
+
 def grid_rows(
-    runs: Sequence[Run], metric: str, x: str, lines: str, panels: str | None
+    runs: Sequence[Run],
+    metric: str,
+    x: str,
+    lines: str,
+    panels: str | None,
+    ignore: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """The mean of ``metric`` over seeds for every (panel, line, x) of the finished
-    ``runs`` (already the best of their cells, when a grid is searched)."""
-    cells: dict[tuple[str, str, str], list[float]] = {}
+    ``runs`` (already the best of their cells, when a grid is searched: the ``ignore``
+    keys). Runs that share a point and differ in another key are refused: the grid would
+    average what it does not show."""
+    shown = {x, lines, panels, *SEED_KEYS, *ignore}
+    cells: dict[tuple[str, str, str], dict[tuple, list[float]]] = {}
     for run in runs:
         values = override_map(run.record.overrides)
         if run.record.status != "ok" or metric not in run.record.metrics or x not in values:
             continue
         panel = values.get(panels, "(all)") if panels else "(all)"
         key = (panel, values.get(lines, "(default)"), values[x])
-        cells.setdefault(key, []).append(run.record.metrics[metric])
-    rows = [
-        {"panel": p, "line": ln, "x": v, metric: statistics.fmean(vals), "runs": len(vals)}
-        for (p, ln, v), vals in cells.items()
-    ]
-    return sorted(rows, key=lambda r: (r["panel"], r["line"], as_number(r["x"])))
+        rest = tuple(sorted((k, v) for k, v in values.items() if k not in shown))
+        cells.setdefault(key, {}).setdefault(rest, []).append(run.record.metrics[metric])
+    rows = []
+    for (p, ln, v), by_rest in cells.items():
+        if len(by_rest) > 1:
+            differ = sorted({k for rest in by_rest for k, _ in rest})
+            raise ValueError(
+                f"the grid's point ({panels}={p}, {lines}={ln}, {x}={v}) holds runs that "
+                f"differ in {', '.join(differ)}, which the grid does not show; make one of "
+                f"them the PANELS key or summarise those runs apart"
+            )
+        (vals,) = by_rest.values()
+        rows.append(
+            {"panel": p, "line": ln, "x": v, metric: statistics.fmean(vals), "runs": len(vals)}
+        )
+    return sorted(rows, key=lambda r: (natural(r["panel"]), natural(r["line"]), natural(r["x"])))
 
 
 def plot_grid(
@@ -442,16 +470,17 @@ def plot_grid(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({r["panel"] for r in rows}, key=as_number)
+    names = sorted({r["panel"] for r in rows}, key=natural)
+    numeric = all(isinstance(as_number(r["x"]), float) for r in rows)
     fig, axes = plt.subplots(
         1, len(names), figsize=(3.6 * len(names) + 1.2, 3.4), dpi=120, squeeze=False
     )
     for ax, panel in zip(axes[0], names, strict=True):
-        for line in sorted({r["line"] for r in rows if r["panel"] == panel}):
+        for line in sorted({r["line"] for r in rows if r["panel"] == panel}, key=natural):
             points = [r for r in rows if r["panel"] == panel and r["line"] == line]
-            xs = [as_number(r["x"]) for r in points]
+            xs = [float(r["x"]) if numeric else r["x"] for r in points]
             ax.plot(xs, [r[metric] for r in points], "o-", label=line, markersize=4)
-        if all(isinstance(as_number(r["x"]), float) for r in rows):
+        if numeric:
             ax.set_xscale("log", base=2)
         ax.set_title(f"{panels}={panel}" if panels else "", fontsize=9)
         ax.set_xlabel(x)
@@ -464,7 +493,7 @@ def plot_grid(
 
 
 def write_grid(
-    runs: Sequence[Run], metric: str, grid: Sequence[str], out: Path
+    runs: Sequence[Run], metric: str, grid: Sequence[str], out: Path, ignore: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
     """``grid.png`` and ``grid.md``: ``metric`` against ``grid[0]``, a line per value of
     ``grid[1]``, a panel per value of ``grid[2]`` (if given)."""
@@ -473,7 +502,7 @@ def write_grid(
     x, lines, panels = grid[0], grid[1], grid[2] if len(grid) == 3 else None
     x, lines = override_key(x), override_key(lines)
     panels = override_key(panels) if panels else None
-    rows = grid_rows(runs, metric, x, lines, panels)
+    rows = grid_rows(runs, metric, x, lines, panels, ignore)
     if not rows:
         raise ValueError(f"no finished run sets {x}: nothing to plot against it")
     atomic_write(out / "grid.png", lambda f: plot_grid(rows, metric, x, lines, panels, f))
@@ -537,9 +566,21 @@ def summarize(
     groups.sort(
         key=lambda g: (g["mean"] is None, -(g["mean"] or 0) if mode == "max" else g["mean"] or 0)
     )
+    notes = []
+    if baseline and not set(override_map(baseline.split())) & set(keys):
+        notes.append(f"Every run has the baseline's {baseline}: there is nothing to compare.")
+        baseline = None
     if baseline:
         against_baseline(groups, baseline)
-    grid_table = write_grid(grouped, metric, grid, out) if grid else None
+    grid_table = None
+    if grid:
+        if len(grid) not in (2, 3):
+            raise ValueError(f"a grid is X LINES [PANELS], got {list(grid)}")
+        try:
+            grid_table = write_grid(grouped, metric, grid, out, over)
+        except ValueError as exc:  # the figure is lost, not the summary
+            log.warning("no grid figure: %s", exc)
+            notes.append(f"No grid figure: {exc}.")
     scores = score_rows(groups, [override_key(k) for k in mean_over]) if mean_over else None
 
     columns = list(rows[0])
@@ -562,6 +603,7 @@ def summarize(
         f"## By choice (final `{metric}`: mean ± std [95% t-interval] over seeds)",
         "",
         *grouping_notes(over, baseline),
+        *([" ".join(notes), ""] if notes else []),
         markdown_table(
             [group_cells(g, metric) for g in groups],
             ["choice", "runs ok", f"final {metric}", f"best {metric}"]
