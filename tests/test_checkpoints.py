@@ -43,6 +43,16 @@ def test_differences_name_keys_and_values_and_swapped_classes():
     assert differences(old, new, allowed=["model", "data.x"]) == []
 
 
+def test_an_option_added_later_with_a_null_default_is_no_difference():
+    """A checkpoint saved before GPT had ``bottleneck`` resumes into today's config, where
+    it is null; a value that means something is still a difference."""
+    old = {"model": {"d_model": 64}}
+    assert differences(old, {"model": {"d_model": 64, "bottleneck": None}}) == []
+    assert differences(old, {"model": {"d_model": 64, "bottleneck": True}}) == [
+        "model.bottleneck: (absent) -> True"
+    ]
+
+
 def test_weights_of_another_shape_are_refused_with_the_config_that_changed():
     module = torch.nn.Linear(2, 3)
     saved = {"state_dict": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}

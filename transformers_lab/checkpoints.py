@@ -59,7 +59,9 @@ ABSENT = "(absent)"
 def differences(saved: Any, current: Any, allowed: Sequence[str] = ()) -> list[str]:
     """``key: old -> new`` for every dotted key where two plain configs differ, a key that
     one of them lacks shown as ``(absent)``; keys in ``allowed`` (or under them) are left
-    out, and a node whose ``_target_`` differs is named by that key alone."""
+    out, and a node whose ``_target_`` differs is named by that key alone. A key one side
+    lacks and the other leaves null is no difference: an option added to a config later
+    with a null default (GPT's ``bottleneck``) does not lock out older checkpoints."""
     old, new = flatten(saved), flatten(current)
     # a node whose class changed is named by its _target_ alone, not by all its options
     swapped = [
@@ -74,6 +76,8 @@ def differences(saved: Any, current: Any, allowed: Sequence[str] = ()) -> list[s
         if any(key.startswith(node) and not key.endswith("_target_") for node in swapped):
             continue
         before, after = old.get(key, ABSENT), new.get(key, ABSENT)
+        if {shown(before), shown(after)} == {ABSENT, "None"}:
+            continue
         if before != after:
             out.append(f"{key}: {shown(before)} -> {shown(after)}")
     return out
