@@ -246,3 +246,23 @@ def test_a_tiny_mad_sweep_scores_each_kernel(tmp_path):
         assert row["score"] == pytest.approx(expected, rel=1e-5)  # the csv has 6 digits
         assert row["cells"] == "2/2"
     assert sorted(r["choice"] for r in scores) == ["attention=linear", "attention=softmax"]
+
+
+def test_generation_is_drawn_in_chunks_of_bounded_size(monkeypatch):
+    """A large vocabulary or length draws fewer rows at a time; the rows are as valid."""
+    import transformers_lab.data.mad as mad
+
+    calls = []
+    real = torch.randint
+
+    def counting(*args, **kwargs):
+        calls.append(args[-1])  # the size: (rows, ...)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mad, "CHUNK", 1000)  # 1000 numbers: 15 rows of width 64 at a time
+    monkeypatch.setattr(mad.torch, "randint", counting)
+    x, y = in_context_recall(50, 16, 64, training=False, seed=1)
+    assert x.shape == (50, 63)
+    assert max(size[0] for size in calls) == 15
+    for inputs, labels in zip(x.tolist(), y.tolist(), strict=True):
+        assert labels == recall_reference([*inputs, labels[-1]], 8, 16)[1:]

@@ -20,8 +20,8 @@ benchmark runs them):
 - memorization: a fixed key-value map (seeded apart from the data) to be recalled after
   each key's insert token.
 
-Every generator is deterministic under its ``seed``; the vectorised ones draw in chunks so
-memory stays bounded by about ``CHUNK`` rows at a time.
+Every generator is deterministic under its ``seed``; the vectorised ones draw in chunks of
+rows so that memory stays bounded (about ``CHUNK`` numbers in the widest tensor).
 """
 
 from __future__ import annotations
@@ -45,13 +45,15 @@ MAD_PROBLEMS = (
     "compression",
     "memorization",
 )
-CHUNK = 4096  # rows drawn at a time by the vectorised generators
+CHUNK = 2**24  # numbers the largest tensor of a chunk of rows may hold
 
 
-def chunked(n: int, seed: int, make) -> tuple[Tensor, Tensor]:
-    """``make(rows, generator)`` over chunks of at most CHUNK rows, concatenated."""
+def chunked(n: int, seed: int, make, width: int) -> tuple[Tensor, Tensor]:
+    """``make(rows, generator)`` over chunks of rows whose widest tensor (``width``
+    numbers a row) holds at most about CHUNK numbers, concatenated."""
     g = torch.Generator().manual_seed(seed)
-    parts = [make(min(CHUNK, n - i), g) for i in range(0, n, CHUNK)]
+    rows = max(1, CHUNK // max(1, width))
+    parts = [make(min(rows, n - i), g) for i in range(0, n, rows)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
@@ -115,7 +117,7 @@ def in_context_recall(
         targets[:, -1] = seq[:, -1]
         return seq[:, :-1], targets[:, 1:]
 
-    return chunked(num_examples, seed, make)
+    return chunked(num_examples, seed, make, width=max(K, 2 * S))
 
 
 def noisy_recall(
@@ -234,7 +236,7 @@ def selective_copying(
         targets[:, seq_len - ntc :] = data
         return seq, targets
 
-    return chunked(num_examples, seed, make)
+    return chunked(num_examples, seed, make, width=max(seq_len, blanks))
 
 
 def compression(
@@ -254,7 +256,7 @@ def compression(
         seq[:, -1] = vocab_size - 1
         return seq, seq.clone()
 
-    return chunked(num_examples, seed, make)
+    return chunked(num_examples, seed, make, width=seq_len)
 
 
 def memorization_map(vocab_size: int, seed: int = 12345) -> Tensor:
@@ -288,7 +290,7 @@ def memorization(
         targets[:, 1::2] = table[keys]
         return seq, targets
 
-    return chunked(num_examples, seed, make)
+    return chunked(num_examples, seed, make, width=seq_len)
 
 
 GENERATORS = {
