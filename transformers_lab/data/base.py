@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 IGNORE = -100  # the label of a position with nothing to predict: the loss skips it
 
@@ -67,3 +68,24 @@ class ResumableLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("order_state") is not None and 0 < state["batches"] < len(self):
             self.resume = state
+
+
+class InMemoryDataModule(L.LightningDataModule):
+    """A data module whose ``setup`` fills ``train_set`` and ``val_set`` (generated from a
+    seed, held in memory) and which loads them at ``batch_size``: the synthetic and MAD
+    tasks."""
+
+    train_set: Dataset | None
+    val_set: Dataset | None
+    batch_size: int
+    num_workers: int
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        return ResumableLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup()
+        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)

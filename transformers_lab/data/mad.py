@@ -30,12 +30,11 @@ import inspect
 import random
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Generator, Tensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from transformers_lab.data.base import IGNORE, ResumableLoader
+from transformers_lab.data.base import IGNORE, InMemoryDataModule
 
 MAD_PROBLEMS = (
     "in_context_recall",
@@ -311,7 +310,7 @@ OPTIONS = {
 }
 
 
-class MADDataModule(L.LightningDataModule):
+class MADDataModule(InMemoryDataModule):
     """One of MAD's six tasks at one setting; the training set follows MAD's training
     targets, the validation (and test) set its test targets.
 
@@ -402,13 +401,3 @@ class MADDataModule(L.LightningDataModule):
         if self.problem == "compression":  # MAD's encoder-bottleneck model
             kwargs["bottleneck"] = True
         return kwargs
-
-    def train_dataloader(self) -> DataLoader:
-        self.setup()
-        return ResumableLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        self.setup()
-        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)

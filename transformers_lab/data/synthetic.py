@@ -8,12 +8,11 @@ answer positions only.
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from transformers_lab.data.base import IGNORE, ResumableLoader
+from transformers_lab.data.base import IGNORE, InMemoryDataModule
 
 PROBLEMS = ("mqar", "copy", "sort")
 
@@ -110,7 +109,7 @@ def copy_or_sort(
     return seq[:, :-1], labels[:, 1:]
 
 
-class SyntheticDataModule(L.LightningDataModule):
+class SyntheticDataModule(InMemoryDataModule):
     """MQAR, copy or sort, with disjoint seeds for the training and validation sets.
 
     Args:
@@ -181,13 +180,3 @@ class SyntheticDataModule(L.LightningDataModule):
 
     def model_kwargs(self) -> dict[str, int]:
         return {"vocab_size": self.vocab_size, "block_size": self.block_size}
-
-    def train_dataloader(self) -> DataLoader:
-        self.setup()
-        return ResumableLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        self.setup()
-        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
