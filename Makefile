@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install train ablate zoology mad test test-fast lint format docs bench bench-training notebooks clean
+.PHONY: help install train ablate zoology mad test test-fast lint format docs bench bench-training bench-study notebooks clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -58,6 +58,9 @@ bench-training: install  ## framework overhead: tlab-train against a bare PyTorc
 
 notebooks: install  ## run every notebook top to bottom (what the tests do); outputs are not saved
 	WANDB_MODE=offline $(PY) -m pytest tests/test_notebooks.py $(PYTEST_ARGS)
+
+bench-study: install  ## pruning's saving: sweep=lr_optuna on MQAR with pruner=none and median (BENCH_ARGS=...)
+	WANDB_MODE=$(or $(WANDB_MODE),offline) $(PY) -m transformers_lab.bench.study $(BENCH_ARGS)
 
 clean:  ## remove caches and benchmark outputs (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache bench_out build *.egg-info

@@ -31,10 +31,10 @@ def test_flags_and_their_values_are_not_overrides():
 
 
 def test_bookkeeping_keys_are_not_part_of_a_jobs_identity():
-    assert set(BOOKKEEPING_KEYS) == {"skip_finished", "fail_fast", "summary"}
+    assert set(BOOKKEEPING_KEYS) == {"skip_finished", "fail_fast", "summary", "trial"}
     first = ["attention=dot", "seed=1"]
     again = ["seed=1", "skip_finished=true", "attention=dot", "+fail_fast=true",
-             "summary.baseline=attention=softmax"]  # fmt: skip
+             "summary.baseline=attention=softmax", "trial=3"]  # fmt: skip
     assert identity(again) == ["seed=1", "attention=dot"]
     assert same_job(first, again)
     assert not same_job(first, ["attention=dot", "seed=2"])

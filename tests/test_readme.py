@@ -33,6 +33,8 @@ SKIPPED = {
     "tlab-train -m launcher=slurm": "needs a SLURM cluster (the preset's composition is tested "
     "in test_sweeps.py)",
     "tlab-train sweep=attention_kernels launcher=slurm": "needs a SLURM cluster and GPUs",
+    "tlab-train sweep=lr_optuna experiment=mqar trainer=gpu": "needs GPUs and a PostgreSQL "
+    "server (workers sharing a study: test_optuna_sweeps.py)",
 }
 
 QUIET = ["trainer.enable_progress_bar=false", "logger=csv"]  # wandb: tested in test_train.py

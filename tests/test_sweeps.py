@@ -1,6 +1,6 @@
 """Multiruns through the real entry point: per-job records, the summary written at the end
 of a sweep and rebuilt by tlab-summarize, failures that do not stop a sweep, resumed
-sweeps, Optuna, and one directory per job."""
+sweeps, and one directory per job (Optuna studies: test_optuna_sweeps.py)."""
 
 from __future__ import annotations
 
@@ -270,23 +270,6 @@ def test_parallel_jobs_through_joblib_get_their_own_directories(tmp_path):
     assert [r["status"] for r in records] == ["ok", "ok"]
     assert records[0]["run_dir"] != records[1]["run_dir"]
     assert len(read_csv(sweep / "summary.csv")) == 2
-
-
-@pytest.mark.slow
-def test_an_optuna_sweep_of_3_trials_reports_the_best_value(tmp_path):
-    proc = tlab_train(
-        "sweep=lr_optuna", "hydra.sweeper.n_trials=3", *TINY, "logger=csv", cwd=tmp_path
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    sweep = sweep_dir_of(tmp_path)
-    best = OmegaConf.load(sweep / "optimization_results.yaml")
-    rows = read_csv(sweep / "summary.csv")
-    assert len(rows) == 3 and {r["status"] for r in rows} == {"ok"}
-    values = [float(r["val/acc"]) for r in rows]  # mqar monitors val/acc, maximised
-    assert best.best_value == pytest.approx(max(values), rel=1e-5)
-    lrs = {float(r["overrides"].split("optimizer.lr=")[1].split()[0]) for r in rows}
-    assert len(lrs) == 3 and all(1e-4 <= lr <= 1e-2 for lr in lrs)
-    assert "optimizer.lr" in best.best_params
 
 
 @pytest.mark.parametrize(

@@ -155,6 +155,11 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         with_logger=bool(loggers),
         progress_bar=cfg.trainer.get("enable_progress_bar", True),
     )
+    if cfg.get("trial") is not None:  # a trial of an Optuna study: report to it, be pruned
+        from transformers_lab.sweeps.pruning import pruning_callback
+
+        if (pruning := pruning_callback(cfg)) is not None:
+            callbacks.append(pruning)
     # without our ModelCheckpoint, Lightning would otherwise add a default one
     checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     return call(

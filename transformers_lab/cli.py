@@ -257,7 +257,7 @@ def run_hydra(main: Callable[[], None], argv: Sequence[str] | None = None) -> No
         check_overrides(argv)
         check_run_dir(argv)
     try:
-        with hydra_raising():
+        with user_errors(), hydra_raising():  # user_errors: what a sweeper refuses, too
             main()
     except (CompactHydraException, InterpolationResolutionError) as exc:
         fail(one_line(exc))

@@ -51,6 +51,7 @@ from transformers_lab.runs import (
 )
 from transformers_lab.safety import interrupted
 from transformers_lab.sweeps.job import job_overrides, name_wandb_run, run_job
+from transformers_lab.sweeps.optuna_sweeper import register as register_sweeper
 from transformers_lab.sweeps.record import Outcome
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,10 @@ def fit_and_test(cfg: DictConfig) -> Outcome:
         # read before testing: loading the best checkpoint restores the callback's state
         checkpoints = {k: checkpoint_path(trainer, f"{k}_model_path") for k in ("best", "last")}
         best = best_score(trainer)
-        if cfg.get("test"):  # without training, the checkpoint given (else the model as built)
+        pruned_at = pruned_step(trainer)
+        # without training, the checkpoint given (else the model as built); a pruned trial
+        # is not worth a test
+        if cfg.get("test") and pruned_at is None:
             tested = checkpoints["best"] if training else cfg.get("ckpt_path")
             metrics.update(final_test(trainer, task, datamodule, tested, training))
     except MisconfigurationException as exc:  # Lightning's word on a setting that cannot work
@@ -112,7 +116,13 @@ def fit_and_test(cfg: DictConfig) -> Outcome:
         finish_wandb(trainer)
     report(metrics, checkpoints)
     state = model.state_size() if isinstance(model, GPT) else None
-    return Outcome(metrics, best, task.num_params, checkpoints, state)
+    return Outcome(metrics, best, task.num_params, checkpoints, state, pruned_at)
+
+
+def pruned_step(trainer: L.Trainer) -> int | None:
+    """The global step an Optuna pruner stopped this run at, or None."""
+    steps = [getattr(c, "pruned_at", None) for c in trainer.callbacks]
+    return next((s for s in steps if s is not None), None)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
@@ -126,6 +136,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
+    register_sweeper()
     run_hydra(hydra_main)
 
 

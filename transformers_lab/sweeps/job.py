@@ -107,6 +107,7 @@ def run_job(cfg: DictConfig, fit: Callable[[DictConfig], Outcome]) -> float | No
         overrides=identity(overrides),
         run_dir=str(out),
         monitor=Monitor(cfg.monitor.metric, cfg.monitor.mode),
+        trial=cfg.get("trial"),
     )
     start = time.perf_counter()
     save(record, start)

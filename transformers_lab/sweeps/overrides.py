@@ -7,8 +7,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 SEED_KEYS = ("seed",)  # overrides that repeat a run rather than change it
-# overrides that do not change what runs (summary.* only says how the sweep is summarised)
-BOOKKEEPING_KEYS = ("skip_finished", "fail_fast", "summary")
+# overrides that do not change what runs (summary.* only says how the sweep is summarised;
+# trial is the Optuna trial number a study sweeper gives its job)
+BOOKKEEPING_KEYS = ("skip_finished", "fail_fast", "summary", "trial")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The job record: what a run of ``tlab-train`` leaves in ``<run dir>/result.json``.
 
 It says ``running`` from the job's start, so a job killed outright is known as such, and
-is rewritten once the job ends: ``ok`` with its metrics, ``failed`` with its error, or
+is rewritten once the job ends: ``ok`` with its metrics, ``pruned`` (an Optuna trial its
+study stopped early) with the metrics it reached, ``failed`` with its error, or
 ``interrupted`` with the checkpoint it saved. The summary reads nothing else.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 from transformers_lab.files import atomic_write
 
 RESULT_FILE = "result.json"
-STATUSES = ("ok", "failed", "interrupted", "incomplete")  # incomplete: running, or killed
+STATUSES = ("ok", "pruned", "failed", "interrupted", "incomplete")  # incomplete: running, or killed
 
 
 @dataclass
@@ -36,13 +37,14 @@ class Outcome:
     params: int
     checkpoints: dict[str, str | None]  # best and last
     state_size: int | None = None  # a GPT's decoding state after block_size tokens
+    pruned_at: int | None = None  # the global step an Optuna pruner stopped it at
 
 
 @dataclass
 class JobRecord:
     """One job: its overrides, how it ended, and what it measured."""
 
-    status: str = "running"  # running, ok, failed, interrupted
+    status: str = "running"  # running, ok, pruned, failed, interrupted
     overrides: list[str] = field(default_factory=list)
     run_dir: str = ""
     monitor: Monitor = field(default_factory=Monitor)
@@ -53,10 +55,13 @@ class JobRecord:
     checkpoints: dict[str, str | None] = field(default_factory=dict)
     time_s: float | None = None
     error: str | None = None
+    trial: int | None = None  # its Optuna trial's number (a study sweeper's job)
+    pruned_at: int | None = None  # the global step its trial was pruned at
 
     def finished(self, outcome: Outcome) -> None:
-        """Fill in a fit's outcome: status ``ok``."""
-        self.status, self.error = "ok", None
+        """Fill in a fit's outcome: status ``ok``, or ``pruned`` if its trial was."""
+        self.status, self.error = ("ok" if outcome.pruned_at is None else "pruned"), None
+        self.pruned_at = outcome.pruned_at
         self.metrics, self.params = dict(outcome.metrics), outcome.params
         self.state_size, self.checkpoints = outcome.state_size, dict(outcome.checkpoints)
         self.monitor.best = outcome.best

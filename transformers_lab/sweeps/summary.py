@@ -43,6 +43,7 @@ from transformers_lab.sweeps.curves import history
 from transformers_lab.sweeps.overrides import SEED_KEYS, override_key, override_map
 from transformers_lab.sweeps.record import RESULT_FILE, STATUSES, JobRecord, read_record
 from transformers_lab.sweeps.stats import best_of, compare, t_interval
+from transformers_lab.sweeps.study_report import study_section
 
 log = logging.getLogger(__name__)
 
@@ -612,6 +613,7 @@ def summarize(
         ),
         "",
         *score_section(scores, metric, mean_over),
+        *(study_section(dirs[0], out) if len(dirs) == 1 else []),
         "## Jobs",
         "",
         markdown_table(rows, [c for c in columns if c != "overrides"] + ["overrides"]),

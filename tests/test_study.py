@@ -1,0 +1,302 @@
+"""The study sweeper's parts, on constructed studies: the search space read from Hydra's
+sweep syntax, storages and their errors, a study reopened with another question, slots
+and ranks, trials whose worker died, objectives from job records, and the Pareto front."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import optuna
+import pytest
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState
+
+from transformers_lab.errors import ConfigError
+from transformers_lab.sweeps import study as st
+from transformers_lab.sweeps.optuna_sweeper import trials_csv
+from transformers_lab.sweeps.record import JobRecord
+from transformers_lab.sweeps.study_report import front_of, pareto_front, study_section
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+LR = {"optimizer.lr": FloatDistribution(1e-4, 1e-2, log=True)}
+
+
+def sqlite(tmp_path, name="study.db"):
+    return st.open_storage(f"sqlite:///{tmp_path / name}")
+
+
+# ---------------------------------------------------------------------- search space
+
+
+def test_the_search_space_reads_hydras_sweep_syntax():
+    space, fixed = st.search_space(
+        {
+            "optimizer.lr": "tag(log, interval(1e-4, 1e-2))",
+            "optimizer.weight_decay": "interval(0, 0.1)",
+            "model.n_layer": "tag(int, interval(1, 4))",
+            "attention": "choice(softmax, fastmax_p2)",
+            "model.d_model": "32,64",
+            "data.batch_size": "range(16, 65, 16)",
+            "seed": "3",
+        }
+    )
+    assert space == {
+        "optimizer.lr": FloatDistribution(1e-4, 1e-2, log=True),
+        "optimizer.weight_decay": FloatDistribution(0.0, 0.1),
+        "model.n_layer": IntDistribution(1, 4),
+        "attention": CategoricalDistribution(["softmax", "fastmax_p2"]),
+        "model.d_model": CategoricalDistribution([32, 64]),
+        "data.batch_size": IntDistribution(16, 64, step=16),
+    }
+    assert fixed == ["seed=3"]
+
+
+def test_a_search_space_entry_hydra_cannot_read_is_named():
+    with pytest.raises(ConfigError, match=r"'optimizer.lr=interval\(1e-4'"):
+        st.search_space({"optimizer.lr": "interval(1e-4"})
+
+
+@pytest.mark.parametrize(
+    ("value", "override"),
+    [
+        (0.00123456789012345, "optimizer.lr=0.00123456789012345"),
+        (64, "model.d_model=64"),
+        ("fastmax_p2", "attention=fastmax_p2"),
+        ("a b", "attention='a b'"),
+        (True, "attention=true"),
+    ],
+)
+def test_a_sampled_value_becomes_an_override_hydra_reads_back(value, override):
+    key = override.split("=")[0]
+    assert st.as_override(key, value) == override
+
+
+# -------------------------------------------------------------------------- storage
+
+
+def test_a_sqlite_storage_creates_its_folder(tmp_path):
+    storage = st.open_storage(f"sqlite:///{tmp_path / 'a' / 'b' / 'study.db'}")
+    optuna.create_study(storage=storage, study_name="s")
+    assert (tmp_path / "a" / "b" / "study.db").is_file()
+
+
+def test_a_journal_storage_is_a_file(tmp_path):
+    storage = st.open_storage(f"journal:{tmp_path / 'j' / 'study.log'}")
+    study = optuna.create_study(storage=storage, study_name="s")
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    again = optuna.load_study(
+        study_name="s", storage=st.open_storage(f"journal:{tmp_path / 'j' / 'study.log'}")
+    )
+    assert len(again.trials) == 2
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("not a url", "cannot open the study storage not a url: Could not parse"),
+        ("sqlite:////proc/no/such/dir/study.db", "cannot open the study storage"),
+        ("postgresql://user:secret@nohost/db", "database driver is not installed"),
+    ],
+)
+def test_a_storage_that_cannot_be_opened_is_one_line_with_the_fix(url, said):
+    with pytest.raises(ConfigError) as err:
+        storage = st.open_storage(url)
+        optuna.create_study(storage=storage, study_name="s")
+    message = str(err.value)
+    assert said in message and "\n" not in message
+    assert "give hydra.sweeper.storage a SQLAlchemy URL" in message
+    assert "secret" not in message  # the password is not printed
+
+
+# ------------------------------------------------------------------ the study's question
+
+
+def test_a_study_reopened_with_other_directions_or_space_is_refused(tmp_path):
+    storage = sqlite(tmp_path)
+    st.load_or_create(storage, "lr", ["maximize"], LR)
+    st.load_or_create(storage, "lr", ["maximize"], dict(LR))  # the same question: continued
+    with pytest.raises(
+        ConfigError,
+        match=r"exists with directions \['maximize'\]; this sweep "
+        r"asks \['minimize'\]: give another hydra.sweeper.study_name",
+    ):
+        st.load_or_create(storage, "lr", ["minimize"], LR)
+    other = {"optimizer.lr": FloatDistribution(1e-5, 1e-2, log=True)}
+    with pytest.raises(ConfigError) as err:
+        st.load_or_create(storage, "lr", ["maximize"], other)
+    assert "exists with the search space {optimizer.lr: Float(0.0001..0.01, log)}" in str(err.value)
+    assert "this sweep has {optimizer.lr: Float(1e-05..0.01, log)}" in str(err.value)
+
+
+# ------------------------------------------------------------------- slots and losses
+
+
+def test_slots_count_what_holds_one_and_ranks_follow_trial_numbers(tmp_path):
+    study = st.load_or_create(sqlite(tmp_path), "s", ["maximize"], LR)
+    done = study.ask(LR)
+    study.tell(done, 0.5)
+    pruned = study.ask(LR)
+    study.tell(pruned, state=TrialState.PRUNED)
+    failed = study.ask(LR)
+    failed.set_user_attr(st.ERROR, "RuntimeError: NaN")
+    study.tell(failed, state=TrialState.FAIL)
+    lost = study.ask(LR)
+    st.give_up(study, lost, "its worker is gone")
+    running = study.ask(LR)
+    assert st.slots_taken(study) == 4  # complete, pruned, failed by its job, running
+    assert st.rank(study, running.number) == 4 and st.rank(study, lost.number) == 3
+    states = [r.state for r in st.trial_rows(study)]
+    assert states == ["complete", "pruned", "failed", "lost", "running"]
+    rows = st.trial_rows(study)
+    assert rows[2].note == "RuntimeError: NaN" and rows[3].note == "its worker is gone"
+
+
+def test_a_running_trial_whose_worker_died_is_given_up_and_a_live_ones_is_kept(tmp_path):
+    storage = sqlite(tmp_path)
+    study = st.load_or_create(storage, "s", ["maximize"], LR)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pid = int(dead.stdout)
+    orphan = study.ask(LR)
+    orphan.set_user_attr(st.OWNER, {"host": st.this_worker()["host"], "pid": pid, "start": "1"})
+    mine = study.ask(LR)
+    mine.set_user_attr(st.OWNER, st.this_worker())
+    elsewhere = study.ask(LR)
+    elsewhere.set_user_attr(st.OWNER, {"host": "another-host", "pid": 1, "start": None})
+    lost = st.reclaim_lost(study, storage)
+    assert [t.number for t in lost] == [orphan.number]
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states[orphan.number] == TrialState.FAIL
+    assert states[mine.number] == states[elsewhere.number] == TrialState.RUNNING
+    assert st.slots_taken(study) == 2
+
+
+def test_a_pid_given_to_a_later_process_is_not_taken_for_the_worker():
+    me = st.this_worker()
+    assert st.worker_alive(me) is True
+    assert st.worker_alive({**me, "start": "0"}) is False  # same pid, another start time
+    assert st.worker_alive({**me, "host": "elsewhere"}) is None
+
+
+# ------------------------------------------------------------------- sweeper settings
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"n_trials": 0}, "hydra.sweeper.n_trials=0: give at least 1"),
+        ({"directions": ["maximize", "minimize"]}, "must be lists of the same length"),
+        ({"directions": ["up"]}, "['up'] is not maximize or minimize"),
+        (
+            {"objectives": ["val/acc", "params"], "directions": ["maximize", "minimize"],
+             "pruner": "optuna.pruners.MedianPruner"},
+            "Optuna prunes only single-objective studies; this one has 2 objectives "
+            "(val/acc, params): give pruner=none",
+        ),
+    ],
+)  # fmt: skip
+def test_the_sweeper_refuses_settings_that_cannot_work(settings, said):
+    from omegaconf import OmegaConf
+
+    from transformers_lab.sweeps.optuna_sweeper import StudySweeper
+
+    pruner = settings.pop("pruner", "optuna.pruners.NopPruner")
+    defaults = {"objectives": ["val/acc"], "directions": ["maximize"], "n_trials": 2}
+    sweeper = StudySweeper("sqlite:///x.db", "s", **(defaults | settings))
+    sweeper.config = OmegaConf.create({"pruner": {"_target_": pruner}})
+    with pytest.raises(ConfigError) as err:
+        sweeper.check_settings()
+    assert said in str(err.value)
+
+
+# ------------------------------------------------------------------------- objectives
+
+
+def test_objectives_come_from_the_record_or_say_what_is_missing():
+    record = JobRecord(status="ok", metrics={"val/acc": 0.9}, params=1000, time_s=12.5)
+    assert st.objective_values(record, ["val/acc", "params", "time_s"]) == [0.9, 1000.0, 12.5]
+    said = st.objective_values(record, ["val/loss"])
+    assert said == "val/loss was never logged (logged: val/acc)"
+    assert st.objective_values(JobRecord(metrics={"val/acc": float("nan")}), ["val/acc"]) == (
+        "val/acc is nan"
+    )
+
+
+# ----------------------------------------------------------------------- Pareto front
+
+
+def test_the_pareto_front_of_constructed_points():
+    # maximise accuracy, minimise parameters
+    points = [(0.90, 100), (0.95, 200), (0.80, 50), (0.85, 150), (0.95, 300), (0.99, 400)]
+    assert pareto_front(points, ["maximize", "minimize"]) == [0, 1, 2, 5]
+    assert pareto_front(points, ["maximize", "maximize"]) == [5]
+    assert pareto_front(points, ["minimize", "minimize"]) == [2]
+    assert pareto_front([(1, 1), (1, 1)], ["maximize", "minimize"]) == [0, 1]  # ties stay
+
+
+def test_a_two_objective_study_writes_its_front(tmp_path):
+    study = st.load_or_create(sqlite(tmp_path), "two", ["maximize", "minimize"], LR)
+    values = {0: (0.90, 100.0), 1: (0.95, 200.0), 2: (0.80, 150.0), 3: (0.99, 400.0)}
+    for _number, pair in sorted(values.items()):
+        study.tell(study.ask(LR), list(pair))
+    st.give_up(study, study.ask(LR), "its worker is gone")
+    objectives = ["val/acc", "params"]
+    (tmp_path / "trials.csv").write_text(trials_csv(study, objectives))
+    info = {
+        "study_name": "two",
+        "storage": "sqlite:///x",
+        "objectives": objectives,
+        "directions": ["maximize", "minimize"],
+        "n_trials": 5,
+    }
+    (tmp_path / "study.json").write_text(json.dumps(info))
+    lines = study_section(tmp_path, tmp_path)
+    text = "\n".join(lines)
+    assert "5 trials (4 complete, 1 lost) of n_trials=5" in text
+    assert "### Pareto front (3 trials; pareto.png)" in text
+    with (tmp_path / "trials.csv").open() as f:
+        rows = front_of(info, list(csv.DictReader(f)))
+    assert sorted(int(r["trial"]) for r in rows) == [0, 1, 3]  # trial 2 is dominated by 0
+    assert sorted(t.number for t in study.best_trials) == [0, 1, 3]  # Optuna agrees
+    assert (tmp_path / "pareto.png").stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------- the callback
+
+
+def test_the_callback_reports_each_validation_and_stops_a_trial_below_the_median():
+    from types import SimpleNamespace
+
+    import torch
+
+    from transformers_lab.sweeps.pruning import TrialPruning
+
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0)
+    study = optuna.create_study(direction="maximize", pruner=pruner)
+    first = study.ask()
+    first.report(0.9, 10)
+    study.tell(first, 0.9)
+
+    def validate(callback, value, step, sanity=False):
+        trainer = SimpleNamespace(
+            sanity_checking=sanity, global_step=step, should_stop=False, loggers=[],
+            callback_metrics={"val/acc": torch.tensor(value)},
+        )  # fmt: skip
+        callback.on_validation_end(trainer, None)
+        return trainer.should_stop
+
+    good = TrialPruning(study.ask(), "val/acc")
+    assert not validate(good, 0.1, 0, sanity=True)  # the sanity check is not reported
+    assert not validate(good, 0.95, 10) and good.pruned_at is None
+    bad = TrialPruning(study.ask(), "val/acc")
+    assert validate(bad, 0.5, 10) and bad.pruned_at == 10
+    assert study.trials[1].intermediate_values == {10: pytest.approx(0.95)}
+    assert study.trials[2].intermediate_values == {10: 0.5}

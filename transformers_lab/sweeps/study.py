@@ -1,0 +1,357 @@
+"""An Optuna study as the project's sweeper keeps it: where it is stored, its search space
+in Hydra's sweep syntax, which of its trials hold a slot of ``n_trials``, and the trials
+its dead workers left running.
+
+The study is the source of truth for a sweep: a worker that starts (again) counts what
+is done there, so that a killed sweep resumes and several workers share the trials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+    distribution_to_json,
+)
+from optuna.trial import FrozenTrial, TrialState
+
+from transformers_lab.errors import ConfigError
+
+# a trial's user attributes, set by the sweeper
+OWNER = "tlab:owner"  # {"host", "pid", "start"}: the sweep process that asked for it
+RUN_DIR = "tlab:run_dir"  # the job's run dir
+ERROR = "tlab:error"  # why its job failed: a failed job holds its slot
+LOST = "tlab:lost"  # why it was given up: its worker died, or it was one too many
+SPACE = "tlab:search_space"  # the study's: {key: distribution as JSON}
+
+# values of a job record that can be objectives besides its logged metrics
+RECORD_VALUES = ("params", "time_s", "state_size")
+
+JOURNAL_PREFIX = "journal:"
+
+
+# ---------------------------------------------------------------------------- storage
+
+
+def open_storage(url: str, heartbeat_interval: int | None = None) -> optuna.storages.BaseStorage:
+    """The storage at ``url``: a SQLAlchemy URL (``sqlite:///<path>``, ``postgresql://...``)
+    or ``journal:<path>``, Optuna's journal file (for network file systems whose locks
+    SQLite cannot trust). A SQLite file's folder is created; anything that cannot be
+    opened is one line saying what to give instead."""
+    hint = (
+        "give hydra.sweeper.storage a SQLAlchemy URL (sqlite:///<path>/study.db, "
+        "postgresql://<user>@<host>/<db>) or journal:<path>"
+    )
+    try:
+        if url.startswith(JOURNAL_PREFIX):
+            from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+            path = Path(url[len(JOURNAL_PREFIX) :]).expanduser()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            backend = JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path)))
+            return optuna.storages.JournalStorage(backend)
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+        engine_kwargs: dict[str, Any] = {}
+        if parsed.get_backend_name() == "sqlite":
+            if parsed.database and parsed.database != ":memory:":
+                Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            # several workers on one file wait for its lock rather than fail at once
+            engine_kwargs["connect_args"] = {"timeout": 60}
+        with warnings.catch_warnings():  # heartbeats are "experimental" since Optuna 2.9
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=heartbeat_interval,
+                grace_period=None if heartbeat_interval is None else 4 * heartbeat_interval,
+            )
+    except ImportError as exc:
+        raise ConfigError(
+            f"cannot open the study storage {shown(url)}: its database driver is not "
+            f"installed ({exc}); install it (psycopg2 for postgresql, pymysql for mysql) or "
+            f"{hint}"
+        ) from None
+    except Exception as exc:  # SQLAlchemy's parse and connection errors, OS errors
+        reason = " ".join(str(exc).split("(Background on this error")[0].split())
+        raise ConfigError(f"cannot open the study storage {shown(url)}: {reason}; {hint}") from None
+
+
+def shown(url: str) -> str:
+    """A storage URL as it may be printed: its password hidden."""
+    if url.startswith(JOURNAL_PREFIX):
+        return url
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url
+
+
+# ----------------------------------------------------------------------- search space
+
+
+def search_space(params: Mapping[str, Any]) -> tuple[dict[str, BaseDistribution], list[str]]:
+    """Hydra's sweep syntax as Optuna distributions: ``interval(a, b)`` (floats),
+    ``tag(log, interval(a, b))``, ``tag(int, interval(a, b))``, ``choice(a, b, ...)`` or ``a,b``,
+    ``range(start, stop, step)``. A plain value is not searched: it comes back as an
+    override every job gets."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
+
+    parser = OverridesParser.create()
+    space: dict[str, BaseDistribution] = {}
+    fixed: list[str] = []
+    for key, value in params.items():
+        text = f"{key}={value}"
+        try:
+            override = parser.parse_override(text)
+        except Exception as exc:
+            raise ConfigError(f"cannot read the search space entry {text!r}: {exc}") from None
+        sweep = override.value()
+        if isinstance(sweep, IntervalSweep):
+            log = "log" in sweep.tags
+            start, end = sweep.start, sweep.end
+            if "int" in sweep.tags or (isinstance(start, int) and isinstance(end, int)):
+                space[key] = IntDistribution(int(start), int(end), log=log)
+            else:
+                space[key] = FloatDistribution(float(start), float(end), log=log)
+        elif isinstance(sweep, RangeSweep):
+            values = list(override.sweep_iterator())
+            if all(isinstance(v, int) for v in values) and len(values) > 1:
+                step = values[1] - values[0]
+                space[key] = IntDistribution(values[0], values[-1], step=step)
+            else:
+                space[key] = CategoricalDistribution(values)
+        elif isinstance(sweep, ChoiceSweep):
+            space[key] = CategoricalDistribution(list(override.sweep_iterator()))
+        else:
+            fixed.append(text)
+    return space, fixed
+
+
+def space_json(space: Mapping[str, BaseDistribution]) -> dict[str, str]:
+    return {k: distribution_to_json(d) for k, d in sorted(space.items())}
+
+
+def as_override(key: str, value: Any) -> str:
+    """A sampled value as an override: floats at full precision, strings quoted when
+    Hydra would read them otherwise."""
+    if isinstance(value, bool) or value is None:
+        text = {True: "true", False: "false", None: "null"}[value]
+    elif isinstance(value, float):
+        text = repr(value)
+    elif isinstance(value, str) and not all(c.isalnum() or c in "_-./" for c in value):
+        text = "'" + value.replace("'", "\\'") + "'"
+    else:
+        text = str(value)
+    return f"{key}={text}"
+
+
+# ---------------------------------------------------------------------------- the study
+
+
+def load_or_create(
+    storage: optuna.storages.BaseStorage,
+    name: str,
+    directions: Sequence[str],
+    space: Mapping[str, BaseDistribution],
+    sampler: optuna.samplers.BaseSampler | None = None,
+    pruner: optuna.pruners.BasePruner | None = None,
+    where: str = "",
+) -> optuna.Study:
+    """The study ``name``, created if new. One that exists must have these directions
+    and this search space: a sweep never adds trials to a study of another question."""
+    study = optuna.create_study(
+        storage=storage,
+        study_name=name,
+        directions=list(directions),
+        sampler=sampler,
+        pruner=pruner,
+        load_if_exists=True,
+    )
+    have = [d.name.lower() for d in study.directions]
+    hint = "give another hydra.sweeper.study_name, or the same settings to continue it"
+    if have != [d.lower() for d in directions]:
+        raise ConfigError(
+            f"study {name!r}{where} exists with directions {have}; this sweep asks "
+            f"{list(directions)}: {hint}"
+        )
+    wanted = space_json(space)
+    stored = study.user_attrs.get(SPACE)
+    if stored is None:
+        study.set_user_attr(SPACE, wanted)
+    elif stored != wanted:
+        raise ConfigError(
+            f"study {name!r}{where} exists with the search space {describe(stored)}; this "
+            f"sweep has {describe(wanted)}: {hint}"
+        )
+    return study
+
+
+def describe(space: Mapping[str, str]) -> str:
+    """A stored search space, briefly: ``{optimizer.lr: Float(0.0001..0.01, log)}``."""
+    parts = []
+    for key, text in space.items():
+        data = json.loads(text)
+        kind, attrs = data["name"].replace("Distribution", ""), data["attributes"]
+        if "choices" in attrs:
+            parts.append(f"{key}: {kind}{tuple(attrs['choices'])}")
+        else:
+            log = ", log" if attrs.get("log") else ""
+            parts.append(f"{key}: {kind}({attrs['low']}..{attrs['high']}{log})")
+    return "{" + ", ".join(parts) + "}"
+
+
+def holds_slot(trial: FrozenTrial) -> bool:
+    """Whether a trial counts towards ``n_trials``: finished, pruned, running or waiting,
+    or failed by its job (the same setting would fail again). A trial given up because its
+    worker died (or one asked beyond ``n_trials``) holds none: its slot is given again."""
+    if trial.state == TrialState.FAIL:
+        return ERROR in trial.user_attrs
+    return True
+
+
+def slots_taken(study: optuna.Study) -> int:
+    return sum(holds_slot(t) for t in study.get_trials(deepcopy=False))
+
+
+def rank(study: optuna.Study, number: int) -> int:
+    """The place of trial ``number`` among the trials that hold a slot, from 1 (trial
+    numbers are given in order by the storage, so every worker sees the same ranks)."""
+    trials = study.get_trials(deepcopy=False)
+    return sum(holds_slot(t) for t in trials if t.number <= number)
+
+
+# ------------------------------------------------------------------ workers and losses
+
+
+def process_start(pid: int) -> str | None:
+    """A process's start time as the kernel counts it (Linux), which tells a process
+    from a later one given the same pid; None where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def this_worker() -> dict[str, Any]:
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "start": process_start(pid)}
+
+
+def worker_alive(owner: Mapping[str, Any]) -> bool | None:
+    """Whether the worker that asked for a trial still runs: True or False on this host,
+    None for another host (its heartbeat, where the storage keeps one, tells)."""
+    if owner.get("host") != socket.gethostname():
+        return None
+    pid = int(owner.get("pid", -1))
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, as another user's
+    except (OSError, ValueError):
+        return False
+    start = owner.get("start")
+    return start is None or process_start(pid) in (None, start)
+
+
+def give_up(study: optuna.Study, trial: FrozenTrial | optuna.Trial, why: str) -> None:
+    """Mark a trial failed without holding a slot (``LOST``), so that it is asked again."""
+    storage = study._storage
+    trial_id = trial._trial_id
+    with contextlib.suppress(Exception):  # finished meanwhile: nothing to give up
+        storage.set_trial_user_attr(trial_id, LOST, why)
+        study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+
+
+def reclaim_lost(study: optuna.Study, storage: optuna.storages.BaseStorage) -> list[FrozenTrial]:
+    """Give up the running trials whose worker is gone: on this host its process has
+    ended; elsewhere the storage's heartbeat stopped (RDB storages opened with one).
+    Returns the trials given up."""
+    lost = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = trial.user_attrs.get(OWNER) or {}
+        if owner and worker_alive(owner) is False:
+            give_up(study, trial, f"its worker (pid {owner.get('pid')}) is gone")
+            lost.append(trial)
+    if isinstance(storage, optuna.storages.RDBStorage) and storage.heartbeat_interval:
+        before = {t.number for t in study.get_trials(states=(TrialState.RUNNING,))}
+        optuna.storages.fail_stale_trials(study)  # no heartbeat within the grace period
+        after = {t.number for t in study.get_trials(states=(TrialState.RUNNING,))}
+        lost += [t for t in study.get_trials(deepcopy=False) if t.number in before - after]
+    return lost
+
+
+# ------------------------------------------------------------- objectives and trials
+
+
+def objective_values(record: Any, objectives: Sequence[str]) -> list[float] | str:
+    """The objectives' values in a job record (its final metrics, or ``params``,
+    ``time_s``, ``state_size``), or why they cannot be had."""
+    values = []
+    for name in objectives:
+        value = record.metrics.get(name)
+        if value is None and name in RECORD_VALUES:
+            value = getattr(record, name)
+        if value is None:
+            return f"{name} was never logged (logged: {', '.join(sorted(record.metrics))})"
+        if not math.isfinite(float(value)):
+            return f"{name} is {value}"
+        values.append(float(value))
+    return values
+
+
+@dataclass
+class TrialRow:
+    """One trial as the sweep summary shows it."""
+
+    number: int
+    state: str  # complete, pruned, running, waiting, failed, lost
+    values: list[float] | None
+    params: dict[str, Any]
+    run_dir: str | None
+    note: str | None  # the error of a failed job, or why the trial was given up
+    steps: int | None  # the last step it reported (pruning's intermediate values)
+
+
+def trial_rows(study: optuna.Study) -> list[TrialRow]:
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        state = {"fail": "failed"}.get(t.state.name.lower(), t.state.name.lower())
+        note = t.user_attrs.get(ERROR)
+        if t.state == TrialState.FAIL and LOST in t.user_attrs:
+            state, note = "lost", t.user_attrs[LOST]
+        elif t.state == TrialState.FAIL and ERROR not in t.user_attrs:
+            state, note = "lost", "no heartbeat: its worker stopped"
+        rows.append(
+            TrialRow(
+                number=t.number,
+                state=state,
+                values=list(t.values) if t.values is not None else None,
+                params=dict(t.params),
+                run_dir=t.user_attrs.get(RUN_DIR),
+                note=note,
+                steps=t.last_step,
+            )
+        )
+    return rows
