@@ -181,8 +181,8 @@ def test_a_two_objective_sweep_draws_its_pareto_front(tmp_path):
     ("args", "said"),
     [
         (["hydra.sweeper.storage=not-a-url"], "cannot open the study storage not-a-url"),
-        (["pruner=sometimes"], "unknown pruner 'sometimes'; valid options are: hyperband, "
-         "median, none"),
+        (["pruner=sometimes"], "unknown pruner 'sometimes'; valid options are: asha, "
+         "hyperband, median, none"),
         (["pruner=median", "hydra.sweeper.objectives=[val/acc,params]",
           "hydra.sweeper.directions=[maximize,minimize]"], "give pruner=none"),
     ],
