@@ -211,3 +211,20 @@ def test_double_backward_is_refused_not_wrong():
             torch.autograd.grad(out.square().sum(), q, create_graph=True)
         (gq,) = torch.autograd.grad(out.square().sum(), q)  # first order still works
         assert torch.isfinite(gq).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("variant", ["fastmax_p2", "fastmax_p1", "linear", "based", "performer",
+                                     "cosformer"])  # fmt: skip
+def test_matmul_flops_counts_what_the_linear_paths_run(variant, causal):
+    from hydra.utils import instantiate
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from transformers_lab.config import attention_configs
+
+    kernel = instantiate(attention_configs()[variant])(head_dim=8, num_heads=2)
+    kernel.impl, kernel.chunk_size = "linear", 16
+    q, k, v = (torch.randn(1, 2, 40, 8, requires_grad=True) for _ in range(3))  # 40: padded
+    with FlopCounterMode(display=False) as counter:
+        kernel(q, k, v, causal=causal).sum().backward()
+    assert counter.get_total_flops() == kernel.matmul_flops(40, causal)

@@ -55,6 +55,10 @@ class BasedAttention(FeatureKernel):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, feature_dim={self.feature_dim}"
 
+    def feature_flops(self) -> int:
+        """The projections of q and k: forward, and backward to the input and the weight."""
+        return 2 * 3 * 2 * self.head_dim * self.feature_dim
+
     def features(self, x: Tensor, role: str) -> Tensor:
         """The per-head projection; queries also divided by √d."""
         w = self.w_q if role == "q" else self.w_k

@@ -96,6 +96,10 @@ class PerformerAttention(FeatureKernel):
             self.omega.copy_(self.draw())
         return super().forward(q, k, v, **kwargs)
 
+    def feature_flops(self) -> int:
+        """The random projections of q and k, forward and backward (ω is fixed)."""
+        return 2 * 2 * 2 * self.head_dim * self.num_features
+
     def features(self, x: Tensor, role: str) -> Tensor:
         """exp(ω·x - |x|²/2) / √m of x = u / D^(1/4). A query's features are divided by
         their largest, which cancels in its normalisation and keeps exp in range. A key's

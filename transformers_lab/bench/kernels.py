@@ -100,6 +100,7 @@ COLUMNS = (
     "time_ms",
     "peak_mib",
     "state_numbers",
+    "gflop",
     "status",
     "mem_method",
 )
@@ -110,6 +111,7 @@ CAUSAL_MODES: dict[str, tuple[bool, ...]] = {
 }
 MODULE = "transformers_lab.bench.kernels"  # what a worker runs with ``python -m``
 WARMUP_N = 64
+RATE_SIZE = 2048  # the square matrices of the matmul rate
 WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -144,6 +146,8 @@ class Spec:
         row = {name: fields.get(name) for name in COLUMNS}
         row.update(time_ms=time_ms, peak_mib=peak_mib, status=status, mem_method=mem_method)
         row["state_numbers"] = state_numbers(self.variant, self.n, self.heads, self.head_dim)
+        flops = matmul_flops(self.variant, self.n, self.causal, self.heads, self.head_dim)
+        row["gflop"] = None if flops is None else self.batch * flops / 1e9
         return row
 
 
@@ -158,6 +162,24 @@ def state_numbers(variant: str, n: int, heads: int, head_dim: int) -> int:
     kernel's ``state_size``): a KV cache grows with n, a linear state does not."""
     kernel = instantiate(variants()[variant])(head_dim=head_dim, num_heads=heads)
     return kernel.state_size(n)
+
+
+@functools.cache
+def matmul_flops(variant: str, n: int, causal: bool, heads: int, head_dim: int) -> int | None:
+    """The matrix-product FLOPs of one fwd+bwd of a linear kernel (its ``matmul_flops``),
+    one sequence; None for the others."""
+    kernel = instantiate(variants()[variant])(head_dim=head_dim, num_heads=heads)
+    counter = getattr(kernel, "matmul_flops", None)
+    return None if counter is None or not getattr(kernel, "linear", False) else counter(n, causal)
+
+
+def matmul_rate(device: str = "cpu", dtype: str = "float32", size: int = 2048) -> float:
+    """This machine's matmul rate, GFLOP/s: the median of 5 products of two square
+    ``size`` x ``size`` matrices, after one warm-up, on the default thread count."""
+    a, b = (torch.randn(size, size, device=device, dtype=DTYPES[dtype]) for _ in range(2))
+    a @ b
+    seconds = [timed(lambda: a @ b, device) for _ in range(5)]
+    return 2 * size**3 / statistics.median(seconds) / 1e9
 
 
 def validate_variants(names: Iterable[str]) -> list[str]:
@@ -459,8 +481,16 @@ def markdown_table(header: Sequence[str], body: Iterable[Sequence[Any]]) -> list
     return lines
 
 
-def results_table(rows: Sequence[Row]) -> list[str]:
-    """The main table: one line per measurement."""
+def bound_ms(row: Row, rate: float | None) -> float | None:
+    """The time of a row's matmul FLOPs at ``rate`` GFLOP/s: a floor on its time."""
+    if rate is None or row.get("gflop") in (None, ""):
+        return None
+    return 1e3 * float(row["gflop"]) / rate
+
+
+def results_table(rows: Sequence[Row], rate: float | None = None) -> list[str]:
+    """The main table: one line per measurement; for the linear kernels, the time their
+    matmul FLOPs take at ``rate`` (the bound) and their time over it."""
     body = (
         (
             r["variant"],
@@ -469,11 +499,14 @@ def results_table(rows: Sequence[Row]) -> list[str]:
             fmt(r["time_ms"]),
             fmt(r["peak_mib"]),
             f"{r['state_numbers']:,}" if r.get("state_numbers") is not None else "",
+            fmt(bound_ms(r, rate)),
+            fmt(ratio(r["time_ms"], bound_ms(r, rate))),
             r["status"],
         )
         for r in rows
     )
-    header = ("variant", "mode", "N", "time (ms)", "extra peak (MiB)", "decode state", "status")
+    header = ("variant", "mode", "N", "time (ms)", "extra peak (MiB)", "decode state",
+              "FLOP bound (ms)", "÷ bound", "status")  # fmt: skip
     return markdown_table(header, body)
 
 
@@ -504,8 +537,9 @@ def ratio_table(rows: Sequence[Row], causal: bool) -> list[str]:
     return markdown_table(header, body)
 
 
-def markdown_report(rows: Sequence[Row]) -> str:
-    """The whole ``kernels.md``: set-up, results, and a ratio table per causal mode."""
+def markdown_report(rows: Sequence[Row], rate: float | None = None) -> str:
+    """The whole ``kernels.md``: set-up, results, and a ratio table per causal mode;
+    ``rate``: the machine's matmul GFLOP/s, for the linear kernels' FLOP bound."""
     if not rows:
         return "# Attention kernels: forward + backward\n\nNo measurements.\n"
     first = rows[0]
@@ -517,7 +551,17 @@ def markdown_report(rows: Sequence[Row]) -> str:
         f"dtype={first['dtype']}, device={first['device']}; time is the median over the "
         f"timed repeats; extra peak memory by {', '.join(methods)}.",
         "",
-        *results_table(rows),
+        *(
+            [
+                f"FLOP bound: a linear kernel's matmul FLOPs (its `matmul_flops`) at this "
+                f"machine's measured matmul rate, {rate:.0f} GFLOP/s (square {RATE_SIZE} "
+                f"products, {torch.get_num_threads()} threads).",
+                "",
+            ]
+            if rate
+            else []
+        ),
+        *results_table(rows, rate),
     ]
     for causal in (True, False):
         if any(r["causal"] == causal for r in rows):
@@ -533,13 +577,15 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     plot_kernel_benchmark([r for r in rows if is_ok(r)]).savefig(path, dpi=120, bbox_inches="tight")
 
 
-def write_reports(rows: Sequence[Row], out_dir: Path | str) -> dict[str, Path]:
+def write_reports(
+    rows: Sequence[Row], out_dir: Path | str, rate: float | None = None
+) -> dict[str, Path]:
     """Write ``kernels.csv``, ``kernels.md`` and ``kernels.png`` into ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {ext: out_dir / f"kernels.{ext}" for ext in ("csv", "md", "png")}
     write_csv(rows, paths["csv"])
-    paths["md"].write_text(markdown_report(rows))
+    paths["md"].write_text(markdown_report(rows, rate))
     plot(rows, paths["png"])
     return paths
 
@@ -627,8 +673,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         return worker_main(args.worker)
+    rate = matmul_rate(args.device, args.dtype, RATE_SIZE)
+    print(f"matmul rate: {rate:.0f} GFLOP/s", file=sys.stderr, flush=True)
     rows = run_bench(args)
-    paths = write_reports(rows, args.out)
+    paths = write_reports(rows, args.out, rate)
     print(paths["md"].read_text())
     for path in paths.values():
         print(f"wrote {path}")

@@ -12,10 +12,9 @@ from transformers_lab.attention.fastmax.features import (
     constant,
     feature_dim,
     feature_weights,
-    features_t,
-    features_t_vjp,
+    features_d,
+    features_d_vjp,
     first_order_only,
-    poly,
     weighted_state,
 )
 
@@ -34,9 +33,9 @@ class _ChunkLoop(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v_aug, state, p, c):  # type: ignore[override]
         b, h, n, _ = q.shape
+        e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)
-        future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
-        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (B, H, nc, E, C)
+        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (B, H, nc, E + E // 2, C)
         out = torch.empty_like(v_aug)
         state = state.clone()  # updated in place below
         keep = any(ctx.needs_input_grad[:4])
@@ -46,10 +45,10 @@ class _ChunkLoop(torch.autograd.Function):
             qi, ki, vi = q[:, :, rows], k[:, :, rows], v_aug[:, :, rows]
             if keep:
                 before[:, :, i] = state
-            phi_q = features_t(ut_q[:, :, i], p)  # (B, H, F, C)
-            phi_k = features_t(ut_k[:, :, i], p)
-            scores = poly(qi @ ki.mT, p).masked_fill_(future, 0.0)  # (B, H, C, C)
-            out[:, :, rows] = scores @ vi + phi_q.mT @ state.mT
+            phi_q = features_d(ut_q[:, :, i], e, p)  # (B, H, F, C)
+            phi_k = features_d(ut_k[:, :, i], e, p)
+            scores = masked_poly(qi @ ki.mT, p)  # (B, H, C, C)
+            out[:, :, rows] = torch.matmul(phi_q.mT, state.mT).add_(scores @ vi)
             state += (vi.mT @ phi_k.mT).mul_(w)
         ctx.p, ctx.c = p, c
         if keep:
@@ -62,34 +61,41 @@ class _ChunkLoop(torch.autograd.Function):
         q, k, v_aug, before = ctx.saved_tensors
         p, c = ctx.p, ctx.c
         n = q.shape[2]
+        e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
-        future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
-        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (B, H, nc, E, C)
+        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (B, H, nc, E + E // 2, C)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
         d_s = d_state.clone()  # gradient w.r.t. the state that chunk i's keys join
         for i in reversed(range(n // c)):
             rows = slice(i * c, (i + 1) * c)
             qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v_aug[:, :, rows], d_out[:, :, rows]
-            phi_q = features_t(ut_q[:, :, i], p)  # (B, H, F, C)
-            phi_k = features_t(ut_k[:, :, i], p).mul(w)
+            phi_q = features_d(ut_q[:, :, i], e, p)  # (B, H, F, C)
+            phi_k = features_d(ut_k[:, :, i], e, p).mul_(w)
             x = qi @ ki.mT
-            scores = poly(x, p).masked_fill_(future, 0.0)
+            scores = masked_poly(x, p)  # a new tensor for p=2, whose x is still needed
             # through the state: out_i = phi_q^T S^T, and later states gain v_i (w phi_k)^T
-            dv[:, :, rows] = scores.mT @ doi + phi_k.mT @ d_s.mT
+            dv[:, :, rows] = torch.matmul(phi_k.mT, d_s.mT).add_(scores.mT @ doi)
             d_phi_k = (d_s.mT @ vi.mT).mul_(w)  # (B, H, F, C)
             d_phi_q = before[:, :, i].mT @ doi.mT
             d_s += doi.mT @ phi_q.mT
             # through the chunk's own polynomial, poly'(x) = 1 (p=1) or 1 + x (p=2)
-            dx = (doi @ vi.mT).masked_fill_(future, 0.0)
+            dx = (doi @ vi.mT).tril_()
             if p == 2:
                 dx.mul_(x.add_(1.0))
-            d_ut_q = features_t_vjp(ut_q[:, :, i], d_phi_q, p)[
-                ..., constant(p) :, :
-            ]  # (B, H, D, C)
-            d_ut_k = features_t_vjp(ut_k[:, :, i], d_phi_k, p)[..., constant(p) :, :]
-            dq[:, :, rows] = dx @ ki + d_ut_q.mT
-            dk[:, :, rows] = dx.mT @ qi + d_ut_k.mT
+            d_ut_q = features_d_vjp(ut_q[:, :, i], e, d_phi_q, p)[..., constant(p) :, :]
+            d_ut_k = features_d_vjp(ut_k[:, :, i], e, d_phi_k, p)[..., constant(p) :, :]
+            dq[:, :, rows] = torch.matmul(dx, ki).add_(d_ut_q.mT)
+            dk[:, :, rows] = torch.matmul(dx.mT, qi).add_(d_ut_k.mT)
         return dq, dk, dv, d_s, None, None
+
+
+def masked_poly(x: Tensor, p: int) -> Tensor:
+    """poly(x, p) with the future (above the diagonal) zeroed, in place of x."""
+    if p == 2:  # 1 + x + x^2 / 2 as (x / 2 + 1) x + 1
+        x = torch.addcmul(x, x, x, value=0.5)
+    if p >= 1:
+        x.add_(1.0)
+    return x.tril_()
 
 
 def chunked_causal(

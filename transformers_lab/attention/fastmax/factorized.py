@@ -11,8 +11,8 @@ from transformers_lab.attention.fastmax.features import (
     chunks_t,
     constant,
     feature_weights,
-    features_t,
-    features_t_vjp,
+    features_d,
+    features_d_vjp,
     first_order_only,
 )
 
@@ -38,15 +38,16 @@ class _FactorizedLoop(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v_aug, p, cq, ck):  # type: ignore[override]
         b, h, nq, _ = q.shape
+        e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)
-        ut_q, ut_k = chunks_t(q, cq, p), chunks_t(k, ck, p)  # (B, H, n / C, E, C)
+        ut_q, ut_k = chunks_t(q, cq, p), chunks_t(k, ck, p)  # (B, H, n / C, E + E // 2, C)
         state = q.new_zeros(b, h, v_aug.shape[-1], w.shape[0])  # (B, H, Dv + 1, F)
         for i in range(k.shape[2] // ck):
             vi = v_aug[:, :, i * ck : (i + 1) * ck]
-            state += (vi.mT @ features_t(ut_k[:, :, i], p).mT).mul_(w)
+            state += (vi.mT @ features_d(ut_k[:, :, i], e, p).mT).mul_(w)
         out = q.new_empty(b, h, nq, v_aug.shape[-1])
         for i in range(nq // cq):
-            out[:, :, i * cq : (i + 1) * cq] = features_t(ut_q[:, :, i], p).mT @ state.mT
+            out[:, :, i * cq : (i + 1) * cq] = features_d(ut_q[:, :, i], e, p).mT @ state.mT
         ctx.p, ctx.cq, ctx.ck = p, cq, ck
         ctx.save_for_backward(q, k, v_aug, state)
         return out
@@ -56,6 +57,7 @@ class _FactorizedLoop(torch.autograd.Function):
         first_order_only()
         q, k, v_aug, state = ctx.saved_tensors
         p, cq, ck = ctx.p, ctx.cq, ctx.ck
+        e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
         ut_q, ut_k = chunks_t(q, cq, p), chunks_t(k, ck, p)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
@@ -63,14 +65,14 @@ class _FactorizedLoop(torch.autograd.Function):
         for i in range(q.shape[2] // cq):
             rows = slice(i * cq, (i + 1) * cq)
             doi = d_out[:, :, rows]
-            d_ut_q = features_t_vjp(ut_q[:, :, i], state.mT @ doi.mT, p)[..., constant(p) :, :]
+            d_ut_q = features_d_vjp(ut_q[:, :, i], e, state.mT @ doi.mT, p)[..., constant(p) :, :]
             dq[:, :, rows] = d_ut_q.mT
-            d_s += doi.mT @ features_t(ut_q[:, :, i], p).mT
+            d_s += doi.mT @ features_d(ut_q[:, :, i], e, p).mT
         for i in range(k.shape[2] // ck):
             rows = slice(i * ck, (i + 1) * ck)
             vi = v_aug[:, :, rows]
-            dv[:, :, rows] = features_t(ut_k[:, :, i], p).mul(w).mT @ d_s.mT
-            d_ut_k = features_t_vjp(ut_k[:, :, i], (d_s.mT @ vi.mT).mul_(w), p)[
+            dv[:, :, rows] = features_d(ut_k[:, :, i], e, p).mul(w).mT @ d_s.mT
+            d_ut_k = features_d_vjp(ut_k[:, :, i], e, (d_s.mT @ vi.mT).mul_(w), p)[
                 ..., constant(p) :, :
             ]
             dk[:, :, rows] = d_ut_k.mT

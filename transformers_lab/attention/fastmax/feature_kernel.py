@@ -190,6 +190,33 @@ class FeatureKernel(AttentionKernel):
         value_dim = self.head_dim if value_dim is None else value_dim
         return self.num_heads * (value_dim + 1) * feature_dim(self.feature_count, self.p)
 
+    def feature_flops(self) -> int:
+        """Matmul FLOPs of ``features`` per token and head, queries and keys, forward and
+        backward (a learned or random projection); none here."""
+        return 0
+
+    def matmul_flops(self, n: int, causal: bool, value_dim: int | None = None) -> int:
+        """Floating-point operations of the matrix products of one forward and backward
+        pass of the linear path over ``n`` tokens, all heads, one sequence: the work that
+        bounds its time at a machine's matmul rate. With F features, u of size E, Dv + 1
+        value columns and chunks of C, per token and head:
+
+        - every path: the state's update and read, and the backward's four products of
+          the same size, 12 F (Dv + 1), and ``feature_flops``;
+        - causal, also the C x C blocks: the scores and their use, 2 C (E + Dv + 1)
+          forward and 2 C (3 E + 2 (Dv + 1)) backward, whole blocks as computed.
+
+        Tokens are counted as the paths pad them, to whole chunks. The feature maps'
+        elementwise work is not counted. ``tests/test_fastmax_paths.py`` checks this
+        count against torch's FLOP counter.
+        """
+        dv1 = (self.head_dim if value_dim is None else value_dim) + 1
+        f, e = feature_dim(self.feature_count, self.p), self.feature_count
+        c = min(self.chunk_size, n)
+        padded = -(-n // c) * c
+        per_token = 12 * f * dv1 + (2 * c * (4 * e + 3 * dv1) if causal else 0)
+        return (per_token * padded + self.feature_flops() * n) * self.num_heads
+
     def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
         """The factorised state of every key: reading it costs O(1) in the memory length."""
         self.check_inputs(k[:, :, :1], k, v, key_padding_mask)

@@ -46,21 +46,28 @@ def feature_map(u: Tensor, p: int) -> Tensor:
 
 
 def chunks_t(u: Tensor, c: int, p: int) -> Tensor:
-    """u~^T of every chunk: (B, H, N, D) -> (B, H, N / C, E, C), each block contiguous
-    (u~ = [1, u], or u for p=0).
+    """``doubled_t`` of every chunk: (B, H, N, D) -> (B, H, N / C, E + E // 2, C) for p=2,
+    (B, H, N / C, E, C) otherwise, each block contiguous (u~ = [1, u], or u for p=0).
 
     Whole-sequence rows N floats apart would alias in the cache when N is a power of two.
     """
     b, h, n, _ = u.shape
     ut = F.pad(u, (constant(p), 0), value=1.0).reshape(b, h, n // c, c, -1)
-    return ut.transpose(-2, -1).contiguous()
+    return doubled_t(ut.transpose(-2, -1), p).contiguous()
 
 
-def rolled_t(ut_t: Tensor, shifts: int) -> Tensor:
-    """(..., E, N) -> (..., R, E, N) view with rolled[..., r, a, :] = ut_t[..., (a + r) % E, :]."""
-    e = ut_t.shape[-2]
-    doubled = torch.cat([ut_t, ut_t[..., : shifts - 1, :]], dim=-2)  # (..., E + R - 1, N)
-    return doubled.unfold(-2, e, 1).transpose(-2, -1)
+def doubled_t(ut_t: Tensor, p: int) -> Tensor:
+    """For p=2, u~^T with its first E // 2 rows repeated below it, (..., E, N) ->
+    (..., E + E // 2, N): every shift of ``features_t`` is then a window of it
+    (``windows``), with no copy. For p < 2, u~^T as it is."""
+    if p < 2:
+        return ut_t
+    return torch.cat([ut_t, ut_t[..., : ut_t.shape[-2] // 2, :]], dim=-2)
+
+
+def windows(d: Tensor, e: int) -> Tensor:
+    """(..., E + R - 1, N) -> (..., R, E, N) view: windows[..., r, a, :] = d[..., a + r, :]."""
+    return d.unfold(-2, e, 1).transpose(-2, -1)
 
 
 def features_t(ut_t: Tensor, p: int) -> Tensor:
@@ -69,35 +76,46 @@ def features_t(ut_t: Tensor, p: int) -> Tensor:
     Tokens run along the last, contiguous axis, so the products are plain vector
     multiplies of shifted rows, with no gather.
     """
+    return features_d(doubled_t(ut_t, p), ut_t.shape[-2], p)
+
+
+def features_d(d: Tensor, e: int, p: int) -> Tensor:
+    """``features_t`` of the ``doubled_t`` layout ``d`` of E rows."""
     if p < 2:
-        return ut_t
-    e, n = ut_t.shape[-2:]
-    shifts = e // 2 + 1
-    rolled = rolled_t(ut_t, shifts)
-    if torch.is_grad_enabled() and ut_t.requires_grad:
+        return d
+    ut_t, rolled = d[..., :e, :], windows(d, e)
+    if torch.is_grad_enabled() and d.requires_grad:
         return (ut_t.unsqueeze(-3) * rolled).flatten(-3, -2)
     # Without autograd, write into a contiguous tensor: the overlapping strides of
     # ``rolled`` would otherwise give the product a scattered layout and flatten a copy.
-    out = ut_t.new_empty(*ut_t.shape[:-2], shifts, e, n)
+    out = d.new_empty(*d.shape[:-2], rolled.shape[-3], e, d.shape[-1])
     return torch.mul(ut_t.unsqueeze(-3), rolled, out=out).flatten(-3, -2)
 
 
 def features_t_vjp(ut_t: Tensor, grad_t: Tensor, p: int) -> Tensor:
     """d(sum(grad_t * features_t(ut_t, p))) / d ut_t, shape (..., E, N)."""
+    return features_d_vjp(doubled_t(ut_t, p), ut_t.shape[-2], grad_t, p)
+
+
+def features_d_vjp(d: Tensor, e: int, grad_t: Tensor, p: int) -> Tensor:
+    """``features_t_vjp`` of the ``doubled_t`` layout ``d`` of E rows."""
     if p < 2:
         return grad_t
-    e, n = ut_t.shape[-2:]
     shifts = e // 2 + 1
     g = grad_t.unflatten(-2, (shifts, e))  # g[r, a] multiplies u~_a u~_((a + r) % E)
-    left = (g * rolled_t(ut_t, shifts)).sum(-3)  # the derivative through u~_a
-    # through u~_((a + r) % E): d u~_b += sum_r g[r, (b - r) % E] u~_((b - r) % E)
-    h = torch.cat([g * ut_t.unsqueeze(-3)] * 2, dim=-2)  # (..., R, 2E, N): h[r, j] = h[r, j % E]
-    skewed = h.as_strided(  # skewed[..., r, b, :] = h[..., r, b - r + E, :]
-        (*h.shape[:-3], shifts, e, n),
-        (*h.stride()[:-3], (2 * e - 1) * n, n, 1),
-        h.storage_offset() + e * n,
+    out = (g * windows(d, e)).sum(-3)  # the derivative through u~_a
+    # through u~_b, b = (a + r) % E: m[r, a] = g[r, a] u~_a reaches u~_b from row (b - r) % E.
+    # With the last R - 1 rows of each shift put in front of it (md), that row is
+    # md[r, b - r + R - 1]: a skewed view, summed over r.
+    m = g * d[..., :e, :].unsqueeze(-3)  # (..., R, E, N)
+    md = torch.cat([m[..., e - shifts + 1 :, :], m], dim=-2)  # (..., R, E + R - 1, N)
+    n, rows = md.shape[-1], md.shape[-2]
+    skewed = md.as_strided(
+        (*md.shape[:-3], shifts, e, n),
+        (*md.stride()[:-3], (rows - 1) * n, n, 1),
+        md.storage_offset() + (shifts - 1) * n,
     )
-    return left + skewed.sum(-3)
+    return out.add_(skewed.sum(-3))
 
 
 def feature_weights(
