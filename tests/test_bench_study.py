@@ -39,3 +39,53 @@ def test_the_comparison_is_against_the_first_pruner():
         "pruner=median against pruner=none: 50% less wall time, 0.45x the training steps, "
         "best value +0.0000"
     )
+
+
+def unpruned_study(tmp_path, curves):
+    """A finished study as the sweeper leaves one, its trials reporting ``curves``."""
+    import json
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "study.json").write_text(json.dumps({"study_name": "lr"}))
+    study = optuna.create_study(
+        study_name="lr", storage=f"sqlite:///{sweep / 'study.db'}", direction="maximize"
+    )
+    for curve in curves:
+        trial = study.ask()
+        for i, value in enumerate(curve, 1):
+            trial.report(value, 10 * i)
+        study.tell(trial, curve[-1])
+    return sweep
+
+
+def test_a_replay_stops_the_trials_the_pruner_would_have_stopped(tmp_path, capsys):
+    from transformers_lab.bench.study import run_replay
+
+    # median, 3 startup trials: the fourth is below the median (0.5) at its first report
+    curves = [[0.5, 0.6, 0.7], [0.1, 0.1, 0.1], [0.6, 0.8, 0.9], [0.2, 0.2, 0.2]]
+    lines = run_replay(unpruned_study(tmp_path, curves), ["none", "median"])
+    assert lines[1:] == [
+        "pruner=none: 120 steps (0% fewer), 0 pruned, best 0.9000",
+        "pruner=median: 100 steps (17% fewer), 1 pruned, best 0.9000",
+    ]
+    assert main(["--replay", str(tmp_path / "sweep"), "--pruners", "asha", "hyperband"]) == 0
+    out = capsys.readouterr().out  # every pruner option builds and replays
+    assert "pruner=asha:" in out and "pruner=hyperband:" in out
+
+
+def test_a_replay_needs_an_unpruned_study_and_known_pruners(tmp_path):
+    import optuna
+
+    from transformers_lab.bench.study import run_replay
+
+    sweep = unpruned_study(tmp_path, [[0.5, 0.6]])
+    with pytest.raises(SystemExit, match="unknown pruner 'sometimes'; valid options are: asha"):
+        run_replay(sweep, ["sometimes"])
+    study = optuna.load_study(study_name="lr", storage=f"sqlite:///{sweep / 'study.db'}")
+    study.tell(study.ask(), state=optuna.trial.TrialState.PRUNED)
+    with pytest.raises(SystemExit, match="replay a study run with pruner=none"):
+        run_replay(sweep, ["median"])

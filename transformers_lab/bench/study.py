@@ -5,6 +5,7 @@ Usage::
     python -m transformers_lab.bench.study                       # lr_optuna on MQAR, 12 trials
     python -m transformers_lab.bench.study --pruners none median hyperband
     python -m transformers_lab.bench.study --trials 3 -- trainer.max_epochs=1   # a quick look
+    python -m transformers_lab.bench.study --replay bench_out/study/0-none --pruners median asha
 
 Each pruner runs ``tlab-train sweep=lr_optuna experiment=mqar pruner=<p>`` as a user
 would, in its own sweep dir under ``--out``, with the same sampler seed; the order of
@@ -13,6 +14,13 @@ machine's speed hits both. For each it reports the wall time, the best value, ho
 trials were pruned, and the training steps all trials took together; then each pruner's
 wall time and best value against the first one's. Reports go to ``--out`` as
 ``study_bench.csv`` and ``study_bench.md``.
+
+``--replay <sweep dir>`` trains nothing: it replays the trials of a finished study run
+without pruning (their reported values, step by step, in their order) through each
+pruner, and prints the steps each would have kept and the best value it would still
+have found. It answers "which pruner, for this kind of curve?" in seconds; the order of
+the trials is the unpruned study's (a sampler that learns from pruned trials would have
+asked others).
 """
 
 from __future__ import annotations
@@ -58,6 +66,73 @@ def run_study(pruner: str, sweep: Path, trials: int, extra: Sequence[str]) -> di
     }
 
 
+def pruner(name: str):
+    """The Optuna pruner of the ``conf/pruner`` option ``name``."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from transformers_lab.config import CONF_DIR
+
+    options = sorted(p.stem for p in (CONF_DIR / "pruner").glob("*.yaml"))
+    if name not in options:
+        raise SystemExit(f"error: unknown pruner {name!r}; valid options are: {', '.join(options)}")
+    return instantiate(OmegaConf.load(CONF_DIR / "pruner" / f"{name}.yaml"))
+
+
+def replay(trials: Sequence, pruner_name: str, direction: str = "maximize") -> dict:
+    """What ``pruner_name`` would have given on ``trials``, finished without pruning:
+    each trial's reports in order, stopped where the pruner says. Returns the steps
+    kept, the best final value among the trials it let finish, and how many it pruned."""
+    import optuna
+
+    study = optuna.create_study(direction=direction, pruner=pruner(pruner_name))
+    steps, pruned, finals = 0, 0, []
+    for frozen in trials:
+        trial, last = study.ask(), 0
+        for step, value in sorted(frozen.intermediate_values.items()):
+            trial.report(value, step)
+            last = step
+            if trial.should_prune():
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                pruned += 1
+                break
+        else:
+            study.tell(trial, frozen.value)
+            finals.append(frozen.value)
+        steps += last
+    best = (max if direction == "maximize" else min)(finals) if finals else None
+    return {"pruner": pruner_name, "steps": steps, "best": best, "pruned": pruned}
+
+
+def run_replay(sweep: Path, pruners: Sequence[str]) -> list[str]:
+    """Replay the study of ``sweep`` (its ``study.json`` names it) through each pruner."""
+    import json
+
+    import optuna
+
+    info = json.loads((sweep / "study.json").read_text())
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(
+        study_name=info["study_name"], storage=f"sqlite:///{sweep / 'study.db'}"
+    )
+    trials = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if len(trials) < len(study.trials) or not trials:
+        raise SystemExit(
+            f"error: {sweep} holds pruned, failed or no trials; replay a study run with pruner=none"
+        )
+    direction = study.direction.name.lower()
+    total = sum(t.last_step or 0 for t in trials)
+    lines = [f"replay of {len(trials)} trials of {sweep} ({total} steps without pruning):"]
+    for name in pruners:
+        r = replay(trials, name, direction)
+        best = "none finished" if r["best"] is None else f"{r['best']:.4f}"
+        lines.append(
+            f"pruner={name}: {r['steps']} steps ({1 - r['steps'] / total:.0%} fewer), "
+            f"{r['pruned']} pruned, best {best}"
+        )
+    return lines
+
+
 def compare(rows: Sequence[dict], pruners: Sequence[str]) -> list[str]:
     """Each pruner's mean wall time and best value against the first pruner's."""
 
@@ -97,8 +172,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench_out/study"))
+    parser.add_argument(
+        "--replay",
+        type=Path,
+        metavar="SWEEP_DIR",
+        help="replay a finished unpruned study through --pruners; trains nothing",
+    )
     parser.add_argument("overrides", nargs="*", help="after --: overrides for every trial")
     args = parser.parse_args(argv)
+    if args.replay is not None:
+        for line in run_replay(args.replay, args.pruners):
+            print(line)
+        return 0
     rows = []
     for repeat in range(args.repeats):
         order = args.pruners if repeat % 2 == 0 else list(reversed(args.pruners))
