@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install train ablate zoology mad test test-fast lint format docs bench bench-training bench-study notebooks clean
+.PHONY: help install train ablate zoology mad test test-fast lint format docs bench bench-long bench-training bench-study notebooks clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -52,6 +52,9 @@ format: install  ## apply ruff's fixes and formatting
 
 bench: install  ## benchmark the attention kernels (BENCH_ARGS="--n 1024 2048 ...")
 	$(PY) -m transformers_lab.bench.kernels $(BENCH_ARGS)
+
+bench-long: install  ## long-context training: tokens/s and peak memory of experiment=gpt_long_context per kernel (BENCH_ARGS=...)
+	$(PY) -m transformers_lab.bench.long_context $(BENCH_ARGS)
 
 bench-training: install  ## framework overhead: tlab-train against a bare PyTorch loop (BENCH_ARGS=...)
 	$(PY) -m transformers_lab.bench.training $(BENCH_ARGS)
