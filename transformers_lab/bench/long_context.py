@@ -51,8 +51,8 @@ COLUMNS = ["repeat", "kernel", "context", "tokens_per_s", "step_ms", "peak_mib",
 def measure(kernel: str, steps: int, warmup: int, overrides: Sequence[str]) -> dict:
     """Train ``warmup + steps`` steps of the experiment with ``kernel`` in this process."""
     import lightning as L
-    import torch.nn.functional as F
 
+    from transformers_lab.bench.training import train_step
     from transformers_lab.builders import build_datamodule, build_model
     from transformers_lab.config import compose_config
     from transformers_lab.nn import weight_decay_groups
@@ -83,13 +83,7 @@ def measure(kernel: str, steps: int, warmup: int, overrides: Sequence[str]) -> d
             batches = iter(datamodule.train_dataloader())
             x, y = next(batches)
         start = time.perf_counter()
-        logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
+        train_step(model, optimizer, x, y, clip)
         return time.perf_counter() - start
 
     for _ in range(warmup):

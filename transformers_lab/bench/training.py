@@ -53,6 +53,17 @@ def validate(model: torch.nn.Module, loader) -> float:
     return total / count
 
 
+def train_step(model: torch.nn.Module, optimizer, x, y, clip: float | None) -> None:
+    """One optimizer step of next-token prediction, as nanoGPT takes it."""
+    logits = model(x)
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+
+
 def bare_loop(overrides: list[str], steps: int, workdir: Path) -> tuple[float, float]:
     """(seconds, final validation loss) of a hand-written loop over the experiment."""
     cfg = compose_config("train", overrides, workdir)
@@ -84,13 +95,7 @@ def bare_loop(overrides: list[str], steps: int, workdir: Path) -> tuple[float, f
     model.train()
     while step < steps:
         for x, y in datamodule.train_dataloader():
-            logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
+            train_step(model, optimizer, x, y, clip)
             schedule.step()
             step += 1
             if step % every == 0 or step == steps:
