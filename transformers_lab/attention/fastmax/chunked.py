@@ -70,7 +70,9 @@ class _ChunkLoop(torch.autograd.Function):
             rows = slice(i * c, (i + 1) * c)
             qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v_aug[:, :, rows], d_out[:, :, rows]
             phi_q = features_d(ut_q[:, :, i], e, p)  # (B, H, F, C)
-            phi_k = features_d(ut_k[:, :, i], e, p).mul_(w)
+            phi_k = features_d(ut_k[:, :, i], e, p)
+            if p == 2:  # a new tensor (the weights of p < 2 are ones, phi_k a view of ut_k)
+                phi_k.mul_(w)
             x = qi @ ki.mT
             scores = masked_poly(x, p)  # a new tensor for p=2, whose x is still needed
             # through the state: out_i = phi_q^T S^T, and later states gain v_i (w phi_k)^T
