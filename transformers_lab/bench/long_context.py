@@ -61,6 +61,8 @@ def measure(kernel: str, steps: int, warmup: int, overrides: Sequence[str]) -> d
         cfg = compose_config(
             "train", ["experiment=gpt_long_context", f"attention={kernel}", *overrides], tmp
         )
+    if "max_len" in cfg.attention:  # a positional kernel (cosformer): positions up to N
+        cfg.attention.max_len = max(cfg.attention.max_len, cfg.data.block_size)
     L.seed_everything(cfg.seed)
     datamodule = build_datamodule(cfg.data)
     datamodule.prepare_data()
