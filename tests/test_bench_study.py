@@ -82,6 +82,8 @@ def test_a_replay_needs_an_unpruned_study_and_known_pruners(tmp_path):
 
     from transformers_lab.bench.study import run_replay
 
+    with pytest.raises(SystemExit, match="holds no study.json; give the sweep dir"):
+        run_replay(tmp_path, ["median"])
     sweep = unpruned_study(tmp_path, [[0.5, 0.6]])
     with pytest.raises(SystemExit, match="unknown pruner 'sometimes'; valid options are: asha"):
         run_replay(sweep, ["sometimes"])

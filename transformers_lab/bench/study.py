@@ -71,11 +71,11 @@ def pruner(name: str):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
+    from transformers_lab.cli import group_options, unknown_option
     from transformers_lab.config import CONF_DIR
 
-    options = sorted(p.stem for p in (CONF_DIR / "pruner").glob("*.yaml"))
-    if name not in options:
-        raise SystemExit(f"error: unknown pruner {name!r}; valid options are: {', '.join(options)}")
+    if name not in group_options("pruner"):
+        raise SystemExit(f"error: {unknown_option('pruner', name)}")
     return instantiate(OmegaConf.load(CONF_DIR / "pruner" / f"{name}.yaml"))
 
 
@@ -110,6 +110,13 @@ def run_replay(sweep: Path, pruners: Sequence[str]) -> list[str]:
 
     import optuna
 
+    for name in pruners:  # every name checked before anything is read
+        pruner(name)
+    if not (sweep / "study.json").is_file():
+        raise SystemExit(
+            f"error: {sweep} holds no study.json; give the sweep dir of a study sweep "
+            "(its hydra.sweep.dir)"
+        )
     info = json.loads((sweep / "study.json").read_text())
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(
