@@ -300,3 +300,18 @@ def test_the_callback_reports_each_validation_and_stops_a_trial_below_the_median
     assert validate(bad, 0.5, 10) and bad.pruned_at == 10
     assert study.trials[1].intermediate_values == {10: pytest.approx(0.95)}
     assert study.trials[2].intermediate_values == {10: 0.5}
+
+
+def test_a_trial_number_outside_a_study_sweep_is_refused_with_the_sweeper_to_use(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from transformers_lab.sweeps import job, pruning
+
+    monkeypatch.setattr(job, "hydra_config", lambda: None)  # a run of its own, not a sweep
+    cfg = OmegaConf.create(
+        {"trial": 3, "pruner": {"_target_": "optuna.pruners.MedianPruner"},
+         "monitor": {"metric": "val/acc"}}
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"hydra/sweeper=optuna\); a run of its own"):
+        pruning.pruning_callback(cfg)
+    assert pruning.pruning_callback(OmegaConf.create({"trial": None, "pruner": {}})) is None

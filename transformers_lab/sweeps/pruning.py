@@ -86,7 +86,7 @@ def pruning_callback(cfg: DictConfig) -> TrialPruning | None:
     if sweeper is None or "study_name" not in sweeper:
         raise ConfigError(
             f"trial={number} is set by the study sweeper (sweep=lr_optuna, "
-            "hydra/sweeper=study); a run of its own has no study to report to: leave trial unset"
+            "hydra/sweeper=optuna); a run of its own has no study to report to: leave trial unset"
         )
     storage = open_storage(str(sweeper.storage))
     pruner = instantiate(pruner_cfg)
