@@ -94,6 +94,41 @@ def test_a_journal_storage_is_a_file(tmp_path):
     assert len(again.trials) == 2
 
 
+def open_at_once(url: str, locked: bool, barrier, errors) -> None:
+    barrier.wait()  # both workers go at the same moment
+    try:
+        if locked:
+            with st.setup_lock(url):
+                st.load_or_create(st.open_storage(url, 60), "s", ["maximize"], {})
+        else:
+            st.open_storage(url, 60)
+    except Exception as exc:
+        errors.put(str(exc))
+
+
+@pytest.mark.parametrize("locked", [False, True], ids=["open_storage", "setup_lock"])
+def test_workers_that_start_together_on_a_new_sqlite_file_both_open_it(tmp_path, locked):
+    # unguarded, one of two workers creating a new database's tables fails on about
+    # every try ("table studies already exists"); CI saw it in the two-worker sweep
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    errors = ctx.Queue()
+    for i in range(3):
+        url = f"sqlite:///{tmp_path / str(i) / 'study.db'}"
+        barrier = ctx.Barrier(2)
+        procs = [ctx.Process(target=open_at_once, args=(url, locked, barrier, errors))]
+        procs.append(ctx.Process(target=open_at_once, args=(url, locked, barrier, errors)))
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        assert [p.exitcode for p in procs] == [0, 0]
+        assert errors.empty(), errors.get()
+    if locked:
+        assert len(optuna.get_all_study_summaries(st.open_storage(url))) == 1
+
+
 @pytest.mark.parametrize(
     ("url", "said"),
     [

@@ -98,18 +98,19 @@ class StudySweeper(Sweeper):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         space, fixed = self.search_space(arguments)
-        storage = st.open_storage(self.storage_url, self.heartbeat_interval)
         pruner_cfg = self.config.get("pruner")
         pruner = instantiate(pruner_cfg) if pruner_cfg else None
         sampler = self.sampler_cfg  # Hydra builds the sweeper's nodes with it
         if sampler is not None and not isinstance(sampler, optuna.samplers.BaseSampler):
             sampler = instantiate(sampler)
         where = f" in {st.shown(self.storage_url)}"
-        study = st.load_or_create(
-            storage, self.study_name, self.directions, space, sampler, pruner, where
-        )
+        with st.setup_lock(self.storage_url):  # workers started together take turns
+            storage = st.open_storage(self.storage_url, self.heartbeat_interval)
+            study = st.load_or_create(
+                storage, self.study_name, self.directions, space, sampler, pruner, where
+            )
+            reclaim(study, storage)
         self.save_study_file(sweep_dir)
-        reclaim(study, storage)
         done = st.slots_taken(study)
         print(
             f"study {self.study_name!r}{where}: {done} of {self.n_trials} trials taken; "

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import socket
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -73,14 +74,22 @@ def open_storage(url: str, heartbeat_interval: int | None = None) -> optuna.stor
                 Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
             # several workers on one file wait for its lock rather than fail at once
             engine_kwargs["connect_args"] = {"timeout": 60}
-        with warnings.catch_warnings():  # heartbeats are "experimental" since Optuna 2.9
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(
-                url,
-                engine_kwargs=engine_kwargs,
-                heartbeat_interval=heartbeat_interval,
-                grace_period=None if heartbeat_interval is None else 4 * heartbeat_interval,
-            )
+        for attempt in range(3):
+            try:
+                with warnings.catch_warnings():  # heartbeats are "experimental" (Optuna 2.9)
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    return optuna.storages.RDBStorage(
+                        url,
+                        engine_kwargs=engine_kwargs,
+                        heartbeat_interval=heartbeat_interval,
+                        grace_period=None if heartbeat_interval is None else 4 * heartbeat_interval,
+                    )
+            except Exception as exc:
+                # workers that start together on a new database race to create its tables:
+                # the loser finds them made by the winner when it opens the storage again
+                if attempt == 2 or not created_meanwhile(exc):
+                    raise
+                time.sleep(0.5 * (attempt + 1))
     except ImportError as exc:
         raise ConfigError(
             f"cannot open the study storage {shown(url)}: its database driver is not "
@@ -90,6 +99,38 @@ def open_storage(url: str, heartbeat_interval: int | None = None) -> optuna.stor
     except Exception as exc:  # SQLAlchemy's parse and connection errors, OS errors
         reason = " ".join(str(exc).split("(Background on this error")[0].split())
         raise ConfigError(f"cannot open the study storage {shown(url)}: {reason}; {hint}") from None
+
+
+def created_meanwhile(exc: Exception) -> bool:
+    """Whether opening a storage failed because another worker was creating its schema."""
+    text = str(exc).lower()
+    return any(m in text for m in ("already exists", "unique constraint", "duplicate key"))
+
+
+@contextlib.contextmanager
+def setup_lock(url: str):
+    """Hold a lock beside a file storage (SQLite, journal) while a worker opens it and
+    loads or creates its study, so that workers started together take turns there; a
+    database server needs none (``open_storage`` retries its schema race)."""
+    path: Path | None = None
+    if url.startswith(JOURNAL_PREFIX):
+        path = Path(url[len(JOURNAL_PREFIX) :]).expanduser()
+    elif url.startswith("sqlite:///") and ":memory:" not in url:
+        path = Path(url[len("sqlite:///") :].split("?")[0]).expanduser()
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the storage's own retry is all there is
+        path = None
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".setup.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def shown(url: str) -> str:
