@@ -71,6 +71,12 @@ def test_attention_is_built_once_to_check_it():
 def test_a_run_that_never_stops_and_a_missing_checkpoint():
     with pytest.raises(ConfigError, match="never stops"):
         check_config(OmegaConf.create({"trainer": {"max_epochs": -1, "max_steps": -1}}))
+    stopper = {"_target_": "lightning.pytorch.callbacks.EarlyStopping", "monitor": "val/acc"}
+    no_val = {"trainer": {"limit_val_batches": 0}, "callbacks": {"early_stopping": stopper}}
+    with pytest.raises(ConfigError, match="limit_val_batches=0 runs no validation, but callbac"):
+        check_config(OmegaConf.create(no_val))
+    no_val["callbacks"]["early_stopping"] = None
+    check_config(OmegaConf.create(no_val))  # nothing watches validation: fine
     with pytest.raises(ConfigError, match="no checkpoint at /nowhere.ckpt"):
         check_config(OmegaConf.create({"ckpt_path": "/nowhere.ckpt"}))
     with pytest.raises(ConfigError, match="temperature"):

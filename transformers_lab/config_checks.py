@@ -297,6 +297,13 @@ def check_config(cfg: DictConfig) -> None:
     trainer = cfg.get("trainer") or {}
     if trainer.get("max_epochs") == -1 and trainer.get("max_steps") == -1:
         raise ConfigError("trainer.max_epochs=-1 with trainer.max_steps=-1 never stops; set one")
+    stopper = (cfg.get("callbacks") or {}).get("early_stopping")
+    if trainer.get("limit_val_batches") == 0 and stopper and "val/" in str(stopper.get("monitor")):
+        raise ConfigError(
+            f"trainer.limit_val_batches=0 runs no validation, but callbacks.early_stopping "
+            f"watches {stopper.get('monitor')}: validate (limit_val_batches > 0) or switch "
+            f"early stopping off (callbacks.early_stopping=null)"
+        )
     if "temperature" in cfg:
         try:
             check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
