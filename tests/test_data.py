@@ -138,6 +138,14 @@ def test_char_tokenizer_round_trip_and_specials(tmp_path):
     assert special.decode(ids) == "Speak"
     with pytest.raises(ValueError, match="'#' is not in the vocabulary"):
         tok.encode("#")
+    # ids are the sorted characters' places, for any code point, and one past the largest
+    # known (the lookup table's end) is refused as well as one inside it
+    wide = CharTokenizer.from_text("zé😀a")
+    assert wide.encode("a😀éz") == [0, 3, 2, 1] and wide.encode("") == []
+    assert wide.encode("a😀") == [wide.stoi[c] for c in "a😀"]
+    for bad in ("\U0001f601", "b"):
+        with pytest.raises(ValueError, match=f"{bad!r} is not in the vocabulary"):
+            wide.encode("a" + bad)
 
 
 @pytest.mark.parametrize(

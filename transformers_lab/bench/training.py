@@ -31,6 +31,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+from hydra.utils import instantiate
 
 from transformers_lab.builders import build_datamodule, build_model
 from transformers_lab.config import compose_config
@@ -73,13 +74,9 @@ def bare_loop(overrides: list[str], steps: int, workdir: Path) -> tuple[float, f
     datamodule.prepare_data()
     datamodule.setup("fit")
     model = build_model(cfg.model, datamodule)
-    opt_cfg, sched_cfg = cfg.optimizer, cfg.scheduler
-    optimizer = torch.optim.AdamW(
-        weight_decay_groups(model, opt_cfg.weight_decay),
-        lr=opt_cfg.lr,
-        betas=tuple(opt_cfg.betas),
-        eps=opt_cfg.eps,
-    )
+    sched_cfg = cfg.scheduler
+    make_optimizer = instantiate(cfg.optimizer)  # the same class and settings as the task's
+    optimizer = make_optimizer(weight_decay_groups(model, cfg.optimizer.weight_decay))
     # the schedule's length as Task.schedule_length sets it: the run's, and a warm-up cut to
     # a tenth of a run shorter than it
     warmup = sched_cfg.warmup_steps

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 
 from transformers_lab.errors import DataFileError
@@ -62,7 +63,24 @@ class CharTokenizer(Vocabulary):
         return cls(text, specials)
 
     def encode(self, text: str) -> list[int]:
-        return [self.char_id(c) for c in text]
+        # a table lookup over the code points: a Python call per character takes half a
+        # second on Tiny Shakespeare, this a few milliseconds
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        table = self.table()
+        ids = np.where(codes < len(table), table[np.minimum(codes, len(table) - 1)], -1)
+        unknown = np.flatnonzero(ids < 0)
+        if unknown.size:
+            self.char_id(text[unknown[0]])  # raises, naming the character
+        return ids.tolist()
+
+    def table(self) -> np.ndarray:
+        """The id of every code point up to the vocabulary's largest, -1 for none."""
+        if getattr(self, "_table", None) is None:
+            table = np.full(max(map(ord, self.chars), default=0) + 1, -1, dtype=np.int64)
+            for c in self.chars:
+                table[ord(c)] = self.stoi[c]
+            self._table = table
+        return self._table
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps({"chars": self.chars, "specials": list(self.specials)}))
