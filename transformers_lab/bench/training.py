@@ -1,10 +1,12 @@
 """What does the framework cost? Wall time of ``tlab-train experiment=...`` against a bare
-PyTorch loop that trains the same model on the same batches.
+PyTorch loop that trains the same model on the same batches, or against nanoGPT's own
+``train.py`` with the same settings.
 
 Usage::
 
     python -m transformers_lab.bench.training                          # baby GPT, 2000 steps
     python -m transformers_lab.bench.training --steps 300 --repeats 2  # a quick look
+    python -m transformers_lab.bench.training --against nanogpt --nanogpt ~/nanoGPT --repeats 3
 
 Both sides get the model, the data module and the optimizer settings of the composed
 experiment, and the same seed: the bare loop is nanoGPT's (AdamW with the same
@@ -14,7 +16,19 @@ every ``val_check_interval`` steps and at the end). The framework side is ``trai
 no progress bar (``--framework-overrides`` changes that). The two alternate, so drift in
 the machine's speed hits both. Besides wall time, the process's CPU time (user + system)
 is reported: on a shared machine it moves less with the neighbours' load. Reports go to
-``--out`` as CSV and markdown.
+``--out`` as CSV and markdown. Neither side draws text samples (the bare loop has none to
+draw: ``task.sample_tokens=0``).
+
+``--against nanogpt`` runs two processes instead, each timed from start to exit, imports
+included, as a user runs them: ``tlab-train`` and nanoGPT's ``train.py`` from a checkout
+(``--nanogpt``; it is not a dependency), on nanoGPT's data files written from our
+Shakespeare data module (the same text and 90/10 split). nanoGPT's flags are the
+experiment's settings; ``--max_iters`` is steps - 1, since nanoGPT steps once more than its
+``max_iters``. Evaluation has the same cadence and size on both sides: nanoGPT's
+``estimate_loss`` takes ``--eval-iters`` batches of each split (at steps 0, 250, ...);
+``tlab-train`` validates twice that many batches of its val split (at 250, 500, ...,
+``trainer.limit_val_batches``): the same number of forward passes per evaluation and the
+same number of evaluations.
 """
 
 from __future__ import annotations
@@ -22,13 +36,20 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
+import pickle
+import resource
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
@@ -112,6 +133,118 @@ def framework(overrides: list[str], steps: int, workdir: Path) -> tuple[float, f
     return time.perf_counter() - start, metrics.get("val/loss", math.nan)
 
 
+NANOGPT_FILES = ("train.py", "model.py", "configurator.py")
+NO_SAMPLES = "task.sample_tokens=0"  # the bare loop and nanoGPT draw no samples while training
+
+
+def process_seconds(command: list[str], cwd: Path, log: Path) -> tuple[float, float, str]:
+    """(wall seconds, CPU seconds, stdout) of a process, from start to exit."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+        raise SystemExit(f"{command[0]} exited with {done.returncode} (log: {log}):\n{tail}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return seconds, cpu, done.stdout
+
+
+def tlab_train_process(overrides: list[str], workdir: Path) -> tuple[float, float, float]:
+    """(wall s, CPU s, final val/loss) of ``tlab-train`` as a user runs it."""
+    from transformers_lab.sweeps.record import read_record
+
+    script = Path(sys.executable).with_name("tlab-train")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "transformers_lab.train"]
+    run_dir = workdir / "run"
+    command += [*overrides, f"hydra.run.dir={run_dir}"]
+    workdir.mkdir(parents=True, exist_ok=True)
+    seconds, cpu, _ = process_seconds(command, workdir, workdir / "tlab-train.log")
+    record = read_record(run_dir)
+    return seconds, cpu, (record.metrics if record else {}).get("val/loss", math.nan)
+
+
+def nanogpt_workdir(nanogpt: Path, cfg, workdir: Path) -> None:
+    """nanoGPT's scripts in ``workdir`` beside the files they read, data/shakespeare_char/
+    {train,val}.bin and meta.pkl, written from the experiment's data module."""
+    missing = [f for f in NANOGPT_FILES if not (nanogpt / f).is_file()]
+    if missing:
+        raise SystemExit(
+            f"--nanogpt {nanogpt}: no {', '.join(missing)} there; give a checkout of "
+            "https://github.com/karpathy/nanoGPT"
+        )
+    if not str(cfg.data.get("_target_", "")).endswith("ShakespeareCharDataModule"):
+        raise SystemExit(
+            f"--against nanogpt runs nanoGPT's shakespeare_char data; experiment trains on "
+            f"{cfg.data.get('_target_')}: use an experiment with data=shakespeare_char"
+        )
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in NANOGPT_FILES:
+        shutil.copy(nanogpt / name, workdir / name)
+    datamodule = build_datamodule(cfg.data)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    data = workdir / "data" / "shakespeare_char"
+    data.mkdir(parents=True, exist_ok=True)
+    for split, ids in (("train", datamodule.train_data), ("val", datamodule.val_data)):
+        ids.numpy().astype(np.uint16).tofile(data / f"{split}.bin")
+    itos = dict(enumerate(datamodule.tokenizer.itos))
+    meta = {"vocab_size": len(itos), "itos": itos, "stoi": {c: i for i, c in itos.items()}}
+    (data / "meta.pkl").write_bytes(pickle.dumps(meta))
+
+
+def nanogpt_flags(cfg, steps: int, eval_iters: int) -> list[str]:
+    """nanoGPT's command-line settings for the composed experiment."""
+    m, d, o, s, t = cfg.model, cfg.data, cfg.optimizer, cfg.scheduler, cfg.trainer
+    warmup = s.warmup_steps  # cut to a tenth of a run shorter than it, as the task does
+    if s.max_steps is None and warmup >= steps:
+        warmup = steps // 10
+    flags = {
+        "dataset": "shakespeare_char",
+        "out_dir": "out",
+        "device": "cpu",
+        "compile": False,
+        "dtype": "float32",
+        "wandb_log": False,
+        "always_save_checkpoint": False,  # nanoGPT's Shakespeare config: save when val improves
+        "gradient_accumulation_steps": 1,
+        "batch_size": d.batch_size,
+        "block_size": d.block_size,
+        "n_layer": m.n_layer,
+        "n_head": m.n_head,
+        "n_embd": m.d_model,
+        "dropout": m.dropout,
+        "bias": m.bias,
+        "learning_rate": o.lr,
+        "beta1": o.betas[0],
+        "beta2": o.betas[1],
+        "weight_decay": o.weight_decay,
+        "grad_clip": t.gradient_clip_val or 0.0,
+        "warmup_iters": warmup,
+        "lr_decay_iters": s.max_steps or steps,
+        "min_lr": o.lr * s.min_lr_ratio,
+        "max_iters": steps - 1,  # nanoGPT takes max_iters + 1 steps
+        "eval_interval": t.val_check_interval or steps,
+        "eval_iters": eval_iters,
+        "log_interval": 10,
+    }
+    return [f"--{k}={v}" for k, v in flags.items()]
+
+
+def nanogpt_process(nanogpt: Path, cfg, steps: int, eval_iters: int, workdir: Path):
+    """(wall s, CPU s, last val loss nanoGPT printed) of nanoGPT's ``train.py``."""
+    nanogpt_workdir(nanogpt, cfg, workdir)
+    command = [sys.executable, "train.py", *nanogpt_flags(cfg, steps, eval_iters)]
+    seconds, cpu, stdout = process_seconds(command, workdir, workdir / "nanogpt.log")
+    losses = [
+        float(line.rsplit("val loss", 1)[1]) for line in stdout.splitlines() if "val loss" in line
+    ]
+    return seconds, cpu, losses[-1] if losses else math.nan
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m transformers_lab.bench.training")
     parser.add_argument("--experiment", default="baby_gpt")
@@ -124,34 +257,69 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=["logger=csv", "trainer.enable_progress_bar=false"],
         help="extra overrides for the framework side only",
     )
+    parser.add_argument(
+        "--against",
+        choices=["bare", "nanogpt"],
+        default="bare",
+        help="a bare PyTorch loop in this process, or nanoGPT's train.py as a process",
+    )
+    parser.add_argument("--nanogpt", type=Path, help="a checkout of karpathy/nanoGPT")
+    parser.add_argument(
+        "--eval-iters", type=int, default=20, help="nanoGPT's batches per split per evaluation"
+    )
     parser.add_argument("--out", default="bench_out/training")
     args = parser.parse_args(argv)
+    if args.against == "nanogpt" and args.nanogpt is None:
+        parser.error("--against nanogpt needs --nanogpt <a checkout of karpathy/nanoGPT>")
 
     common = [
         f"experiment={args.experiment}",
         f"trainer.max_steps={args.steps}",
         "trainer.max_epochs=-1",
         "test=false",
+        NO_SAMPLES,
         *args.overrides,
     ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
+        sides: list[tuple[str, Callable[[Path], tuple[float, float, float]]]]
+        if args.against == "bare":
+            other, name = "bare", "tlab"
+
+            def timed(run, overrides):
+                def side(workdir: Path) -> tuple[float, float, float]:
+                    cpu = time.process_time()
+                    seconds, val_loss = run(overrides, args.steps, workdir)
+                    return seconds, time.process_time() - cpu, val_loss
+
+                return side
+
             sides = [
-                ("bare", bare_loop, common),
-                ("tlab", framework, common + args.framework_overrides),
+                ("bare", timed(bare_loop, common)),
+                ("tlab", timed(framework, common + args.framework_overrides)),
             ]
-            if repeat % 2:
-                sides.reverse()
-            for name, run, overrides in sides:
-                cpu = time.process_time()
-                seconds, val_loss = run(overrides, args.steps, Path(tmp) / f"{name}{repeat}")
-                cpu = time.process_time() - cpu
+        else:
+            other, name = "nanogpt", "tlab-train"
+            limit = f"trainer.limit_val_batches={2 * args.eval_iters}"
+            cfg = compose_config("train", common, Path(tmp) / "cfg")
+            sides = [
+                (
+                    "nanogpt",
+                    lambda w: nanogpt_process(args.nanogpt, cfg, args.steps, args.eval_iters, w),
+                ),
+                (
+                    "tlab-train",
+                    lambda w: tlab_train_process(common + args.framework_overrides + [limit], w),
+                ),
+            ]
+        for repeat in range(args.repeats):
+            for side, run in sides[:: -1 if repeat % 2 else 1]:
+                seconds, cpu, val_loss = run(Path(tmp) / f"{side}{repeat}")
                 rows.append(
                     {
-                        "side": name,
+                        "side": side,
                         "repeat": repeat,
                         "seconds": seconds,
                         "cpu_seconds": cpu,
@@ -159,11 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     }
                 )
                 print(
-                    f"{name:5s} run {repeat}: {seconds:8.1f} s wall, {cpu:8.1f} s CPU, "
+                    f"{side:10s} run {repeat}: {seconds:8.1f} s wall, {cpu:8.1f} s CPU, "
                     f"val/loss {val_loss:.4f}",
                     flush=True,
                 )
-    with open(out / "training.csv", "w", newline="") as f:
+    stem = "training" if args.against == "bare" else "nanogpt"
+    with open(out / f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
@@ -171,8 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def median(side: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["side"] == side)
 
-    ratio = median("tlab", "seconds") / median("bare", "seconds")
-    cpu_ratio = median("tlab", "cpu_seconds") / median("bare", "cpu_seconds")
+    ratio = median(name, "seconds") / median(other, "seconds")
+    cpu_ratio = median(name, "cpu_seconds") / median(other, "cpu_seconds")
+    label = "framework / bare" if args.against == "bare" else "tlab-train / nanoGPT"
     lines = [
         f"experiment={args.experiment}, {args.steps} steps, {args.repeats} run(s) each, "
         f"{torch.get_num_threads()} threads",
@@ -182,13 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         *(
             f"| {s} | {median(s, 'seconds'):.1f} | {median(s, 'cpu_seconds'):.1f} | "
             f"{[r for r in rows if r['side'] == s][-1]['val_loss']:.4f} |"
-            for s in ("bare", "tlab")
+            for s in (other, name)
         ),
         "",
-        f"framework / bare wall time: {ratio:.3f}",
-        f"framework / bare CPU time: {cpu_ratio:.3f}",
+        f"{label} wall time: {ratio:.3f}",
+        f"{label} CPU time: {cpu_ratio:.3f}",
     ]
-    (out / "training.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
