@@ -490,7 +490,7 @@ def test_fastmax_auto_takes_the_cheaper_exact_path(p, monkeypatch):
     for name in ("quadratic", "chunked_causal"):
         real = getattr(fm_kernel, name)
         monkeypatch.setattr(
-            fm_kernel, name, lambda *a, _f=real, _n=name: taken.append(_n) or _f(*a)
+            fm_kernel, name, lambda *a, _f=real, _n=name, **kw: taken.append(_n) or _f(*a, **kw)
         )
     linear = make("fastmax", p=p, impl="linear")
     for n in (dim, dim + 1):

@@ -228,3 +228,62 @@ def test_matmul_flops_counts_what_the_linear_paths_run(variant, causal):
     with FlopCounterMode(display=False) as counter:
         kernel(q, k, v, causal=causal).sum().backward()
     assert counter.get_total_flops() == kernel.matmul_flops(40, causal)
+
+
+# ------------------------------------------------------------------ compiled chunk steps
+
+
+def gradients(kernel, q, k, v, causal: bool):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = kernel(q, k, v, causal=causal)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fastmax", "linear"])
+def test_compiled_chunk_steps_give_the_eager_results(name):
+    # torch.compile of each step (a fused feature map, polynomial and VJP for p=2), in
+    # both linear paths, forward and backward, against the eager steps
+    from transformers_lab.attention import build_kernel
+    from transformers_lab.attention.fastmax.steps import steps
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
+    eager = build_kernel(name, head_dim=8, num_heads=2, chunk_size=16, impl="linear")
+    compiled = build_kernel(
+        name, head_dim=8, num_heads=2, chunk_size=16, impl="linear", compiled=True
+    )
+    for causal in (True, False):
+        want = gradients(eager, q, k, v, causal)
+        got = gradients(compiled, q, k, v, causal)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert "compiled=True" in repr(compiled)
+    assert not any(fn.failed for fn in vars(steps(True)).values())
+
+
+def test_a_step_that_cannot_compile_runs_eagerly_and_says_so_once(monkeypatch, caplog):
+    from transformers_lab.attention.fastmax import steps as steps_module
+
+    def refuse(fn, **kw):
+        def broken(*args):
+            raise RuntimeError("no C++ compiler here")
+
+        return broken
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    calls = []
+
+    def add(x, y):
+        calls.append(1)
+        return x + y
+
+    step = steps_module.compile_step(add)
+    with caplog.at_level("WARNING"):
+        assert step(1, 2) == 3 and step(2, 3) == 5
+    assert step.failed == ["RuntimeError: no C++ compiler here"]
+    assert caplog.text.count("torch.compile of the linear path's add failed") == 1
+    # a real error of the step itself is raised, not hidden by the fallback
+    with pytest.raises(TypeError):
+        steps_module.compile_step(add)(1, "x")

@@ -21,7 +21,7 @@ class BasedAttention(FeatureKernel):
 
     Args:
         feature_dim: d, the size q and k are projected to (Based uses 16).
-        chunk_size, impl, dropout: as for every linear kernel (``FeatureKernel``).
+        chunk_size, impl, compiled, dropout: as for every linear kernel (``FeatureKernel``).
     """
 
     name = "based"
@@ -35,8 +35,17 @@ class BasedAttention(FeatureKernel):
         feature_dim: int = 16,
         chunk_size: int = 128,
         impl: str = "auto",
+        compiled: bool = False,
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, p=2, chunk_size=chunk_size, impl=impl)
+        super().__init__(
+            head_dim,
+            num_heads,
+            dropout,
+            p=2,
+            chunk_size=chunk_size,
+            impl=impl,
+            compiled=compiled,
+        )
         if not (isinstance(feature_dim, int) and feature_dim > 0):
             raise ValueError(f"based: feature_dim must be a positive int, got {feature_dim!r}")
         self.feature_dim = feature_dim

@@ -28,7 +28,7 @@ class CosFormerAttention(FeatureKernel):
     Args:
         max_len: M, the longest sequence (positions 0 .. M - 1); distances are measured
             in quarter turns of M.
-        chunk_size, impl, dropout: as for every linear kernel (``FeatureKernel``).
+        chunk_size, impl, compiled, dropout: as for every linear kernel (``FeatureKernel``).
     """
 
     name = "cosformer"
@@ -43,8 +43,17 @@ class CosFormerAttention(FeatureKernel):
         max_len: int = 1024,
         chunk_size: int = 128,
         impl: str = "auto",
+        compiled: bool = False,
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, p=0, chunk_size=chunk_size, impl=impl)
+        super().__init__(
+            head_dim,
+            num_heads,
+            dropout,
+            p=0,
+            chunk_size=chunk_size,
+            impl=impl,
+            compiled=compiled,
+        )
         if not (isinstance(max_len, int) and max_len > 0):
             raise ValueError(f"cosformer: max_len must be a positive int, got {max_len!r}")
         self.max_len = max_len

@@ -17,7 +17,7 @@ class LinearAttention(FeatureKernel):
     """Linear attention, phi(x) = elu(x) + 1 (Katharopoulos et al., 2020).
 
     Args:
-        chunk_size, impl, dropout: as for every linear kernel (``FeatureKernel``).
+        chunk_size, impl, compiled, dropout: as for every linear kernel (``FeatureKernel``).
     """
 
     name = "linear"
@@ -30,8 +30,17 @@ class LinearAttention(FeatureKernel):
         dropout: float = 0.0,
         chunk_size: int = 128,
         impl: str = "auto",
+        compiled: bool = False,
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, p=0, chunk_size=chunk_size, impl=impl)
+        super().__init__(
+            head_dim,
+            num_heads,
+            dropout,
+            p=0,
+            chunk_size=chunk_size,
+            impl=impl,
+            compiled=compiled,
+        )
 
     def features(self, x: Tensor, role: str) -> Tensor:
         return F.elu(x) + 1.0

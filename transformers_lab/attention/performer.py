@@ -50,7 +50,7 @@ class PerformerAttention(FeatureKernel):
         seed: draw the directions from a generator of this seed; None draws them from
             torch's global generator (deterministic under the run's ``seed``, and
             different in every layer).
-        chunk_size, impl, dropout: as for every linear kernel (``FeatureKernel``).
+        chunk_size, impl, compiled, dropout: as for every linear kernel (``FeatureKernel``).
     """
 
     name = "performer"
@@ -66,8 +66,17 @@ class PerformerAttention(FeatureKernel):
         seed: int | None = None,
         chunk_size: int = 128,
         impl: str = "auto",
+        compiled: bool = False,
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, p=0, chunk_size=chunk_size, impl=impl)
+        super().__init__(
+            head_dim,
+            num_heads,
+            dropout,
+            p=0,
+            chunk_size=chunk_size,
+            impl=impl,
+            compiled=compiled,
+        )
         if not (isinstance(num_features, int) and num_features > 0):
             raise ValueError(
                 f"performer: num_features must be a positive int, got {num_features!r}"

@@ -64,6 +64,9 @@ BASELINE = "softmax"  # the variant the others' time and memory are divided by
 # Variants beyond the attention options: another code path of one option, for comparison.
 PATH_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fastmax_p2_quadratic": ("fastmax_p2", {"impl": "quadratic"}),  # the N x N reference
+    # the chunk steps through torch.compile (compiled in the warm-up pass, not timed)
+    "fastmax_p2_compiled": ("fastmax_p2", {"compiled": True}),
+    "based_compiled": ("based", {"compiled": True}),
 }
 
 

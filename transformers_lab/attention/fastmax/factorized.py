@@ -15,18 +15,22 @@ from transformers_lab.attention.fastmax.features import (
     features_d_vjp,
     first_order_only,
 )
+from transformers_lab.attention.fastmax.steps import steps
 
 
-def factorized(q: Tensor, k: Tensor, v_aug: Tensor, p: int, chunk_size: int = 128) -> Tensor:
+def factorized(
+    q: Tensor, k: Tensor, v_aug: Tensor, p: int, chunk_size: int = 128, compiled: bool = False
+) -> Tensor:
     """Non-causal linear path: one state over every key, read by every query.
 
-    Keys and queries are processed up to ``chunk_size`` at a time (see ``_FactorizedLoop``).
+    Keys and queries are processed up to ``chunk_size`` at a time (see ``_FactorizedLoop``);
+    ``compiled``: each chunk's step compiled by ``torch.compile`` (see ``steps``).
     """
     nq, nk = q.shape[2], k.shape[2]
     cq, ck = min(chunk_size, nq), min(chunk_size, nk)
     q = F.pad(q, (0, 0, 0, -nq % cq))
     k, v_aug = (F.pad(t, (0, 0, 0, -nk % ck)) for t in (k, v_aug))  # empty keys
-    return _FactorizedLoop.apply(q, k, v_aug, p, cq, ck)[:, :, :nq]  # (B, H, Nq, Dv + 1)
+    return _FactorizedLoop.apply(q, k, v_aug, p, cq, ck, compiled)[:, :, :nq]
 
 
 class _FactorizedLoop(torch.autograd.Function):
@@ -36,19 +40,20 @@ class _FactorizedLoop(torch.autograd.Function):
     sizes cq and ck."""
 
     @staticmethod
-    def forward(ctx, q, k, v_aug, p, cq, ck):  # type: ignore[override]
+    def forward(ctx, q, k, v_aug, p, cq, ck, compiled=False):  # type: ignore[override]
         b, h, nq, _ = q.shape
         e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)
         ut_q, ut_k = chunks_t(q, cq, p), chunks_t(k, ck, p)  # (B, H, n / C, E + E // 2, C)
+        step = steps(compiled)
         state = q.new_zeros(b, h, v_aug.shape[-1], w.shape[0])  # (B, H, Dv + 1, F)
         for i in range(k.shape[2] // ck):
             vi = v_aug[:, :, i * ck : (i + 1) * ck]
-            state += (vi.mT @ features_d(ut_k[:, :, i], e, p).mT).mul_(w)
+            state = step.state_step(vi, ut_k[:, :, i], state, w, e, p)
         out = q.new_empty(b, h, nq, v_aug.shape[-1])
         for i in range(nq // cq):
-            out[:, :, i * cq : (i + 1) * cq] = features_d(ut_q[:, :, i], e, p).mT @ state.mT
-        ctx.p, ctx.cq, ctx.ck = p, cq, ck
+            out[:, :, i * cq : (i + 1) * cq] = step.read_step(ut_q[:, :, i], state, e, p)
+        ctx.p, ctx.cq, ctx.ck, ctx.compiled = p, cq, ck, compiled
         ctx.save_for_backward(q, k, v_aug, state)
         return out
 
@@ -60,20 +65,40 @@ class _FactorizedLoop(torch.autograd.Function):
         e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
         ut_q, ut_k = chunks_t(q, cq, p), chunks_t(k, ck, p)
+        step = steps(ctx.compiled)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
         d_s = torch.zeros_like(state)
         for i in range(q.shape[2] // cq):
             rows = slice(i * cq, (i + 1) * cq)
-            doi = d_out[:, :, rows]
-            d_ut_q = features_d_vjp(ut_q[:, :, i], e, state.mT @ doi.mT, p)[..., constant(p) :, :]
-            dq[:, :, rows] = d_ut_q.mT
-            d_s += doi.mT @ features_d(ut_q[:, :, i], e, p).mT
+            dq[:, :, rows], d_s = step.query_grad_step(
+                ut_q[:, :, i], d_out[:, :, rows], state, d_s, e, p
+            )
         for i in range(k.shape[2] // ck):
             rows = slice(i * ck, (i + 1) * ck)
-            vi = v_aug[:, :, rows]
-            dv[:, :, rows] = features_d(ut_k[:, :, i], e, p).mul(w).mT @ d_s.mT
-            d_ut_k = features_d_vjp(ut_k[:, :, i], e, (d_s.mT @ vi.mT).mul_(w), p)[
-                ..., constant(p) :, :
-            ]
-            dk[:, :, rows] = d_ut_k.mT
-        return dq, dk, dv, None, None, None
+            dk[:, :, rows], dv[:, :, rows] = step.key_grad_step(
+                ut_k[:, :, i], v_aug[:, :, rows], d_s, w, e, p
+            )
+        return dq, dk, dv, None, None, None, None
+
+
+def state_step(vi: Tensor, ut_ki: Tensor, state: Tensor, w: Tensor, e: int, p: int) -> Tensor:
+    """The state once a chunk of keys (doubled layout ``ut_ki``) and values has joined it."""
+    return state + (vi.mT @ features_d(ut_ki, e, p).mT).mul_(w)
+
+
+def read_step(ut_qi: Tensor, state: Tensor, e: int, p: int) -> Tensor:
+    """A chunk of queries read against the state: (B, H, C, Dv + 1)."""
+    return features_d(ut_qi, e, p).mT @ state.mT
+
+
+def query_grad_step(ut_qi: Tensor, doi: Tensor, state: Tensor, d_s: Tensor, e: int, p: int):
+    """The gradient of a chunk of queries, and ``d_s`` (the state's) with its part added."""
+    d_ut_q = features_d_vjp(ut_qi, e, state.mT @ doi.mT, p)[..., constant(p) :, :]
+    return d_ut_q.mT, d_s + doi.mT @ features_d(ut_qi, e, p).mT
+
+
+def key_grad_step(ut_ki: Tensor, vi: Tensor, d_s: Tensor, w: Tensor, e: int, p: int):
+    """The gradients of a chunk of keys and of its values, from the state's ``d_s``."""
+    dv = features_d(ut_ki, e, p).mul(w).mT @ d_s.mT
+    d_ut_k = features_d_vjp(ut_ki, e, (d_s.mT @ vi.mT).mul_(w), p)[..., constant(p) :, :]
+    return d_ut_k.mT, dv

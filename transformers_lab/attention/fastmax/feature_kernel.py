@@ -45,6 +45,9 @@ class FeatureKernel(AttentionKernel):
             or ``"auto"``: quadratic while the keys are no more than the feature
             dimension, where the N x N form is the cheaper, linear beyond. Both give the
             same result; incremental decoding always uses the recurrent state.
+        compiled: each chunk step of the linear paths through ``torch.compile``
+            (``fastmax/steps.py``): the same results, 1.3-1.7x faster at long N on CPU
+            for p=2, after a compile of some 15 s a shape on first use.
         dropout: drops whole keys. During training each (batch, head, key) is kept with
             probability 1 - dropout and its value scaled by 1 / (1 - dropout); the
             normaliser is unchanged, so, as with dropout on an attention matrix, the
@@ -68,6 +71,7 @@ class FeatureKernel(AttentionKernel):
         p: int,
         chunk_size: int = 128,
         impl: str = "auto",
+        compiled: bool = False,
     ) -> None:
         super().__init__(head_dim, num_heads, dropout)
         if chunk_size < 1:
@@ -77,6 +81,7 @@ class FeatureKernel(AttentionKernel):
         self.p = p
         self.chunk_size = chunk_size
         self.impl = impl
+        self.compiled = bool(compiled)
 
     # ------------------------------------------------------------ what a subclass gives
 
@@ -103,7 +108,8 @@ class FeatureKernel(AttentionKernel):
         return "quadratic" if num_keys <= feature_dim(self.feature_count, self.p) else "linear"
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, chunk_size={self.chunk_size}, impl={self.impl}"
+        compiled = ", compiled=True" if self.compiled else ""
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}, impl={self.impl}{compiled}"
 
     def prepare(
         self,
@@ -158,9 +164,11 @@ class FeatureKernel(AttentionKernel):
             if self.path(k.shape[2]) == "quadratic":
                 out = quadratic(qs, ks, v_aug, self.p, causal)
             elif causal:
-                out, _ = chunked_causal(qs, ks, v_aug, self.p, self.chunk_size)
+                out, _ = chunked_causal(
+                    qs, ks, v_aug, self.p, self.chunk_size, compiled=self.compiled
+                )
             else:
-                out = factorized(qs, ks, v_aug, self.p, self.chunk_size)
+                out = factorized(qs, ks, v_aug, self.p, self.chunk_size, self.compiled)
             return normalise_output(out).to(v.dtype)
 
     def weights(
@@ -260,6 +268,8 @@ class FeatureKernel(AttentionKernel):
             if q.shape[2] == 1:
                 out, state = recurrent_step(qs, ks, v_aug, self.p, state)
             else:
-                out, state = chunked_causal(qs, ks, v_aug, self.p, self.chunk_size, state)
+                out, state = chunked_causal(
+                    qs, ks, v_aug, self.p, self.chunk_size, state, self.compiled
+                )
             out = normalise_output(out).to(v.dtype)
             return (out, (state, seen + q.shape[2])) if self.positional else (out, state)

@@ -84,7 +84,7 @@ def features_d(d: Tensor, e: int, p: int) -> Tensor:
     if p < 2:
         return d
     ut_t, rolled = d[..., :e, :], windows(d, e)
-    if torch.is_grad_enabled() and d.requires_grad:
+    if (torch.is_grad_enabled() and d.requires_grad) or torch.compiler.is_compiling():
         return (ut_t.unsqueeze(-3) * rolled).flatten(-3, -2)
     # Without autograd, write into a contiguous tensor: the overlapping strides of
     # ``rolled`` would otherwise give the product a scattered layout and flatten a copy.
@@ -104,6 +104,11 @@ def features_d_vjp(d: Tensor, e: int, grad_t: Tensor, p: int) -> Tensor:
     shifts = e // 2 + 1
     g = grad_t.unflatten(-2, (shifts, e))  # g[r, a] multiplies u~_a u~_((a + r) % E)
     out = (g * windows(d, e)).sum(-3)  # the derivative through u~_a
+    if torch.compiler.is_compiling():  # the same sum as rolls, which Inductor fuses
+        m = g * d[..., :e, :].unsqueeze(-3)  # reaches u~_b, b = (a + r) % E: a roll by r
+        for r in range(shifts):
+            out = out + torch.roll(m[..., r, :, :], r, dims=-2)
+        return out
     # through u~_b, b = (a + r) % E: m[r, a] = g[r, a] u~_a reaches u~_b from row (b - r) % E.
     # With the last R - 1 rows of each shift put in front of it (md), that row is
     # md[r, b - r + R - 1]: a skewed view, summed over r.

@@ -35,6 +35,8 @@ class FastmaxAttention(FeatureKernel):
             (D + 1 for p=1, about D^2 / 2 for p=2), where the N x N form is the cheaper in
             time and memory (at N=32, D=32 about 35x faster), linear beyond. Both give
             the same result; incremental decoding always uses the recurrent state.
+        compiled: the linear paths' chunk steps through ``torch.compile`` (as for every
+            linear kernel, ``FeatureKernel``).
         dropout: drops whole keys. During training each (batch, head, key) is kept with
             probability 1 - dropout and its value scaled by 1 / (1 - dropout); the
             normaliser is unchanged, so, as with dropout on an attention matrix, the
@@ -59,9 +61,18 @@ class FastmaxAttention(FeatureKernel):
         learn_scale: bool = False,
         chunk_size: int = 128,
         impl: str = "auto",
+        compiled: bool = False,
         eps: float = 1e-6,
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, p=p, chunk_size=chunk_size, impl=impl)
+        super().__init__(
+            head_dim,
+            num_heads,
+            dropout,
+            p=p,
+            chunk_size=chunk_size,
+            impl=impl,
+            compiled=compiled,
+        )
         if p not in SUPPORTED_P:
             raise ValueError(
                 f"fastmax: unsupported Taylor order p={p!r}; supported orders are {SUPPORTED_P}"
