@@ -45,7 +45,9 @@ def steps(compiled: bool = False) -> SimpleNamespace:
 
 def compile_step(fn: Callable) -> Callable:
     """``fn`` through ``torch.compile``, or eagerly from the first time that fails."""
-    compiled = torch.compile(fn, fullgraph=True)
+    # static shapes: a chunk's views have strides that depend on N, and a recompile for a new
+    # N (its own fast kernel) beats the dynamic-shape kernel that a second N would bring
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
     failed: list[str] = []
 
     @functools.wraps(fn)
