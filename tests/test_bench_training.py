@@ -71,6 +71,9 @@ def test_training_bench_against_nanogpt_runs_both_processes_alike(tmp_path, monk
     expected |= {"n_layer": "1", "n_embd": "16", "n_head": "2", "block_size": "16"}
     expected |= {"device": "cpu", "compile": "False", "gradient_accumulation_steps": "1"}
     assert expected.items() <= flags[0].items()
+    # each process's output is kept beside the report (its work dir is temporary)
+    assert "val loss 3.9700" in (tmp_path / "out" / "nanogpt0.log").read_text()
+    assert (tmp_path / "out" / "tlab-train1.log").stat().st_size > 0
     report = (tmp_path / "out" / "nanogpt.md").read_text()
     assert "tlab-train / nanoGPT wall time:" in report and "| nanogpt |" in report
 

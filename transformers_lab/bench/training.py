@@ -153,8 +153,11 @@ def process_seconds(command: list[str], cwd: Path, log: Path) -> tuple[float, fl
     return seconds, cpu, done.stdout
 
 
-def tlab_train_process(overrides: list[str], workdir: Path) -> tuple[float, float, float]:
-    """(wall s, CPU s, final val/loss) of ``tlab-train`` as a user runs it."""
+def tlab_train_process(
+    overrides: list[str], workdir: Path, log: Path
+) -> tuple[float, float, float]:
+    """(wall s, CPU s, final val/loss) of ``tlab-train`` as a user runs it; its output
+    goes to ``log``."""
     from transformers_lab.sweeps.record import read_record
 
     script = Path(sys.executable).with_name("tlab-train")
@@ -162,7 +165,7 @@ def tlab_train_process(overrides: list[str], workdir: Path) -> tuple[float, floa
     run_dir = workdir / "run"
     command += [*overrides, f"hydra.run.dir={run_dir}"]
     workdir.mkdir(parents=True, exist_ok=True)
-    seconds, cpu, _ = process_seconds(command, workdir, workdir / "tlab-train.log")
+    seconds, cpu, _ = process_seconds(command, workdir, log)
     record = read_record(run_dir)
     return seconds, cpu, (record.metrics if record else {}).get("val/loss", math.nan)
 
@@ -234,11 +237,12 @@ def nanogpt_flags(cfg, steps: int, eval_iters: int) -> list[str]:
     return [f"--{k}={v}" for k, v in flags.items()]
 
 
-def nanogpt_process(nanogpt: Path, cfg, steps: int, eval_iters: int, workdir: Path):
-    """(wall s, CPU s, last val loss nanoGPT printed) of nanoGPT's ``train.py``."""
+def nanogpt_process(nanogpt: Path, cfg, steps: int, eval_iters: int, workdir: Path, log: Path):
+    """(wall s, CPU s, last val loss nanoGPT printed) of nanoGPT's ``train.py``; its
+    output goes to ``log``."""
     nanogpt_workdir(nanogpt, cfg, workdir)
     command = [sys.executable, "train.py", *nanogpt_flags(cfg, steps, eval_iters)]
-    seconds, cpu, stdout = process_seconds(command, workdir, workdir / "nanogpt.log")
+    seconds, cpu, stdout = process_seconds(command, workdir, log)
     losses = [
         float(line.rsplit("val loss", 1)[1]) for line in stdout.splitlines() if "val loss" in line
     ]
@@ -284,12 +288,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        sides: list[tuple[str, Callable[[Path], tuple[float, float, float]]]]
+        sides: list[tuple[str, Callable[[Path, Path], tuple[float, float, float]]]]
         if args.against == "bare":
             other, name = "bare", "tlab"
 
             def timed(run, overrides):
-                def side(workdir: Path) -> tuple[float, float, float]:
+                def side(workdir: Path, log: Path) -> tuple[float, float, float]:
                     cpu = time.process_time()
                     seconds, val_loss = run(overrides, args.steps, workdir)
                     return seconds, time.process_time() - cpu, val_loss
@@ -307,16 +311,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             sides = [
                 (
                     "nanogpt",
-                    lambda w: nanogpt_process(args.nanogpt, cfg, args.steps, args.eval_iters, w),
+                    lambda w, log: nanogpt_process(
+                        args.nanogpt, cfg, args.steps, args.eval_iters, w, log
+                    ),
                 ),
                 (
                     "tlab-train",
-                    lambda w: tlab_train_process(common + args.framework_overrides + [limit], w),
+                    lambda w, log: tlab_train_process(
+                        common + args.framework_overrides + [limit], w, log
+                    ),
                 ),
             ]
         for repeat in range(args.repeats):
             for side, run in sides[:: -1 if repeat % 2 else 1]:
-                seconds, cpu, val_loss = run(Path(tmp) / f"{side}{repeat}")
+                log = out / f"{side}{repeat}.log"  # kept: the work dirs are temporary
+                seconds, cpu, val_loss = run(Path(tmp) / f"{side}{repeat}", log)
                 rows.append(
                     {
                         "side": side,
