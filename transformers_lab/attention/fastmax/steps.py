@@ -57,7 +57,8 @@ def compile_step(fn: Callable) -> Callable:
                 return compiled(*args)
             except Exception as exc:  # a compiler that cannot run here, or a real error
                 result = fn(*args)  # a real error raises again here, eagerly
-                failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                first = (str(exc).splitlines() or [""])[0][:200]
+                failed.append(f"{type(exc).__name__}: {first}")
                 log.warning(
                     "attention: torch.compile of the linear path's %s failed (%s); it runs eagerly",
                     fn.__name__,
