@@ -86,6 +86,16 @@ def train_step(model: torch.nn.Module, optimizer, x, y, clip: float | None) -> N
     optimizer.step()
 
 
+def schedule_length(sched_cfg, steps: int) -> tuple[int, int]:
+    """(warm-up, total) steps of the schedule as Task.schedule_length sets them for a run of
+    ``steps``: the run's length unless the config gives one, and a warm-up cut to a tenth
+    of a run shorter than it."""
+    warmup = sched_cfg.warmup_steps
+    if sched_cfg.max_steps is None and warmup >= steps:
+        warmup = steps // 10
+    return warmup, sched_cfg.max_steps or steps
+
+
 def bare_loop(overrides: list[str], steps: int, workdir: Path) -> tuple[float, float]:
     """(seconds, final validation loss) of a hand-written loop over the experiment."""
     cfg = compose_config("train", overrides, workdir)
@@ -98,14 +108,7 @@ def bare_loop(overrides: list[str], steps: int, workdir: Path) -> tuple[float, f
     sched_cfg = cfg.scheduler
     make_optimizer = instantiate(cfg.optimizer)  # the same class and settings as the task's
     optimizer = make_optimizer(weight_decay_groups(model, cfg.optimizer.weight_decay))
-    # the schedule's length as Task.schedule_length sets it: the run's, and a warm-up cut to
-    # a tenth of a run shorter than it
-    warmup = sched_cfg.warmup_steps
-    if sched_cfg.max_steps is None and warmup >= steps:
-        warmup = steps // 10
-    schedule = warmup_cosine(
-        optimizer, warmup, sched_cfg.max_steps or steps, sched_cfg.min_lr_ratio
-    )
+    schedule = warmup_cosine(optimizer, *schedule_length(sched_cfg, steps), sched_cfg.min_lr_ratio)
     clip = cfg.trainer.gradient_clip_val
     every = cfg.trainer.val_check_interval or steps
     val_loader = datamodule.val_dataloader()
@@ -202,9 +205,7 @@ def nanogpt_workdir(nanogpt: Path, cfg, workdir: Path) -> None:
 def nanogpt_flags(cfg, steps: int, eval_iters: int) -> list[str]:
     """nanoGPT's command-line settings for the composed experiment."""
     m, d, o, s, t = cfg.model, cfg.data, cfg.optimizer, cfg.scheduler, cfg.trainer
-    warmup = s.warmup_steps  # cut to a tenth of a run shorter than it, as the task does
-    if s.max_steps is None and warmup >= steps:
-        warmup = steps // 10
+    warmup, decay = schedule_length(s, steps)
     flags = {
         "dataset": "shakespeare_char",
         "out_dir": "out",
@@ -227,7 +228,7 @@ def nanogpt_flags(cfg, steps: int, eval_iters: int) -> list[str]:
         "weight_decay": o.weight_decay,
         "grad_clip": t.gradient_clip_val or 0.0,
         "warmup_iters": warmup,
-        "lr_decay_iters": s.max_steps or steps,
+        "lr_decay_iters": decay,
         "min_lr": o.lr * s.min_lr_ratio,
         "max_iters": steps - 1,  # nanoGPT takes max_iters + 1 steps
         "eval_interval": t.val_check_interval or steps,

@@ -57,6 +57,7 @@ class CharTokenizer(Vocabulary):
     def __init__(self, chars: Iterable[str], specials: bool = False) -> None:
         self.chars = sorted(set(chars) - set(SPECIALS))
         super().__init__(self.chars, specials)
+        self._table: np.ndarray | None = None  # code point -> id, made by ``table``
 
     @classmethod
     def from_text(cls, text: str, specials: bool = False) -> CharTokenizer:
@@ -75,7 +76,7 @@ class CharTokenizer(Vocabulary):
 
     def table(self) -> np.ndarray:
         """The id of every code point up to the vocabulary's largest, -1 for none."""
-        if getattr(self, "_table", None) is None:
+        if self._table is None:
             table = np.full(max(map(ord, self.chars), default=0) + 1, -1, dtype=np.int64)
             for c in self.chars:
                 table[ord(c)] = self.stoi[c]

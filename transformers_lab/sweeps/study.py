@@ -58,20 +58,19 @@ def open_storage(url: str, heartbeat_interval: int | None = None) -> optuna.stor
         "postgresql://<user>@<host>/<db>) or journal:<path>"
     )
     try:
+        file = storage_file(url)
+        if file is not None:  # its folder is made here
+            file.parent.mkdir(parents=True, exist_ok=True)
         if url.startswith(JOURNAL_PREFIX):
             from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 
-            path = Path(url[len(JOURNAL_PREFIX) :]).expanduser()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            backend = JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path)))
+            backend = JournalFileBackend(str(file), lock_obj=JournalFileOpenLock(str(file)))
             return optuna.storages.JournalStorage(backend)
         from sqlalchemy.engine import make_url
 
         parsed = make_url(url)
         engine_kwargs: dict[str, Any] = {}
         if parsed.get_backend_name() == "sqlite":
-            if parsed.database and parsed.database != ":memory:":
-                Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
             # several workers on one file wait for its lock rather than fail at once
             engine_kwargs["connect_args"] = {"timeout": 60}
         for attempt in range(3):
@@ -101,6 +100,22 @@ def open_storage(url: str, heartbeat_interval: int | None = None) -> optuna.stor
         raise ConfigError(f"cannot open the study storage {shown(url)}: {reason}; {hint}") from None
 
 
+def storage_file(url: str) -> Path | None:
+    """The file a storage keeps (``journal:<path>``, ``sqlite:///<path>``); None for a
+    database server, an in-memory SQLite or a URL that does not parse."""
+    if url.startswith(JOURNAL_PREFIX):
+        return Path(url[len(JOURNAL_PREFIX) :]).expanduser()
+    try:
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+    except Exception:  # open_storage says what is wrong with it
+        return None
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        return Path(parsed.database).expanduser()
+    return None
+
+
 def created_meanwhile(exc: Exception) -> bool:
     """Whether opening a storage failed because another worker was creating its schema."""
     text = str(exc).lower()
@@ -112,11 +127,7 @@ def setup_lock(url: str):
     """Hold a lock beside a file storage (SQLite, journal) while a worker opens it and
     loads or creates its study, so that workers started together take turns there; a
     database server needs none (``open_storage`` retries its schema race)."""
-    path: Path | None = None
-    if url.startswith(JOURNAL_PREFIX):
-        path = Path(url[len(JOURNAL_PREFIX) :]).expanduser()
-    elif url.startswith("sqlite:///") and ":memory:" not in url:
-        path = Path(url[len("sqlite:///") :].split("?")[0]).expanduser()
+    path = storage_file(url)
     try:
         import fcntl
     except ImportError:  # not POSIX: the storage's own retry is all there is
