@@ -350,3 +350,36 @@ def test_a_trial_number_outside_a_study_sweep_is_refused_with_the_sweeper_to_use
     with pytest.raises(ConfigError, match=r"hydra/sweeper=optuna\); a run of its own"):
         pruning.pruning_callback(cfg)
     assert pruning.pruning_callback(OmegaConf.create({"trial": None, "pruner": {}})) is None
+
+
+class _RacedStorage(optuna.storages.InMemoryStorage):
+    """A storage where another worker records its search space between this worker's
+    read and its write: the write then fails on the unique key, as on PostgreSQL."""
+
+    def __init__(self, theirs):
+        super().__init__()
+        self.theirs = theirs
+
+    def set_study_user_attr(self, study_id, key, value):
+        if self.theirs is not None and key == st.SPACE:
+            super().set_study_user_attr(study_id, key, st.space_json(self.theirs))
+            self.theirs = None
+            raise RuntimeError('duplicate key value violates unique constraint "study_user_attr"')
+        super().set_study_user_attr(study_id, key, value)
+
+
+def test_a_worker_that_loses_the_race_to_record_the_space_checks_the_winners():
+    study = st.load_or_create(_RacedStorage(dict(LR)), "lr", ["maximize"], LR)
+    assert study.user_attrs[st.SPACE] == st.space_json(LR)  # the same space: it goes on
+    other = {"optimizer.lr": FloatDistribution(1e-5, 1e-2, log=True)}
+    with pytest.raises(ConfigError, match=r"exists with the search space \{optimizer.lr: "):
+        st.load_or_create(_RacedStorage(other), "lr", ["maximize"], LR)
+
+
+def test_a_failed_write_of_the_space_that_is_no_race_is_raised():
+    class Broken(optuna.storages.InMemoryStorage):
+        def set_study_user_attr(self, study_id, key, value):
+            raise RuntimeError("disk I/O error")
+
+    with pytest.raises(RuntimeError, match="disk I/O error"):
+        st.load_or_create(Broken(), "lr", ["maximize"], LR)

@@ -248,8 +248,16 @@ def load_or_create(
     wanted = space_json(space)
     stored = study.user_attrs.get(SPACE)
     if stored is None:
-        study.set_user_attr(SPACE, wanted)
-    elif stored != wanted:
+        # workers that start together on a database server may both find no space and
+        # both write theirs: the second write fails on the unique key or overwrites the
+        # first. Read it back either way, so that a worker with another space is refused.
+        try:
+            study.set_user_attr(SPACE, wanted)
+        except Exception as exc:
+            if not created_meanwhile(exc):
+                raise
+        stored = study.user_attrs.get(SPACE)
+    if stored != wanted:
         raise ConfigError(
             f"study {name!r}{where} exists with the search space {describe(stored)}; this "
             f"sweep has {describe(wanted)}: {hint}"
