@@ -155,3 +155,16 @@ def test_the_flop_bound_is_the_linear_kernels_flops_at_the_matmul_rate(tmp_path:
 def test_the_matmul_rate_is_measured() -> None:
     rate = bench.matmul_rate(size=256)
     assert math.isfinite(rate) and rate > 0.1
+
+
+def test_every_linear_kernel_has_a_compiled_variant_left_out_by_default() -> None:
+    found = bench.variants()
+    compiled = sorted(name for name in found if name.endswith("_compiled"))
+    assert compiled == [
+        "based_compiled", "cosformer_compiled", "fastmax_p1_compiled", "fastmax_p2_compiled",
+        "linear_compiled", "performer_compiled",
+    ]  # fmt: skip
+    assert found["linear_compiled"] == {**found["linear"], "compiled": True}
+    assert found["linear"]["compiled"] is False
+    assert not set(compiled) & set(bench.default_variants())
+    assert "linear" in bench.default_variants()

@@ -7,18 +7,19 @@ import csv
 
 import pytest
 
-from transformers_lab.bench.long_context import COLUMNS, main, report
+from transformers_lab.bench.long_context import COLUMNS, kernel_overrides, main, report
 
 
 @pytest.mark.slow
 def test_the_bench_trains_each_kernel_and_reports_tokens_per_second(tmp_path, capsys):
     tiny = ["data.block_size=128", "model.n_layer=1"]
-    argv = ["--kernels", "softmax", "fastmax_p2", "--steps", "2", "--warmup", "1",
-            "--out", str(tmp_path), "--overrides", *tiny]  # fmt: skip
+    argv = ["--kernels", "softmax", "fastmax_p2", "linear_compiled", "--steps", "2",
+            "--warmup", "1", "--out", str(tmp_path), "--overrides", *tiny]  # fmt: skip
     assert main(argv) == 0
     with open(tmp_path / "long_context.csv") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == COLUMNS and [r["kernel"] for r in rows] == ["softmax", "fastmax_p2"]
+    assert list(rows[0]) == COLUMNS
+    assert [r["kernel"] for r in rows] == ["softmax", "fastmax_p2", "linear_compiled"]
     for row in rows:
         assert row["status"] == "ok", row
         assert row["context"] == "128" and float(row["tokens_per_s"]) > 0
@@ -47,3 +48,15 @@ def test_an_unknown_kernel_is_named_with_the_valid_ones(capsys):
     with pytest.raises(SystemExit):
         main(["--kernels", "softmax", "fastermax"])
     assert "unknown kernel(s) ['fastermax']; valid: " in capsys.readouterr().err
+
+
+def test_a_compiled_variant_is_its_kernel_with_compiled_steps():
+    assert kernel_overrides("fastmax_p2") == ["attention=fastmax_p2"]
+    assert kernel_overrides("based_compiled") == ["attention=based", "attention.compiled=true"]
+
+
+def test_only_kernels_with_compiled_steps_have_a_compiled_variant(capsys):
+    with pytest.raises(SystemExit):
+        main(["--kernels", "linear_compiled", "softmax_compiled"])
+    err = capsys.readouterr().err
+    assert "unknown kernel(s) ['softmax_compiled']" in err and "fastmax_p2_compiled" in err

@@ -64,24 +64,35 @@ BASELINE = "softmax"  # the variant the others' time and memory are divided by
 # Variants beyond the attention options: another code path of one option, for comparison.
 PATH_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fastmax_p2_quadratic": ("fastmax_p2", {"impl": "quadratic"}),  # the N x N reference
-    # the chunk steps through torch.compile (compiled in the warm-up pass, not timed)
-    "fastmax_p2_compiled": ("fastmax_p2", {"compiled": True}),
-    "based_compiled": ("based", {"compiled": True}),
 }
+# ... and ``<option>_compiled`` for every option with a ``compiled`` option (the linear
+# kernels): its chunk steps through torch.compile, compiled in the warm-up pass (not
+# timed). Run only when named: the default run leaves them out.
+COMPILED = "_compiled"
 
 
 @functools.cache
 def variants() -> dict[str, dict[str, Any]]:
     """Variant name -> kernel config (``_target_`` and options): every option of
     ``conf/attention/`` (options that compose to the same config count once, under the
-    last name: fastmax is fastmax_p2), softmax first, then ``PATH_VARIANTS``."""
+    last name: fastmax is fastmax_p2), softmax first, then ``PATH_VARIANTS``, then the
+    compiled variants."""
     options = attention_configs()
     unique = {json.dumps(c, sort_keys=True): name for name, c in options.items()}
     names = sorted(unique.values(), key=lambda n: (n != BASELINE, n))  # the baseline first
     found = {name: options[name] for name in names}
     for name, (base, extra) in PATH_VARIANTS.items():
         found[name] = {**options[base], **extra}
+    for name in names:
+        if "compiled" in options[name]:
+            found[name + COMPILED] = {**options[name], "compiled": True}
     return found
+
+
+def default_variants() -> list[str]:
+    """What a run without ``--kernels`` measures: every variant but the compiled ones
+    (each compiles for every N, 10-20 s apiece)."""
+    return [name for name in variants() if not name.endswith(COMPILED)]
 
 
 QUADRATIC_VARIANTS = frozenset({"additive", "fastmax_p2_quadratic"})
@@ -635,9 +646,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kernels",
         nargs="+",
-        default=list(variants()),
+        default=default_variants(),
         metavar="VARIANT",
-        help=f"variants to run (default all: {', '.join(variants())})",
+        help=f"variants to run (default: {', '.join(default_variants())}; also: "
+        f"{', '.join(sorted(set(variants()) - set(default_variants())))})",
     )
     parser.add_argument(
         "--repeats",

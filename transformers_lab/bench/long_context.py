@@ -6,6 +6,7 @@ Usage::
     python -m transformers_lab.bench.long_context                     # softmax + the linear kernels
     python -m transformers_lab.bench.long_context --kernels softmax fastmax_p2 --steps 5
     python -m transformers_lab.bench.long_context --overrides data.block_size=8192
+    python -m transformers_lab.bench.long_context --kernels softmax linear linear_compiled
 
 Each (kernel, repeat) runs in a fresh worker process (``--worker``), which composes the
 experiment with ``attention=<kernel>``, builds its data module and model, and trains
@@ -15,7 +16,9 @@ the median step) and the extra peak resident memory of one step over the process
 before it (``VmHWM`` after a reset, as in ``bench.kernels``). The kernels'
 order alternates from one repeat to the next, so drift in the machine's speed hits all.
 Reports go to ``--out`` as ``long_context.csv`` and ``long_context.md``, with each
-kernel's tokens/s over softmax's.
+kernel's tokens/s over softmax's. ``<kernel>_compiled`` is a kernel with a ``compiled``
+option run with ``attention.compiled=true``: its chunk steps through ``torch.compile``,
+compiled in the warm-up steps, which are not timed.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch
 
 from transformers_lab.bench.kernels import (
+    COMPILED,
     MIB,
     error_status,
     proc_status_kib,
@@ -58,9 +62,8 @@ def measure(kernel: str, steps: int, warmup: int, overrides: Sequence[str]) -> d
     from transformers_lab.nn import weight_decay_groups
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose_config(
-            "train", ["experiment=gpt_long_context", f"attention={kernel}", *overrides], tmp
-        )
+        cfg = compose_config("train", ["experiment=gpt_long_context",
+                                       *kernel_overrides(kernel), *overrides], tmp)  # fmt: skip
     if "max_len" in cfg.attention:  # a positional kernel (cosformer): positions up to N
         cfg.attention.max_len = max(cfg.attention.max_len, cfg.data.block_size)
     L.seed_everything(cfg.seed)
@@ -108,6 +111,23 @@ def measure(kernel: str, steps: int, warmup: int, overrides: Sequence[str]) -> d
         "peak_mib": None if peak is None else max(0, peak) * 1024 / MIB,
         "status": "ok",
     }
+
+
+def kernel_overrides(kernel: str) -> list[str]:
+    """The overrides that select ``kernel``: ``attention=<kernel>``, or for
+    ``<base>_compiled`` the base kernel with its chunk steps compiled."""
+    if kernel.endswith(COMPILED):
+        return [f"attention={kernel.removesuffix(COMPILED)}", "attention.compiled=true"]
+    return [f"attention={kernel}"]
+
+
+def valid_kernels() -> list[str]:
+    """Every ``attention`` option, and ``<option>_compiled`` for those with a
+    ``compiled`` option (the linear kernels)."""
+    from transformers_lab.config import attention_configs
+
+    configs = attention_configs()
+    return [*configs, *(f"{name}{COMPILED}" for name, c in configs.items() if "compiled" in c)]
 
 
 def run_worker(kernel: str, args: argparse.Namespace) -> dict:
@@ -184,11 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker is not None:
         return worker_main(args.worker)
-    from transformers_lab.config import attention_configs
-
-    unknown = sorted(set(args.kernels) - set(attention_configs()))
+    valid = valid_kernels()
+    unknown = sorted(set(args.kernels) - set(valid))
     if unknown:
-        parser.error(f"unknown kernel(s) {unknown}; valid: {', '.join(attention_configs())}")
+        parser.error(f"unknown kernel(s) {unknown}; valid: {', '.join(valid)}")
     rows = []
     for repeat in range(args.repeats):
         order = args.kernels if repeat % 2 == 0 else list(reversed(args.kernels))
