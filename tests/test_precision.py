@@ -86,6 +86,18 @@ def test_bf16_mixed_trains_on_the_cpu_as_float32_does(tmp_path, eager):
     assert metrics["val/loss"] == pytest.approx(eager["val/loss"], rel=0.02)
 
 
+def test_bf16_mixed_clips_the_gradients_of_the_fused_optimizer_preset(tmp_path, caplog):
+    # Lightning refuses to clip a fused step under mixed precision: the task builds the
+    # per-tensor step instead (a RuntimeError at the first step before)
+    overrides = [*SMALL, "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=0.5"]
+    cfg = compose_config("train", overrides, tmp_path / "run")
+    assert cfg.optimizer.fused is True
+    with caplog.at_level("INFO", logger="transformers_lab.tasks.base"):
+        metrics = train(cfg)
+    assert torch.isfinite(torch.tensor(metrics["val/loss"]))
+    assert "optimizer.fused=true is set aside" in caplog.text
+
+
 def test_compile_falls_back_to_eager_mode_and_says_so(tmp_path, monkeypatch, capsys, eager):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found\nsecond line")

@@ -120,8 +120,21 @@ class Task(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         # the partial's weight_decay goes to the decayed group only
-        weight_decay = getattr(self.optimizer_factory, "keywords", {}).get("weight_decay", 0.0)
-        optimizer = self.optimizer_factory(params=weight_decay_groups(self.model, weight_decay))
+        keywords = getattr(self.optimizer_factory, "keywords", {})
+        weight_decay = keywords.get("weight_decay", 0.0)
+        extra = {}
+        if keywords.get("fused") and self.clips_under_mixed_precision():
+            # Lightning refuses to clip the gradients of a fused step under mixed precision
+            # (the step unscales them itself): the per-tensor step instead, said once
+            log.info(
+                "optimizer.fused=true is set aside: gradient clipping under %s precision "
+                "needs the per-tensor step",
+                self.trainer.precision,
+            )
+            extra["fused"] = None
+        optimizer = self.optimizer_factory(
+            params=weight_decay_groups(self.model, weight_decay), **extra
+        )
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer, **self.schedule_length())
@@ -129,6 +142,14 @@ class Task(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+    def clips_under_mixed_precision(self) -> bool:
+        """Whether the run clips gradients under a mixed precision (``16-mixed``,
+        ``bf16-mixed``), where Lightning cannot clip a fused optimizer step."""
+        if self._trainer is None:
+            return False
+        clip = self.trainer.gradient_clip_val
+        return bool(clip) and str(self.trainer.precision).endswith("-mixed")
 
     def schedule_length(self) -> dict[str, int]:
         """``max_steps`` for a schedule that takes one and was not given it; a warning when
