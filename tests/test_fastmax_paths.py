@@ -263,6 +263,57 @@ def test_compiled_chunk_steps_give_the_eager_results(name):
     assert not any(fn.failed for fn in vars(steps(True)).values())
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_compiled_step_compiles_once_for_every_sequence_length(monkeypatch, causal):
+    # the paths hand the steps chunk-major blocks, whose strides do not depend on N: a new
+    # N reuses the compiled code (Dynamo's graphs, counted by a backend that runs them as
+    # they are)
+    from torch._dynamo.testing import CompileCounter
+
+    from transformers_lab.attention import build_kernel
+    from transformers_lab.attention.fastmax import steps as steps_module
+
+    counter, real = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": counter}))
+    steps_module.steps.cache_clear()
+    try:
+        torch._dynamo.reset()
+        kernel = build_kernel(
+            "fastmax", head_dim=8, num_heads=2, chunk_size=16, impl="linear", compiled=True
+        )
+        for n in (32, 48, 80):
+            q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(3))
+            kernel(q, k, v, causal=causal).sum().backward()
+        steps_used = 2 if causal else 4  # forward and backward; state, read and two grads
+        assert counter.frame_count == steps_used
+        assert not any(fn.failed for fn in vars(steps_module.steps(True)).values())
+    finally:
+        steps_module.steps.cache_clear()  # later tests compile with the real backend
+        torch._dynamo.reset()
+
+
+def test_a_step_past_the_recompile_limit_runs_eagerly_and_keeps_compiling(monkeypatch, caplog):
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from transformers_lab.attention.fastmax import steps as steps_module
+
+    def limited(fn, **kw):
+        def run(x):
+            if x > 10:
+                raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+            return ("compiled", fn(x))
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", limited)
+    step = steps_module.compile_step(lambda x: x + 1)
+    with caplog.at_level("WARNING"):
+        assert step(1) == ("compiled", 2)
+        assert step(11) == 12 and step(12) == 13  # eagerly
+        assert step(2) == ("compiled", 3)  # the shapes compiled keep their code
+    assert step.failed == [] and caplog.text.count("recompile limit") == 1
+
+
 def test_a_step_that_cannot_compile_runs_eagerly_and_says_so_once(monkeypatch, caplog):
     from transformers_lab.attention.fastmax import steps as steps_module
 

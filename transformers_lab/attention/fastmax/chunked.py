@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformers_lab.attention.fastmax.features import (
+    chunk_major,
     chunks_t,
     constant,
     feature_dim,
@@ -15,6 +16,7 @@ from transformers_lab.attention.fastmax.features import (
     features_d,
     features_d_vjp,
     first_order_only,
+    unchunk,
     weighted_state,
 )
 from transformers_lab.attention.fastmax.steps import steps
@@ -38,43 +40,40 @@ class _ChunkLoop(torch.autograd.Function):
         b, h, n, _ = q.shape
         e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)
-        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (B, H, nc, E + E // 2, C)
-        out = torch.empty_like(v_aug)
+        # chunk-major blocks (chunk i is [i]): their strides do not depend on N
+        qc, kc, vc = (chunk_major(t, c) for t in (q, k, v_aug))  # (nc, B, H, C, .)
+        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (nc, B, H, E + E // 2, C)
+        out = torch.empty_like(vc)
         keep = any(ctx.needs_input_grad[:4])
-        before = q.new_empty(b, h, n // c, *state.shape[-2:]) if keep else None
+        before = q.new_empty(n // c, *state.shape) if keep else None
         step = steps(compiled).forward_step
+        state = state.contiguous()
         for i in range(n // c):
-            rows = slice(i * c, (i + 1) * c)
             if keep:
-                before[:, :, i] = state
-            out[:, :, rows], state = step(
-                q[:, :, rows], k[:, :, rows], v_aug[:, :, rows], ut_q[:, :, i], ut_k[:, :, i],
-                state, w, e, p,
-            )  # fmt: skip
+                before[i] = state
+            out[i], state = step(qc[i], kc[i], vc[i], ut_q[i], ut_k[i], state, w, e, p)
         ctx.p, ctx.c, ctx.compiled = p, c, compiled
         if keep:
             ctx.save_for_backward(q, k, v_aug, before)
-        return out, state
+        return unchunk(out), state
 
     @staticmethod
     def backward(ctx, d_out, d_state):  # type: ignore[override]
         first_order_only()
         q, k, v_aug, before = ctx.saved_tensors
         p, c = ctx.p, ctx.c
-        n = q.shape[2]
         e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
-        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (B, H, nc, E + E // 2, C)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
+        qc, kc, vc, doc = (chunk_major(t, c) for t in (q, k, v_aug, d_out))
+        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (nc, B, H, E + E // 2, C)
+        dq, dk, dv = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(vc)
         d_s = d_state.contiguous()  # gradient w.r.t. the state that chunk i's keys join
         step = steps(ctx.compiled).backward_step
-        for i in reversed(range(n // c)):
-            rows = slice(i * c, (i + 1) * c)
-            dq[:, :, rows], dk[:, :, rows], dv[:, :, rows], d_s = step(
-                q[:, :, rows], k[:, :, rows], v_aug[:, :, rows], d_out[:, :, rows],
-                ut_q[:, :, i], ut_k[:, :, i], before[:, :, i], d_s, w, e, p,
-            )  # fmt: skip
-        return dq, dk, dv, d_s, None, None, None
+        for i in reversed(range(q.shape[2] // c)):
+            dq[i], dk[i], dv[i], d_s = step(
+                qc[i], kc[i], vc[i], doc[i], ut_q[i], ut_k[i], before[i], d_s, w, e, p
+            )
+        return unchunk(dq), unchunk(dk), unchunk(dv), d_s, None, None, None
 
 
 def forward_step(qi, ki, vi, ut_qi, ut_ki, state, w, e: int, p: int) -> tuple[Tensor, Tensor]:

@@ -8,12 +8,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformers_lab.attention.fastmax.features import (
+    chunk_major,
     chunks_t,
     constant,
     feature_weights,
     features_d,
     features_d_vjp,
     first_order_only,
+    unchunk,
 )
 from transformers_lab.attention.fastmax.steps import steps
 
@@ -41,21 +43,22 @@ class _FactorizedLoop(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v_aug, p, cq, ck, compiled=False):  # type: ignore[override]
-        b, h, nq, _ = q.shape
+        b, h, _, _ = q.shape
         e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)
-        ut_q, ut_k = chunks_t(q, cq, p), chunks_t(k, ck, p)  # (B, H, n / C, E + E // 2, C)
+        # chunk-major blocks (chunk i is [i]): their strides do not depend on N
+        ut_q, ut_k = chunks_t(q, cq, p), chunks_t(k, ck, p)  # (n / C, B, H, E + E // 2, C)
+        vc = chunk_major(v_aug, ck)
         step = steps(compiled)
         state = q.new_zeros(b, h, v_aug.shape[-1], w.shape[0])  # (B, H, Dv + 1, F)
-        for i in range(k.shape[2] // ck):
-            vi = v_aug[:, :, i * ck : (i + 1) * ck]
-            state = step.state_step(vi, ut_k[:, :, i], state, w, e, p)
-        out = q.new_empty(b, h, nq, v_aug.shape[-1])
-        for i in range(nq // cq):
-            out[:, :, i * cq : (i + 1) * cq] = step.read_step(ut_q[:, :, i], state, e, p)
+        for i in range(len(ut_k)):
+            state = step.state_step(vc[i], ut_k[i], state, w, e, p)
+        out = q.new_empty(len(ut_q), b, h, cq, v_aug.shape[-1])
+        for i in range(len(ut_q)):
+            out[i] = step.read_step(ut_q[i], state, e, p)
         ctx.p, ctx.cq, ctx.ck, ctx.compiled = p, cq, ck, compiled
         ctx.save_for_backward(q, k, v_aug, state)
-        return out
+        return unchunk(out)
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
@@ -65,20 +68,17 @@ class _FactorizedLoop(torch.autograd.Function):
         e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
         ut_q, ut_k = chunks_t(q, cq, p), chunks_t(k, ck, p)
+        vc, doc = chunk_major(v_aug, ck), chunk_major(d_out, cq)
         step = steps(ctx.compiled)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
+        dq = q.new_empty(len(ut_q), *q.shape[:2], cq, q.shape[-1])
+        dk = k.new_empty(len(ut_k), *k.shape[:2], ck, k.shape[-1])
+        dv = torch.empty_like(vc)
         d_s = torch.zeros_like(state)
-        for i in range(q.shape[2] // cq):
-            rows = slice(i * cq, (i + 1) * cq)
-            dq[:, :, rows], d_s = step.query_grad_step(
-                ut_q[:, :, i], d_out[:, :, rows], state, d_s, e, p
-            )
-        for i in range(k.shape[2] // ck):
-            rows = slice(i * ck, (i + 1) * ck)
-            dk[:, :, rows], dv[:, :, rows] = step.key_grad_step(
-                ut_k[:, :, i], v_aug[:, :, rows], d_s, w, e, p
-            )
-        return dq, dk, dv, None, None, None, None
+        for i in range(len(ut_q)):
+            dq[i], d_s = step.query_grad_step(ut_q[i], doc[i], state, d_s, e, p)
+        for i in range(len(ut_k)):
+            dk[i], dv[i] = step.key_grad_step(ut_k[i], vc[i], d_s, w, e, p)
+        return unchunk(dq), unchunk(dk), unchunk(dv), None, None, None, None
 
 
 def state_step(vi: Tensor, ut_ki: Tensor, state: Tensor, w: Tensor, e: int, p: int) -> Tensor:

@@ -46,14 +46,29 @@ def feature_map(u: Tensor, p: int) -> Tensor:
 
 
 def chunks_t(u: Tensor, c: int, p: int) -> Tensor:
-    """``doubled_t`` of every chunk: (B, H, N, D) -> (B, H, N / C, E + E // 2, C) for p=2,
-    (B, H, N / C, E, C) otherwise, each block contiguous (u~ = [1, u], or u for p=0).
+    """``doubled_t`` of every chunk, chunk-major: (B, H, N, D) -> (N / C, B, H, E + E // 2,
+    C) for p=2, (N / C, B, H, E, C) otherwise, each block contiguous (u~ = [1, u], or u
+    for p=0).
 
-    Whole-sequence rows N floats apart would alias in the cache when N is a power of two.
+    Whole-sequence rows N floats apart would alias in the cache when N is a power of two;
+    and a chunk's strides do not depend on N (a compiled step compiles once for every N).
     """
     b, h, n, _ = u.shape
     ut = F.pad(u, (constant(p), 0), value=1.0).reshape(b, h, n // c, c, -1)
-    return doubled_t(ut.transpose(-2, -1), p).contiguous()
+    return doubled_t(ut.permute(2, 0, 1, 4, 3), p).contiguous()
+
+
+def chunk_major(x: Tensor, c: int) -> Tensor:
+    """(B, H, N, X) -> (N / C, B, H, C, X), contiguous: chunk i is ``x[:, :, iC:(i+1)C]``
+    as a block whose strides do not depend on N."""
+    b, h, n, d = x.shape
+    return x.reshape(b, h, n // c, c, d).permute(2, 0, 1, 3, 4).contiguous()
+
+
+def unchunk(x: Tensor) -> Tensor:
+    """``chunk_major``'s inverse: (N / C, B, H, C, X) -> (B, H, N, X)."""
+    nc, b, h, c, d = x.shape
+    return x.permute(1, 2, 0, 3, 4).reshape(b, h, nc * c, d)
 
 
 def doubled_t(ut_t: Tensor, p: int) -> Tensor:

@@ -44,11 +44,17 @@ def steps(compiled: bool = False) -> SimpleNamespace:
 
 
 def compile_step(fn: Callable) -> Callable:
-    """``fn`` through ``torch.compile``, or eagerly from the first time that fails."""
-    # static shapes: a chunk's views have strides that depend on N, and a recompile for a new
-    # N (its own fast kernel) beats the dynamic-shape kernel that a second N would bring
+    """``fn`` through ``torch.compile``, or eagerly from the first time that fails.
+
+    A step compiles once per shape of its blocks (batch, heads, chunk, head width, dtype),
+    not per N: the paths hand it chunk-major blocks. Past torch's recompile limit (8
+    shapes) a new shape runs eagerly, said once, while the shapes compiled keep their code.
+    """
+    # static shapes: a kernel specialised to its block shape; the strides of the blocks do
+    # not depend on N, so a new N costs no recompile
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
     failed: list[str] = []
+    over_limit: list[bool] = []
 
     @functools.wraps(fn)
     def step(*args):
@@ -57,6 +63,16 @@ def compile_step(fn: Callable) -> Callable:
                 return compiled(*args)
             except Exception as exc:  # a compiler that cannot run here, or a real error
                 result = fn(*args)  # a real error raises again here, eagerly
+                if type(exc).__name__ == "FailOnRecompileLimitHit":
+                    if not over_limit:
+                        over_limit.append(True)
+                        log.warning(
+                            "attention: the linear path's %s met torch.compile's recompile "
+                            "limit (torch._dynamo.config.recompile_limit): new shapes run "
+                            "eagerly",
+                            fn.__name__,
+                        )
+                    return result
                 first = (str(exc).splitlines() or [""])[0][:200]
                 failed.append(f"{type(exc).__name__}: {first}")
                 log.warning(
