@@ -352,28 +352,36 @@ def test_a_trial_number_outside_a_study_sweep_is_refused_with_the_sweeper_to_use
     assert pruning.pruning_callback(OmegaConf.create({"trial": None, "pruner": {}})) is None
 
 
-class _RacedStorage(optuna.storages.InMemoryStorage):
-    """A storage where another worker records its search space between this worker's
-    read and its write: the write then fails on the unique key, as on PostgreSQL."""
+def test_a_worker_that_finds_the_study_just_made_waits_for_its_space(tmp_path, monkeypatch):
+    # the creator records its space a moment after the study exists (workers started
+    # together on a database server): the others wait for it and compare theirs
+    import threading
 
-    def __init__(self, theirs):
-        super().__init__()
-        self.theirs = theirs
-
-    def set_study_user_attr(self, study_id, key, value):
-        if self.theirs is not None and key == st.SPACE:
-            super().set_study_user_attr(study_id, key, st.space_json(self.theirs))
-            self.theirs = None
-            raise RuntimeError('duplicate key value violates unique constraint "study_user_attr"')
-        super().set_study_user_attr(study_id, key, value)
-
-
-def test_a_worker_that_loses_the_race_to_record_the_space_checks_the_winners():
-    study = st.load_or_create(_RacedStorage(dict(LR)), "lr", ["maximize"], LR)
-    assert study.user_attrs[st.SPACE] == st.space_json(LR)  # the same space: it goes on
+    monkeypatch.setattr(st, "SPACE_WAIT_S", 5.0)
+    storage = sqlite(tmp_path)
     other = {"optimizer.lr": FloatDistribution(1e-5, 1e-2, log=True)}
-    with pytest.raises(ConfigError, match=r"exists with the search space \{optimizer.lr: "):
-        st.load_or_create(_RacedStorage(other), "lr", ["maximize"], LR)
+    for theirs, refused in ((LR, False), (other, True)):
+        name = f"race-{refused}"
+        study = optuna.create_study(storage=storage, study_name=name, direction="maximize")
+        later = threading.Timer(0.5, study.set_user_attr, (st.SPACE, st.space_json(theirs)))
+        later.start()
+        try:
+            if refused:
+                with pytest.raises(ConfigError, match=r"exists with the search space \{optim"):
+                    st.load_or_create(storage, name, ["maximize"], LR)
+            else:
+                assert st.load_or_create(storage, name, ["maximize"], LR).study_name == name
+        finally:
+            later.join()
+        assert study.user_attrs[st.SPACE] == st.space_json(theirs)  # not overwritten
+
+
+def test_a_study_made_by_optuna_itself_takes_the_sweeps_space(tmp_path, monkeypatch):
+    monkeypatch.setattr(st, "SPACE_WAIT_S", 0.2)
+    storage = sqlite(tmp_path)
+    optuna.create_study(storage=storage, study_name="plain", direction="maximize")
+    study = st.load_or_create(storage, "plain", ["maximize"], LR)
+    assert study.user_attrs[st.SPACE] == st.space_json(LR)
 
 
 def test_a_failed_write_of_the_space_that_is_no_race_is_raised():
@@ -383,3 +391,16 @@ def test_a_failed_write_of_the_space_that_is_no_race_is_raised():
 
     with pytest.raises(RuntimeError, match="disk I/O error"):
         st.load_or_create(Broken(), "lr", ["maximize"], LR)
+
+
+def test_a_file_system_without_locks_sets_up_the_study_unguarded(tmp_path, monkeypatch, caplog):
+    import fcntl
+
+    def no_flock(handle, op):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    url = f"journal:{tmp_path / 'study.log'}"
+    with caplog.at_level("WARNING", logger="transformers_lab.sweeps.study"), st.setup_lock(url):
+        st.load_or_create(st.open_storage(url), "s", ["maximize"], LR)
+    assert "no file lock here" in caplog.text and "Function not implemented" in caplog.text

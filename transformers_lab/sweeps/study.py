@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import socket
@@ -31,6 +32,8 @@ from optuna.distributions import (
 from optuna.trial import FrozenTrial, TrialState
 
 from transformers_lab.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # a trial's user attributes, set by the sweeper
 OWNER = "tlab:owner"  # {"host", "pid", "start"}: the sweep process that asked for it
@@ -137,7 +140,17 @@ def setup_lock(url: str):
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".setup.lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as exc:  # a file system without flock (Lustre without -o flock, ...)
+            log.warning(
+                "study storage %s: no file lock here (%s); workers set up the study without "
+                "taking turns",
+                shown(url),
+                exc,
+            )
+            yield
+            return
         try:
             yield
         finally:
@@ -219,6 +232,9 @@ def as_override(key: str, value: Any) -> str:
 # ---------------------------------------------------------------------------- the study
 
 
+SPACE_WAIT_S = 10.0  # how long a worker that found the study waits for its search space
+
+
 def load_or_create(
     storage: optuna.storages.BaseStorage,
     name: str,
@@ -229,15 +245,25 @@ def load_or_create(
     where: str = "",
 ) -> optuna.Study:
     """The study ``name``, created if new. One that exists must have these directions
-    and this search space: a sweep never adds trials to a study of another question."""
-    study = optuna.create_study(
-        storage=storage,
-        study_name=name,
-        directions=list(directions),
-        sampler=sampler,
-        pruner=pruner,
-        load_if_exists=True,
-    )
+    and this search space: a sweep never adds trials to a study of another question.
+
+    Of workers that start together, the storage lets exactly one create the study (its
+    name is a unique key); that one records the search space. The others wait for it
+    (``SPACE_WAIT_S``) and compare theirs, so a worker with another space is refused even
+    on a database server, where recording is an upsert that no lock guards.
+    """
+    try:
+        study = optuna.create_study(
+            storage=storage,
+            study_name=name,
+            directions=list(directions),
+            sampler=sampler,
+            pruner=pruner,
+        )
+        created = True
+    except optuna.exceptions.DuplicatedStudyError:
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
+        created = False
     have = [d.name.lower() for d in study.directions]
     hint = "give another hydra.sweeper.study_name, or the same settings to continue it"
     if have != [d.lower() for d in directions]:
@@ -246,23 +272,30 @@ def load_or_create(
             f"{list(directions)}: {hint}"
         )
     wanted = space_json(space)
-    stored = study.user_attrs.get(SPACE)
-    if stored is None:
-        # workers that start together on a database server may both find no space and
-        # both write theirs: the second write fails on the unique key or overwrites the
-        # first. Read it back either way, so that a worker with another space is refused.
-        try:
-            study.set_user_attr(SPACE, wanted)
-        except Exception as exc:
-            if not created_meanwhile(exc):
-                raise
-        stored = study.user_attrs.get(SPACE)
+    if created:
+        study.set_user_attr(SPACE, wanted)
+        return study
+    stored = recorded_space(study)
+    if stored is None:  # a study made by Optuna itself: this sweep's space is its question
+        study.set_user_attr(SPACE, wanted)
+        stored = wanted
     if stored != wanted:
         raise ConfigError(
             f"study {name!r}{where} exists with the search space {describe(stored)}; this "
             f"sweep has {describe(wanted)}: {hint}"
         )
     return study
+
+
+def recorded_space(study: optuna.Study, wait_s: float | None = None) -> dict[str, str] | None:
+    """The search space recorded with ``study``; a study just created by another worker
+    gets it within moments, so this waits up to ``wait_s`` (``SPACE_WAIT_S``) for it."""
+    deadline = time.monotonic() + (SPACE_WAIT_S if wait_s is None else wait_s)
+    while True:
+        stored = study.user_attrs.get(SPACE)
+        if stored is not None or time.monotonic() >= deadline:
+            return stored
+        time.sleep(0.1)
 
 
 def describe(space: Mapping[str, str]) -> str:
