@@ -63,6 +63,8 @@ def test_training_bench_against_nanogpt_runs_both_processes_alike(tmp_path, monk
     assert [r["side"] for r in rows] == ["nanogpt", "tlab-train", "tlab-train", "nanogpt"]
     assert all(float(r["seconds"]) > 0 and float(r["cpu_seconds"]) > 0 for r in rows)
     assert [float(r["val_loss"]) for r in rows if r["side"] == "nanogpt"] == [3.97, 3.97]
+    # nanoGPT's last evaluation is before its last steps: the report says where each was
+    assert {r["val_at"] for r in rows} == {"step 3", "end"}
     assert all(0 < float(r["val_loss"]) < 10 for r in rows if r["side"] == "tlab-train")
     flags = [json.loads(line) for line in (tmp_path / "flags.jsonl").read_text().splitlines()]
     assert len(flags) == 2 and flags[0] == flags[1]
@@ -76,6 +78,7 @@ def test_training_bench_against_nanogpt_runs_both_processes_alike(tmp_path, monk
     assert (tmp_path / "out" / "tlab-train1.log").stat().st_size > 0
     report = (tmp_path / "out" / "nanogpt.md").read_text()
     assert "tlab-train / nanoGPT wall time:" in report and "| nanogpt |" in report
+    assert "3.9700 (step 3) |" in report and "(end) |" in report
 
 
 def test_training_bench_against_nanogpt_needs_a_checkout(tmp_path, capsys):

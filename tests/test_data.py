@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -143,8 +144,8 @@ def test_char_tokenizer_round_trip_and_specials(tmp_path):
     wide = CharTokenizer.from_text("zé😀a")
     assert wide.encode("a😀éz") == [0, 3, 2, 1] and wide.encode("") == []
     assert wide.encode("a😀") == [wide.stoi[c] for c in "a😀"]
-    for bad in ("\U0001f601", "b"):
-        with pytest.raises(ValueError, match=f"{bad!r} is not in the vocabulary"):
+    for bad in ("\U0001f601", "b", "\udcff"):  # a lone surrogate, as argv can hold
+        with pytest.raises(ValueError, match=re.escape(f"{bad!r} is not in the vocabulary")):
             wide.encode("a" + bad)
 
 

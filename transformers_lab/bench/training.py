@@ -38,6 +38,7 @@ import csv
 import math
 import os
 import pickle
+import re
 import resource
 import shutil
 import statistics
@@ -239,15 +240,18 @@ def nanogpt_flags(cfg, steps: int, eval_iters: int) -> list[str]:
 
 
 def nanogpt_process(nanogpt: Path, cfg, steps: int, eval_iters: int, workdir: Path, log: Path):
-    """(wall s, CPU s, last val loss nanoGPT printed) of nanoGPT's ``train.py``; its
-    output goes to ``log``."""
+    """(wall s, CPU s, last val loss nanoGPT printed, the step it printed it at) of
+    nanoGPT's ``train.py``; its output goes to ``log``. nanoGPT evaluates before a step
+    and stops after ``max_iters``: its last evaluation is at the last multiple of
+    ``eval_interval`` below the run's end, not at the end as ``tlab-train``'s."""
     nanogpt_workdir(nanogpt, cfg, workdir)
     command = [sys.executable, "train.py", *nanogpt_flags(cfg, steps, eval_iters)]
     seconds, cpu, stdout = process_seconds(command, workdir, log)
-    losses = [
-        float(line.rsplit("val loss", 1)[1]) for line in stdout.splitlines() if "val loss" in line
-    ]
-    return seconds, cpu, losses[-1] if losses else math.nan
+    found = re.findall(r"step (\d+): train loss [-\d.naif]+, val loss ([-\d.naif]+)", stdout)
+    if not found:
+        return seconds, cpu, math.nan, "none"
+    step, loss = found[-1]
+    return seconds, cpu, float(loss), f"step {step}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -289,15 +293,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        sides: list[tuple[str, Callable[[Path, Path], tuple[float, float, float]]]]
+        sides: list[tuple[str, Callable[[Path, Path], tuple[float, float, float, str]]]]
         if args.against == "bare":
             other, name = "bare", "tlab"
 
             def timed(run, overrides):
-                def side(workdir: Path, log: Path) -> tuple[float, float, float]:
+                def side(workdir: Path, log: Path) -> tuple[float, float, float, str]:
                     cpu = time.process_time()
                     seconds, val_loss = run(overrides, args.steps, workdir)
-                    return seconds, time.process_time() - cpu, val_loss
+                    return seconds, time.process_time() - cpu, val_loss, "end"
 
                 return side
 
@@ -318,15 +322,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ),
                 (
                     "tlab-train",
-                    lambda w, log: tlab_train_process(
-                        common + args.framework_overrides + [limit], w, log
+                    lambda w, log: (
+                        *tlab_train_process(common + args.framework_overrides + [limit], w, log),
+                        "end",
                     ),
                 ),
             ]
         for repeat in range(args.repeats):
             for side, run in sides[:: -1 if repeat % 2 else 1]:
                 log = out / f"{side}{repeat}.log"  # kept: the work dirs are temporary
-                seconds, cpu, val_loss = run(Path(tmp) / f"{side}{repeat}", log)
+                seconds, cpu, val_loss, val_at = run(Path(tmp) / f"{side}{repeat}", log)
                 rows.append(
                     {
                         "side": side,
@@ -334,11 +339,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "seconds": seconds,
                         "cpu_seconds": cpu,
                         "val_loss": val_loss,
+                        "val_at": val_at,
                     }
                 )
                 print(
                     f"{side:10s} run {repeat}: {seconds:8.1f} s wall, {cpu:8.1f} s CPU, "
-                    f"val/loss {val_loss:.4f}",
+                    f"val/loss {val_loss:.4f} ({val_at})",
                     flush=True,
                 )
     stem = "training" if args.against == "bare" else "nanogpt"
@@ -350,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def median(side: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["side"] == side)
 
+    last = {r["side"]: r for r in rows}  # each side's last run
     ratio = median(name, "seconds") / median(other, "seconds")
     cpu_ratio = median(name, "cpu_seconds") / median(other, "cpu_seconds")
     label = "framework / bare" if args.against == "bare" else "tlab-train / nanoGPT"
@@ -357,11 +364,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"experiment={args.experiment}, {args.steps} steps, {args.repeats} run(s) each, "
         f"{torch.get_num_threads()} threads",
         "",
-        "| side | median wall s | median CPU s | last val/loss |",
+        "| side | median wall s | median CPU s | last val/loss (where) |",
         "|---|---|---|---|",
         *(
             f"| {s} | {median(s, 'seconds'):.1f} | {median(s, 'cpu_seconds'):.1f} | "
-            f"{[r for r in rows if r['side'] == s][-1]['val_loss']:.4f} |"
+            f"{last[s]['val_loss']:.4f} ({last[s]['val_at']}) |"
             for s in (other, name)
         ),
         "",

@@ -66,7 +66,7 @@ class CharTokenizer(Vocabulary):
     def encode(self, text: str) -> list[int]:
         # a table lookup over the code points: a Python call per character takes half a
         # second on Tiny Shakespeare, this a few milliseconds
-        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         table = self.table()
         ids = np.where(codes < len(table), table[np.minimum(codes, len(table) - 1)], -1)
         unknown = np.flatnonzero(ids < 0)
