@@ -16,7 +16,6 @@ from transformers_lab.attention.fastmax.features import (
     features_d,
     features_d_vjp,
     first_order_only,
-    unchunk,
     weighted_state,
 )
 from transformers_lab.attention.fastmax.steps import steps
@@ -43,7 +42,7 @@ class _ChunkLoop(torch.autograd.Function):
         # chunk-major blocks (chunk i is [i]): their strides do not depend on N
         qc, kc, vc = (chunk_major(t, c) for t in (q, k, v_aug))  # (nc, B, H, C, .)
         ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (nc, B, H, E + E // 2, C)
-        out = torch.empty_like(vc)
+        out = torch.empty_like(v_aug)  # written in place: only a step's inputs need blocks
         keep = any(ctx.needs_input_grad[:4])
         before = q.new_empty(n // c, *state.shape) if keep else None
         step = steps(compiled).forward_step
@@ -51,11 +50,12 @@ class _ChunkLoop(torch.autograd.Function):
         for i in range(n // c):
             if keep:
                 before[i] = state
-            out[i], state = step(qc[i], kc[i], vc[i], ut_q[i], ut_k[i], state, w, e, p)
+            rows = slice(i * c, (i + 1) * c)
+            out[:, :, rows], state = step(qc[i], kc[i], vc[i], ut_q[i], ut_k[i], state, w, e, p)
         ctx.p, ctx.c, ctx.compiled = p, c, compiled
         if keep:
             ctx.save_for_backward(q, k, v_aug, before)
-        return unchunk(out), state
+        return out, state
 
     @staticmethod
     def backward(ctx, d_out, d_state):  # type: ignore[override]
@@ -66,14 +66,15 @@ class _ChunkLoop(torch.autograd.Function):
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
         qc, kc, vc, doc = (chunk_major(t, c) for t in (q, k, v_aug, d_out))
         ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (nc, B, H, E + E // 2, C)
-        dq, dk, dv = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(vc)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
         d_s = d_state.contiguous()  # gradient w.r.t. the state that chunk i's keys join
         step = steps(ctx.compiled).backward_step
         for i in reversed(range(q.shape[2] // c)):
-            dq[i], dk[i], dv[i], d_s = step(
+            rows = slice(i * c, (i + 1) * c)
+            dq[:, :, rows], dk[:, :, rows], dv[:, :, rows], d_s = step(
                 qc[i], kc[i], vc[i], doc[i], ut_q[i], ut_k[i], before[i], d_s, w, e, p
             )
-        return unchunk(dq), unchunk(dk), unchunk(dv), d_s, None, None, None
+        return dq, dk, dv, d_s, None, None, None
 
 
 def forward_step(qi, ki, vi, ut_qi, ut_ki, state, w, e: int, p: int) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,6 @@ from transformers_lab.attention.fastmax.features import (
     features_d,
     features_d_vjp,
     first_order_only,
-    unchunk,
 )
 from transformers_lab.attention.fastmax.steps import steps
 
@@ -53,12 +52,12 @@ class _FactorizedLoop(torch.autograd.Function):
         state = q.new_zeros(b, h, v_aug.shape[-1], w.shape[0])  # (B, H, Dv + 1, F)
         for i in range(len(ut_k)):
             state = step.state_step(vc[i], ut_k[i], state, w, e, p)
-        out = q.new_empty(len(ut_q), b, h, cq, v_aug.shape[-1])
+        out = q.new_empty(b, h, q.shape[2], v_aug.shape[-1])  # only inputs need blocks
         for i in range(len(ut_q)):
-            out[i] = step.read_step(ut_q[i], state, e, p)
+            out[:, :, i * cq : (i + 1) * cq] = step.read_step(ut_q[i], state, e, p)
         ctx.p, ctx.cq, ctx.ck, ctx.compiled = p, cq, ck, compiled
         ctx.save_for_backward(q, k, v_aug, state)
-        return unchunk(out)
+        return out
 
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
@@ -70,15 +69,15 @@ class _FactorizedLoop(torch.autograd.Function):
         ut_q, ut_k = chunks_t(q, cq, p), chunks_t(k, ck, p)
         vc, doc = chunk_major(v_aug, ck), chunk_major(d_out, cq)
         step = steps(ctx.compiled)
-        dq = q.new_empty(len(ut_q), *q.shape[:2], cq, q.shape[-1])
-        dk = k.new_empty(len(ut_k), *k.shape[:2], ck, k.shape[-1])
-        dv = torch.empty_like(vc)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
         d_s = torch.zeros_like(state)
         for i in range(len(ut_q)):
-            dq[i], d_s = step.query_grad_step(ut_q[i], doc[i], state, d_s, e, p)
+            rows = slice(i * cq, (i + 1) * cq)
+            dq[:, :, rows], d_s = step.query_grad_step(ut_q[i], doc[i], state, d_s, e, p)
         for i in range(len(ut_k)):
-            dk[i], dv[i] = step.key_grad_step(ut_k[i], vc[i], d_s, w, e, p)
-        return unchunk(dq), unchunk(dk), unchunk(dv), None, None, None, None
+            rows = slice(i * ck, (i + 1) * ck)
+            dk[:, :, rows], dv[:, :, rows] = step.key_grad_step(ut_k[i], vc[i], d_s, w, e, p)
+        return dq, dk, dv, None, None, None, None
 
 
 def state_step(vi: Tensor, ut_ki: Tensor, state: Tensor, w: Tensor, e: int, p: int) -> Tensor:

@@ -65,12 +65,6 @@ def chunk_major(x: Tensor, c: int) -> Tensor:
     return x.reshape(b, h, n // c, c, d).permute(2, 0, 1, 3, 4).contiguous()
 
 
-def unchunk(x: Tensor) -> Tensor:
-    """``chunk_major``'s inverse: (N / C, B, H, C, X) -> (B, H, N, X)."""
-    nc, b, h, c, d = x.shape
-    return x.permute(1, 2, 0, 3, 4).reshape(b, h, nc * c, d)
-
-
 def doubled_t(ut_t: Tensor, p: int) -> Tensor:
     """For p=2, u~^T with its first E // 2 rows repeated below it, (..., E, N) ->
     (..., E + E // 2, N): every shift of ``features_t`` is then a window of it
