@@ -83,10 +83,15 @@ def variants() -> dict[str, dict[str, Any]]:
     found = {name: options[name] for name in names}
     for name, (base, extra) in PATH_VARIANTS.items():
         found[name] = {**options[base], **extra}
-    for name in names:
-        if "compiled" in options[name]:
-            found[name + COMPILED] = {**options[name], "compiled": True}
-    return found
+    return {**found, **compiled_variants({name: options[name] for name in names})}
+
+
+def compiled_variants(options: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``<option>_compiled`` -> its config with ``compiled: true``, for every option of
+    ``options`` (name -> config) that has a ``compiled`` option."""
+    return {
+        name + COMPILED: {**c, "compiled": True} for name, c in options.items() if "compiled" in c
+    }
 
 
 def default_variants() -> list[str]:

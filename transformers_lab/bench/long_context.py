@@ -40,6 +40,7 @@ import torch
 from transformers_lab.bench.kernels import (
     COMPILED,
     MIB,
+    compiled_variants,
     error_status,
     proc_status_kib,
     reset_peak_rss,
@@ -127,7 +128,7 @@ def valid_kernels() -> list[str]:
     from transformers_lab.config import attention_configs
 
     configs = attention_configs()
-    return [*configs, *(f"{name}{COMPILED}" for name, c in configs.items() if "compiled" in c)]
+    return [*configs, *compiled_variants(configs)]
 
 
 def run_worker(kernel: str, args: argparse.Namespace) -> dict:

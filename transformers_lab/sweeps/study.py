@@ -287,10 +287,10 @@ def load_or_create(
     return study
 
 
-def recorded_space(study: optuna.Study, wait_s: float | None = None) -> dict[str, str] | None:
+def recorded_space(study: optuna.Study) -> dict[str, str] | None:
     """The search space recorded with ``study``; a study just created by another worker
-    gets it within moments, so this waits up to ``wait_s`` (``SPACE_WAIT_S``) for it."""
-    deadline = time.monotonic() + (SPACE_WAIT_S if wait_s is None else wait_s)
+    gets it within moments, so this waits up to ``SPACE_WAIT_S`` for it."""
+    deadline = time.monotonic() + SPACE_WAIT_S
     while True:
         stored = study.user_attrs.get(SPACE)
         if stored is not None or time.monotonic() >= deadline:

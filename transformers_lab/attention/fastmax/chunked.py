@@ -36,7 +36,7 @@ class _ChunkLoop(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v_aug, state, p, c, compiled=False):  # type: ignore[override]
-        b, h, n, _ = q.shape
+        n = q.shape[2]
         e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)
         # chunk-major blocks (chunk i is [i]): their strides do not depend on N
