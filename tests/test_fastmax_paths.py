@@ -46,10 +46,11 @@ def recurrent(qs, ks, v_aug, p, state=None):
 @pytest.mark.parametrize(("nq", "nk"), [(23, 23), (5, 23), (23, 14)])
 @pytest.mark.parametrize("chunk", [4, 7, 64])
 @pytest.mark.parametrize("padded", [False, True])
-def test_causal_paths_agree(dtype, p, nq, nk, chunk, padded):
+@pytest.mark.parametrize("group", [None, 4])  # chunks a step; 4: 6 chunks go as 4 and 2
+def test_causal_paths_agree(dtype, p, nq, nk, chunk, padded, group):
     _, qs, ks, v_aug, _ = inputs(nq, nk, dtype, p, padded)
     reference = fm.quadratic(qs, ks, v_aug, p, causal=True)
-    chunked, state = fm.chunked_causal(qs, ks, v_aug, p, chunk)
+    chunked, state = fm.chunked_causal(qs, ks, v_aug, p, chunk, group=group)
     torch.testing.assert_close(chunked, reference, **TOL[dtype])
     if nk >= nq:
         stepped, rec_state = recurrent(qs, ks, v_aug, p)
@@ -177,10 +178,13 @@ def test_feature_vjp_matches_autograd(p, d):
         torch.testing.assert_close(fm.features_t(ut_t, p), phi_t)
 
 
-@pytest.mark.parametrize("p", [1, 2])
-@pytest.mark.parametrize(("nq", "nk"), [(7, 7), (3, 8), (8, 5)])
-def test_chunked_backward_passes_gradcheck_across_chunks(p, nq, nk):
-    """Several chunks, a chunk that does not divide N, and a state carried in and out."""
+@pytest.mark.parametrize("p", [0, 1, 2])
+@pytest.mark.parametrize(("nq", "nk"), [(7, 7), (3, 8), (8, 5), (11, 11)])
+@pytest.mark.parametrize("group", [1, 2])
+def test_chunked_backward_passes_gradcheck_across_chunks(p, nq, nk, group):
+    """Several chunks, a chunk that does not divide N, a state carried in and out, and
+    steps of one chunk or of groups (chunks of 3: 8 tokens go as 2 chunks and 1, 11 as 2
+    and 2)."""
     d, dv = 3, 2
     q = torch.randn(1, 2, nq, d, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, nk, d, dtype=torch.float64, requires_grad=True)
@@ -189,10 +193,12 @@ def test_chunked_backward_passes_gradcheck_across_chunks(p, nq, nk):
     state.requires_grad_()
 
     def fn(q, k, v_aug, state):
-        out, final = fm.chunked_causal(q, k, v_aug, p, chunk_size=3, state=state)
+        out, final = fm.chunked_causal(q, k, v_aug, p, chunk_size=3, state=state, group=group)
         return out, final
 
     assert torch.autograd.gradcheck(fn, (q, k, v_aug, state))
+    if group == 2:
+        return  # the non-causal path has no groups
 
     def noncausal(q, k, v_aug):
         return fm.factorized(q, k, v_aug, p, chunk_size=3)
@@ -265,9 +271,10 @@ def test_compiled_chunk_steps_give_the_eager_results(name):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_compiled_step_compiles_once_for_every_sequence_length(monkeypatch, causal):
-    # the paths hand the steps chunk-major blocks, whose strides do not depend on N: a new
-    # N reuses the compiled code (Dynamo's graphs, counted by a backend that runs them as
-    # they are)
+    # the paths hand the steps chunk-major blocks, whose strides do not depend on N, and the
+    # causal path groups chunks by powers of two: once its block shapes have been seen, a
+    # new N reuses the compiled code (Dynamo's graphs, counted by a backend that runs them
+    # as they are)
     from torch._dynamo.testing import CompileCounter
 
     from transformers_lab.attention import build_kernel
@@ -281,11 +288,18 @@ def test_a_compiled_step_compiles_once_for_every_sequence_length(monkeypatch, ca
         kernel = build_kernel(
             "fastmax", head_dim=8, num_heads=2, chunk_size=16, impl="linear", compiled=True
         )
-        for n in (32, 48, 80):
+
+        def run(n):
             q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(3))
             kernel(q, k, v, causal=causal).sum().backward()
-        steps_used = 2 if causal else 4  # forward and backward; state, read and two grads
-        assert counter.frame_count == steps_used
+
+        for n in (16, 32, 64):  # causal: steps of 1, 2 and 4 chunks
+            run(n)
+        # forward and backward of 3 block shapes; non-causal: state, read and two grads
+        assert counter.frame_count == (6 if causal else 4)
+        for n in (48, 80, 112, 96):  # 3, 5, 7 and 6 chunks: 2 + 1, 4 + 1, 4 + 2 + 1, 4 + 2
+            run(n)
+        assert counter.frame_count == (6 if causal else 4)
         assert not any(fn.failed for fn in vars(steps_module.steps(True)).values())
     finally:
         steps_module.steps.cache_clear()  # later tests compile with the real backend

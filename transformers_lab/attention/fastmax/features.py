@@ -54,15 +54,25 @@ def chunks_t(u: Tensor, c: int, p: int) -> Tensor:
     and a chunk's strides do not depend on N (a compiled step compiles once for every N).
     """
     b, h, n, _ = u.shape
-    ut = F.pad(u, (constant(p), 0), value=1.0).reshape(b, h, n // c, c, -1)
-    return doubled_t(ut.permute(2, 0, 1, 4, 3), p).contiguous()
+    ut = F.pad(u.detach(), (constant(p), 0), value=1.0).reshape(b, h, n // c, c, -1)
+    ut_t = ut.permute(2, 0, 1, 4, 3)
+    return doubled_t(ut_t, p) if p == 2 else dense(ut_t)  # (cat makes a new tensor)
 
 
 def chunk_major(x: Tensor, c: int) -> Tensor:
     """(B, H, N, X) -> (N / C, B, H, C, X), contiguous: chunk i is ``x[:, :, iC:(i+1)C]``
-    as a block whose strides do not depend on N."""
+    as a block whose strides do not depend on N. Detached: blocks are the steps' inputs
+    inside a hand-written backward pass (and one chunk's block, a view of x, would
+    otherwise carry x's requires_grad into a compiled step's guards)."""
     b, h, n, d = x.shape
-    return x.reshape(b, h, n // c, c, d).permute(2, 0, 1, 3, 4).contiguous()
+    return dense(x.detach().reshape(b, h, n // c, c, d).permute(2, 0, 1, 3, 4))
+
+
+def dense(x: Tensor) -> Tensor:
+    """A contiguous copy of x with the strides of a new tensor, also where a dimension
+    has size 1 (``contiguous`` keeps a view's stride there: a compiled step's guards
+    would see a new stride whenever N fits in one chunk)."""
+    return x.new_empty(x.shape).copy_(x)
 
 
 def doubled_t(ut_t: Tensor, p: int) -> Tensor:
