@@ -164,11 +164,6 @@ CASES = [
     case("train", ["experiment=nope"], "unknown experiment 'nope'"),
     # the command line itself
     case("train", ["model.dropuot=0.1"], "unknown key model.dropuot (did you mean model.dropout?)"),
-    case(
-        "train",
-        ["experiment=mqar", "data.seq_len=64"],
-        "data.seq_len is now called data.block_size: give data.block_size=... instead",
-    ),
     case("train", ["model=transformer"], "unknown key model.n_layer (did you mean model.n_enc"),
     case("train", ["model.d_model=[1"], "no viable alternative at input '[1'"),
     case(  # argparse printed its usage

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from transformers_lab.cli import (
@@ -11,7 +13,9 @@ from transformers_lab.cli import (
     fail,
     group_options,
     keys_named,
+    renamed,
     run_dir_folder,
+    run_hydra,
     search_dirs,
     user_errors,
 )
@@ -82,3 +86,23 @@ def test_user_errors_become_one_line_and_exit_2(capsys):
         fail("x")
     with pytest.raises(KeyError), user_errors():  # a bug is not a user's mistake
         raise KeyError("bug")
+
+
+def test_renamed_keys_run_under_their_new_names(capsys, monkeypatch):
+    argv = ["experiment=mqar", "data.seq_len=64", "+data.task=copy", "data.seq_len=32,64"]
+    assert renamed(argv) == [
+        "experiment=mqar",
+        "data.block_size=64",
+        "+data.problem=copy",
+        "data.block_size=32,64",
+    ]
+    err = capsys.readouterr().err
+    said = "note: data.seq_len is now called data.block_size; running with data.block_size=64"
+    assert said in err
+    unchanged = ["data.block_size=8", "model.seq_len=3"]
+    assert renamed(unchanged) == unchanged
+    # Hydra reads sys.argv: run_hydra puts the new names there
+    seen = []
+    monkeypatch.setattr(sys, "argv", ["tlab-train", "experiment=mqar", "data.seq_len=64"])
+    run_hydra(lambda: seen.append(sys.argv[1:]))
+    assert seen == [["experiment=mqar", "data.block_size=64"]]

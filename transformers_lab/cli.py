@@ -174,8 +174,23 @@ def check_run_dir(argv: Sequence[str]) -> None:
         ) from None
 
 
-# keys that were renamed, so that an old command line gets the new name
+# keys that were renamed: an old command line runs with the new name, and is told it
 RENAMED = {"data.seq_len": "data.block_size", "data.task": "data.problem"}
+
+
+def renamed(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each renamed key (``RENAMED``) under its new name, said on stderr:
+    ``data.seq_len=64`` runs as ``data.block_size=64``, a sweep's values too."""
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        bare = key.lstrip("+~")
+        if eq and bare in RENAMED:
+            new = RENAMED[bare]
+            print(f"note: {bare} is now called {new}; running with {new}={value}", file=sys.stderr)
+            arg = f"{key[: len(key) - len(bare)]}{new}={value}"
+        out.append(arg)
+    return out
 
 
 def one_line(exc: Exception) -> str:
@@ -251,7 +266,11 @@ def hydra_raising() -> Iterator[None]:
 def run_hydra(main: Callable[[], None], argv: Sequence[str] | None = None) -> None:
     """Check the command line, then hand over to a ``@hydra.main``; Hydra's own errors (a
     mistyped key, bad syntax, an interpolation that fails) are reported in one line too."""
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:  # Hydra reads sys.argv: the new names go there
+        sys.argv[1:] = renamed(sys.argv[1:])
+        argv = sys.argv[1:]
+    else:
+        argv = renamed(argv)
     with user_errors():
         check_flags(argv)
         check_overrides(argv)
