@@ -9,6 +9,7 @@ from torch import Tensor
 
 from transformers_lab.attention.fastmax.features import (
     chunk_major,
+    chunk_view,
     chunks_t,
     constant,
     feature_dim,
@@ -74,7 +75,7 @@ class _ChunkLoop(torch.autograd.Function):
         qc, kc, vc = (chunk_major(t, c) for t in (q, k, v_aug))  # (nc, B, H, C, .)
         ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (nc, B, H, E + E // 2, C)
         out = torch.empty_like(v_aug)  # written in place: only a step's inputs need blocks
-        out_c = out.view(b, h, n // c, c, -1).permute(2, 0, 1, 3, 4)  # its chunk-major view
+        out_c = chunk_view(out, c)
         keep = any(ctx.needs_input_grad[:4])
         before = q.new_empty(n // c, *state.shape) if keep else None
         step = steps(compiled).forward_step
@@ -93,14 +94,13 @@ class _ChunkLoop(torch.autograd.Function):
     def backward(ctx, d_out, d_state):  # type: ignore[override]
         first_order_only()
         q, k, v_aug, before = ctx.saved_tensors
-        p, c = ctx.p, ctx.c
-        b, h, n, _ = q.shape
+        p, c, n = ctx.p, ctx.c, q.shape[2]
         e = q.shape[-1] + constant(p)
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
         qc, kc, vc, doc = (chunk_major(t, c) for t in (q, k, v_aug, d_out))
         ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (nc, B, H, E + E // 2, C)
         grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
-        dq, dk, dv = (t.view(b, h, n // c, c, -1).permute(2, 0, 1, 3, 4) for t in grads)
+        dq, dk, dv = (chunk_view(t, c) for t in grads)
         d_s = d_state.contiguous()  # gradient w.r.t. the state after the group's keys
         step = steps(ctx.compiled).backward_step
         for s in reversed(groups(n // c, ctx.g)):

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from transformers_lab.attention.fastmax.features import (
     chunk_major,
+    chunk_view,
     chunks_t,
     constant,
     feature_weights,
@@ -53,8 +54,9 @@ class _FactorizedLoop(torch.autograd.Function):
         for i in range(len(ut_k)):
             state = step.state_step(vc[i], ut_k[i], state, w, e, p)
         out = q.new_empty(b, h, q.shape[2], v_aug.shape[-1])  # only inputs need blocks
+        out_c = chunk_view(out, cq)
         for i in range(len(ut_q)):
-            out[:, :, i * cq : (i + 1) * cq] = step.read_step(ut_q[i], state, e, p)
+            out_c[i] = step.read_step(ut_q[i], state, e, p)
         ctx.p, ctx.cq, ctx.ck, ctx.compiled = p, cq, ck, compiled
         ctx.save_for_backward(q, k, v_aug, state)
         return out
@@ -70,13 +72,12 @@ class _FactorizedLoop(torch.autograd.Function):
         vc, doc = chunk_major(v_aug, ck), chunk_major(d_out, cq)
         step = steps(ctx.compiled)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
+        dq_c, dk_c, dv_c = chunk_view(dq, cq), chunk_view(dk, ck), chunk_view(dv, ck)
         d_s = torch.zeros_like(state)
         for i in range(len(ut_q)):
-            rows = slice(i * cq, (i + 1) * cq)
-            dq[:, :, rows], d_s = step.query_grad_step(ut_q[i], doc[i], state, d_s, e, p)
+            dq_c[i], d_s = step.query_grad_step(ut_q[i], doc[i], state, d_s, e, p)
         for i in range(len(ut_k)):
-            rows = slice(i * ck, (i + 1) * ck)
-            dk[:, :, rows], dv[:, :, rows] = step.key_grad_step(ut_k[i], vc[i], d_s, w, e, p)
+            dk_c[i], dv_c[i] = step.key_grad_step(ut_k[i], vc[i], d_s, w, e, p)
         return dq, dk, dv, None, None, None, None
 
 

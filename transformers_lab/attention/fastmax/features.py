@@ -64,8 +64,14 @@ def chunk_major(x: Tensor, c: int) -> Tensor:
     as a block whose strides do not depend on N. Detached: blocks are the steps' inputs
     inside a hand-written backward pass (and one chunk's block, a view of x, would
     otherwise carry x's requires_grad into a compiled step's guards)."""
+    return dense(chunk_view(x.detach(), c))
+
+
+def chunk_view(x: Tensor, c: int) -> Tensor:
+    """(B, H, N, X) -> (N / C, B, H, C, X) as a view of x, no copy: chunk i of x to
+    write a step's output or gradient into, in place."""
     b, h, n, d = x.shape
-    return dense(x.detach().reshape(b, h, n // c, c, d).permute(2, 0, 1, 3, 4))
+    return x.view(b, h, n // c, c, d).permute(2, 0, 1, 3, 4)
 
 
 def dense(x: Tensor) -> Tensor:
