@@ -106,3 +106,18 @@ def test_the_adam_presets_build_a_fused_optimizer_that_steps_as_the_plain_one(tm
         reference.step()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_the_trainer_profiles_nothing_at_no_cost_unless_a_profiler_is_asked_for(tmp_path):
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    from transformers_lab.builders import NoProfiler, build_trainer
+    from transformers_lab.config import compose_config
+
+    cfg = compose_config("train", ["trainer.enable_progress_bar=false", "logger=csv"], tmp_path)
+    trainer = build_trainer(cfg)
+    assert isinstance(trainer.profiler, NoProfiler)
+    with trainer.profiler.profile("a") as first, trainer.profiler.profile("b") as second:
+        assert first is second is None  # one shared no-op context, nested or not
+    cfg = compose_config("train", ["debug=profiler", "logger=csv"], tmp_path)
+    assert isinstance(build_trainer(cfg).profiler, SimpleProfiler)

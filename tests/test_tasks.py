@@ -190,3 +190,81 @@ def test_sparse_answers_go_through_the_output_layer_alone():
     torch.testing.assert_close(loss, full)
     dense = (x, torch.roll(x, -1, dims=1))  # every position supervised: the full tensor
     assert task.loss(dense)[1].shape == (x.numel(), 64)
+
+
+def small_lm(seed: int = 0, **task_kw) -> tuple[LanguageModelTask, SyntheticDataModule]:
+    L.seed_everything(seed)
+    dm = SyntheticDataModule(
+        "copy", vocab_size=8, block_size=12, train_examples=160, val_examples=32, batch_size=16
+    )
+    model = GPT(n_layer=1, n_head=2, d_model=16, **dm.model_kwargs())
+    return LanguageModelTask(model, ADAMW, sample_tokens=0, **task_kw), dm
+
+
+@pytest.mark.parametrize(
+    ("every", "bar", "steps", "expected"),
+    [
+        (4, 0, 12, [3, 7, 9, 11]),  # every 4th, the last batch of each epoch (10), the last step
+        (4, 2, 12, [1, 3, 5, 7, 9, 11]),  # a bar refreshed every 2 steps: the gcd
+        (1, 0, 5, [0, 1, 2, 3, 4]),
+    ],
+)
+def test_train_loss_is_logged_on_the_steps_it_is_read(every, bar, steps, expected):
+    task, dm = small_lm()
+    logged, log = [], task.log
+
+    def spy(name, *args, **kwargs):
+        if name == "train/loss":
+            logged.append(task.global_step)
+        return log(name, *args, **kwargs)
+
+    task.log = spy
+    callbacks = []
+    if bar:
+        callbacks.append(L.pytorch.callbacks.TQDMProgressBar(refresh_rate=bar))
+    t = trainer(
+        max_steps=steps, log_every_n_steps=every, limit_val_batches=0, callbacks=callbacks,
+        enable_progress_bar=bool(bar),
+    )  # fmt: skip
+    t.fit(task, dm)
+    assert logged == expected
+    assert "train/loss" in t.callback_metrics  # the last step's
+
+
+def counted(fn, calls: list):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def test_the_guard_s_gradient_norm_clips_as_lightning_does():
+    """NonFiniteGuard's norm of the gradients serves the clipping (one norm a step, not
+    two), and the weights come out bit for bit as with Lightning's own clipping."""
+    from transformers_lab.safety import NonFiniteGuard
+
+    weights, clips = [], []
+    for guard in (True, False):
+        task, dm = small_lm(seed=1)
+        calls = []
+        task.clip_gradients = counted(task.clip_gradients, calls)
+        callbacks = [NonFiniteGuard()] if guard else []
+        t = trainer(max_steps=6, gradient_clip_val=0.05, limit_val_batches=0, callbacks=callbacks)
+        t.fit(task, dm)
+        weights.append([p.detach().clone() for p in task.parameters()])
+        clips.append(len(calls))
+    assert clips == [0, 6]  # with the guard, Lightning's clipping (and its norm) never ran
+    for a, b in zip(*weights, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_batch_already_on_the_cpu_is_handed_over_as_it_is():
+    task, _ = small_lm()
+    cpu = torch.device("cpu")
+    batch = (torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
+    assert task.transfer_batch_to_device(batch, cpu, 0) is batch
+    moved = task.transfer_batch_to_device({"x": batch[0]}, cpu, 0)  # other shapes: Lightning's
+    assert isinstance(moved, dict) and torch.equal(moved["x"], batch[0])
+    task._current_fx_name = "training_step"  # a plain attribute, not a module entry
+    assert task._current_fx_name == "training_step" and "_current_fx_name" in vars(task)

@@ -137,14 +137,54 @@ LIKELY_CAUSES = (
 )
 
 
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every entry is finite, in one fused norm: a NaN or inf anywhere makes the
-    norm non-finite (a norm that overflows on huge finite entries is checked entry-wise)."""
+def all_finite(tensors: list[torch.Tensor], norm: torch.Tensor | None = None) -> bool:
+    """Whether every entry is finite, in one fused norm (``norm``, their total 2-norm, if
+    taken already): a NaN or inf anywhere makes the norm non-finite (a norm that overflows
+    on huge finite entries is checked entry-wise)."""
     if not tensors:
         return True
-    if bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors))):
+    if norm is None:
+        norm = torch.nn.utils.get_total_norm(tensors)
+    if bool(torch.isfinite(norm)):
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+CHECKED_NORM = "_checked_grad_norm"  # (optimizer, global step, norm), on the LightningModule
+
+
+def norm_is_clipping_norm(trainer: L.Trainer) -> bool:
+    """Whether the 2-norm of an optimizer's gradients taken in ``on_before_optimizer_step``
+    is the one Lightning's clipping takes next: full-precision gradients (no mixed-precision
+    plugin) held whole by every process (one device or DDP; not FSDP's shards, not
+    DeepSpeed, which clips itself)."""
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+    strategy = trainer.strategy
+    return (
+        type(trainer.precision_plugin) is Precision
+        and isinstance(strategy, SingleDeviceStrategy | DDPStrategy)
+        and not isinstance(strategy, DeepSpeedStrategy)
+        and hasattr(torch.nn.utils, "clip_grads_with_norm_")  # torch >= 2.6
+    )
+
+
+def clip_with_checked_norm(
+    module: L.LightningModule, optimizer: Any, clip_val: float | None, algorithm: Any
+) -> bool:
+    """Clip ``optimizer``'s gradients to norm ``clip_val`` with the norm ``NonFiniteGuard``
+    took of them at this step, instead of taking it again; False (nothing done) when there
+    is no such norm or the clipping is not by norm."""
+    checked = module.__dict__.pop(CHECKED_NORM, None)
+    if checked is None or not clip_val or (algorithm is not None and algorithm != "norm"):
+        return False
+    owner, step, norm = checked
+    if owner is not optimizer or step != module.global_step:
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    torch.nn.utils.clip_grads_with_norm_(params, clip_val, norm)
+    return True
 
 
 class NonFiniteGuard(L.Callback):
@@ -176,10 +216,16 @@ class NonFiniteGuard(L.Callback):
     ) -> None:
         if not self.check_gradients or getattr(trainer.precision_plugin, "scaler", None):
             return
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        bad = not all_finite(grads)
+        # the gradients this optimizer applies; their norm is kept for the clipping that
+        # comes next (``clip_with_checked_norm``), which would otherwise take it again
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        grads = [g for g in grads if g is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        bad = not all_finite(grads, norm)
         if trainer.strategy.reduce_boolean_decision(bad, all=False):
             self.stop(trainer, self.first_bad(pl_module, "grad") if bad else "a gradient")
+        if norm is not None and norm_is_clipping_norm(trainer):
+            pl_module.__dict__[CHECKED_NORM] = (optimizer, pl_module.global_step, norm)
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict

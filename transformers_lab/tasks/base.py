@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
-from torchmetrics import SumMetric
 
 from transformers_lab.errors import ConfigError
 from transformers_lab.nn import weight_decay_groups
+from transformers_lab.safety import clip_with_checked_norm
 from transformers_lab.tasks.examples import Detokenizer, Example
 
 log = logging.getLogger(__name__)
@@ -51,30 +51,33 @@ def log_text(module: L.LightningModule, key: str, text: str) -> None:
 
 class SplitTotals(nn.Module):
     """The loss and accuracy of a whole split: the summed loss (mean x count), correct
-    predictions and count of its batches, summed over the processes under DDP when read
-    (torchmetrics' ``SumMetric``). Float64, exact for counts (float32 on MPS, which has no
-    float64); a NaN loss is kept, never dropped."""
+    predictions and count of its batches, in one float64 vector (float32 on MPS, which has
+    no float64), summed over the processes under DDP when read. A NaN loss is kept, never
+    dropped. (A plain attribute, not a buffer: DDP would broadcast rank 0's buffers over
+    the others' partial sums.)"""
 
     def __init__(self) -> None:
         super().__init__()
-        self.loss, self.correct, self.count = (SumMetric(nan_strategy="disable") for _ in range(3))
+        self.sums = torch.zeros(3, dtype=torch.float64)
 
     def start(self, device: torch.device) -> None:
         """Empty totals on ``device``, at the start of a split."""
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        for total in (self.loss, self.correct, self.count):
-            total.reset()
-            total.set_dtype(dtype)
+        self.sums = torch.zeros(3, dtype=dtype, device=device)
 
     def update(self, mean_loss: torch.Tensor, correct: torch.Tensor, count: torch.Tensor) -> None:
-        self.loss.update(mean_loss.detach() * count)
-        self.correct.update(correct)
-        self.count.update(count)
+        dtype = self.sums.dtype
+        loss = (mean_loss.detach() * count).to(dtype)
+        self.sums += torch.stack((loss, correct.to(dtype), count.to(dtype)))
 
     def means(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean loss and accuracy over everything added, on every process."""
-        count = self.count.compute().clamp_min(1)
-        return (self.loss.compute() / count).float(), (self.correct.compute() / count).float()
+        sums = self.sums
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            sums = sums.clone()
+            torch.distributed.all_reduce(sums)
+        count = sums[2].clamp_min(1)
+        return (sums[0] / count).float(), (sums[1] / count).float()
 
 
 class Task(L.LightningModule):
@@ -118,6 +121,51 @@ class Task(L.LightningModule):
         self.num_params = self.counts["model/params"]
         self.totals = SplitTotals()  # of the validation or test split under way
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Lightning sets the hook under way twice around every hook call, some 60 times a
+        # training step: a plain attribute, which nn.Module's checks would only slow down
+        if name == "_current_fx_name":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def transfer_batch_to_device(
+        self, batch: Any, device: torch.device, dataloader_idx: int
+    ) -> Any:
+        # a tuple of tensors already on the CPU stays as it is; Lightning would walk it
+        on_cpu = device.type == "cpu" and isinstance(batch, tuple | list)
+        if on_cpu and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in batch):
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def log_train_loss(self, loss: torch.Tensor, batch_size: int | None = None) -> None:
+        """Log ``train/loss`` (to the progress bar too) on the steps where it is read: the
+        steps a logger writes (every ``trainer.log_every_n_steps``) and the progress bar
+        refreshes, the last batch of an epoch and the run's last step. A ``self.log``
+        call is about half a millisecond of Lightning's bookkeeping, a fifth of a small
+        model's step on a CPU; logging every step bought nothing that is shown."""
+        if self.logs_train_step():
+            self.log("train/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=True)
+
+    def logs_train_step(self) -> bool:
+        """Whether this training step's metrics are read (see ``log_train_loss``)."""
+        trainer = self._trainer
+        if trainer is None or trainer.fast_dev_run:
+            return True
+        every = trainer.log_every_n_steps
+        bar = trainer.progress_bar_callback
+        refresh = getattr(bar, "refresh_rate", 0) if bar is not None and bar.is_enabled else 0
+        if refresh > 0:
+            every = math.gcd(every, refresh)  # a divisor of both: every logger step is one
+        if every <= 1:
+            return True
+        loop = trainer.fit_loop.epoch_loop
+        if (loop._batches_that_stepped + 1) % every == 0:  # Lightning's own count
+            return True
+        if loop.batch_progress.is_last_batch:
+            return True
+        return 0 < trainer.max_steps <= trainer.global_step + 1
+
     def configure_optimizers(self) -> Any:
         # the partial's weight_decay goes to the decayed group only
         keywords = getattr(self.optimizer_factory, "keywords", {})
@@ -142,6 +190,16 @@ class Task(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        # the norm NonFiniteGuard took of these gradients, when it did: one norm a step
+        if not clip_with_checked_norm(self, optimizer, gradient_clip_val, gradient_clip_algorithm):
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def clips_under_mixed_precision(self) -> bool:
         """Whether the run clips gradients under a mixed precision (``16-mixed``,

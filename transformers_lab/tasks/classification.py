@@ -11,7 +11,7 @@ from transformers_lab.tasks.examples import Example, PatchLayout, patch_labels, 
 
 
 class ClassificationTask(Task):
-    """Cross-entropy on class labels; logs ``train/loss`` every step and, over the whole
+    """Cross-entropy on class labels; logs ``train/loss`` (``log_train_loss``) and, over the whole
     split, ``{val,test}/loss`` and ``{val,test}/acc`` (summed across processes under DDP,
     so every rank logs the metric of the whole split), and ``val/acc_best``."""
 
@@ -22,7 +22,7 @@ class ClassificationTask(Task):
         logits = self.model(x)
         loss = F.cross_entropy(logits, y)
         if stage == "train":
-            self.log("train/loss", loss, prog_bar=True, batch_size=len(y), sync_dist=True)
+            self.log_train_loss(loss, batch_size=len(y))
         else:
             correct = (logits.argmax(-1) == y).sum()
             self.totals.update(loss, correct, torch.tensor(len(y), device=y.device))

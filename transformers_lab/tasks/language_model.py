@@ -24,13 +24,13 @@ from transformers_lab.tasks.examples import (
 class LanguageModelTask(Task):
     """Cross-entropy on next tokens; labels of -100 are not supervised.
 
-    Logs ``train/loss`` every step; at the end of each validation (test), ``val/loss``,
-    ``val/ppl``, ``val/bpt`` (bits per token, bits per character for a character model)
-    and ``val/acc`` (accuracy on the supervised positions, the recall metric of MQAR),
-    all over the supervised tokens of the whole split (summed across processes under
-    DDP). With ``detokenize`` (ids -> text), a sample from the model's prompt is
-    logged as text every ``sample_every`` validations (the last ten are kept in
-    ``samples``); the sanity check samples nothing.
+    Logs ``train/loss`` (on the steps it is read: ``log_train_loss``); at the end of each
+    validation (test), ``val/loss``, ``val/ppl``, ``val/bpt`` (bits per token, bits per
+    character for a character model) and ``val/acc`` (accuracy on the supervised positions,
+    the recall metric of MQAR), all over the supervised tokens of the whole split (summed
+    across processes under DDP). With ``detokenize`` (ids -> text), a sample from the
+    model's prompt is logged as text every ``sample_every`` validations (the last ten are
+    kept in ``samples``); the sanity check samples nothing.
 
     Args:
         sample_tokens: tokens to generate for the logged sample (0: none).
@@ -74,7 +74,7 @@ class LanguageModelTask(Task):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, _, _ = self.loss(batch)  # the loss alone: accuracy is an evaluation metric
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # DDP: all processes' mean
+        self.log_train_loss(loss)  # under DDP, all processes' mean
         return loss
 
     def example(self, batch: tuple[Tensor, Tensor], index: int = 0) -> Example:

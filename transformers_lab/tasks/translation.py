@@ -78,7 +78,7 @@ class TranslationTask(Task):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self.loss(*batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch[0].shape[0], sync_dist=True)
+        self.log_train_loss(loss, batch_size=batch[0].shape[0])
         return loss
 
     def _evaluate(self, batch: tuple[Tensor, Tensor], batch_idx: int, stage: str) -> None:
