@@ -25,6 +25,19 @@ def test_training_bench_compares_the_framework_with_a_bare_loop(tmp_path, monkey
     assert abs(losses["bare"] - losses["tlab"]) < 0.05 * losses["bare"]
     report = (tmp_path / "out" / "training.md").read_text()
     assert "framework / bare wall time:" in report and "bare CPU time:" in report
+    seconds = {(r["side"], r["repeat"]): float(r["seconds"]) for r in rows}
+    pairs = [seconds["tlab", i] / seconds["bare", i] for i in ("0", "1")]
+    assert f"run by run (each pair back to back): {pairs[0]:.3f}, {pairs[1]:.3f}" in report
+
+
+def test_pair_ratios_take_each_repeat_s_two_runs():
+    rows = [
+        {"side": "bare", "repeat": 0, "seconds": 10.0},
+        {"side": "tlab", "repeat": 0, "seconds": 11.0},
+        {"side": "tlab", "repeat": 1, "seconds": 30.0},
+        {"side": "bare", "repeat": 1, "seconds": 20.0},
+    ]
+    assert training.pair_ratios(rows, "tlab", "bare") == [1.1, 1.5]
 
 
 # a stand-in for nanoGPT's train.py: it checks the data files it would read, keeps the

@@ -254,6 +254,15 @@ def nanogpt_process(nanogpt: Path, cfg, steps: int, eval_iters: int, workdir: Pa
     return seconds, cpu, float(loss), f"step {step}"
 
 
+def pair_ratios(rows: list[dict], name: str, other: str) -> list[float]:
+    """Wall time of ``name`` over ``other`` for each repeat: the two runs of a repeat are
+    back to back, so a drift of the machine's speed over the whole bench (minutes to
+    tens of minutes, often 10% on a shared machine) cancels in them."""
+    seconds = {(r["side"], r["repeat"]): r["seconds"] for r in rows}
+    repeats = sorted({r["repeat"] for r in rows})
+    return [seconds[name, i] / seconds[other, i] for i in repeats]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m transformers_lab.bench.training")
     parser.add_argument("--experiment", default="baby_gpt")
@@ -360,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratio = median(name, "seconds") / median(other, "seconds")
     cpu_ratio = median(name, "cpu_seconds") / median(other, "cpu_seconds")
     label = "framework / bare" if args.against == "bare" else "tlab-train / nanoGPT"
+    pairs = pair_ratios(rows, name, other)
     lines = [
         f"experiment={args.experiment}, {args.steps} steps, {args.repeats} run(s) each, "
         f"{torch.get_num_threads()} threads",
@@ -374,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"{label} wall time: {ratio:.3f}",
         f"{label} CPU time: {cpu_ratio:.3f}",
+        f"{label} wall time, run by run (each pair back to back): "
+        f"{', '.join(f'{r:.3f}' for r in pairs)}; median {statistics.median(pairs):.3f}",
     ]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

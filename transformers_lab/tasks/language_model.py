@@ -64,7 +64,7 @@ class LanguageModelTask(Task):
         vocabulary; where all are (language modelling), all do, as one tensor."""
         x, y = batch
         supervised = y != IGNORE
-        if isinstance(self.model, TokenScorer) and not bool(supervised.all()):
+        if not bool(supervised.all()) and isinstance(self.model, TokenScorer):  # Protocol: slow
             logits = self.model.logits(self.model.features(x)[supervised])  # (S, V)
             targets = y[supervised]
         else:
