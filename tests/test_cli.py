@@ -13,6 +13,7 @@ from transformers_lab.cli import (
     fail,
     group_options,
     keys_named,
+    one_line,
     renamed,
     run_dir_folder,
     run_hydra,
@@ -106,3 +107,19 @@ def test_renamed_keys_run_under_their_new_names(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["tlab-train", "experiment=mqar", "data.seq_len=64"])
     run_hydra(lambda: seen.append(sys.argv[1:]))
     assert seen == [["experiment=mqar", "data.block_size=64"]]
+
+
+def test_a_renamed_key_hydra_meets_elsewhere_names_the_new_one():
+    """A renamed key that did not come through the command line (a sweep file's params)
+    reaches Hydra, whose error names the new key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError
+
+    cfg = OmegaConf.create({"data": {"block_size": 8}})
+    OmegaConf.set_struct(cfg, True)
+    with pytest.raises(ConfigAttributeError) as caught:
+        cfg.data.seq_len  # noqa: B018
+    wrapped = RuntimeError("composition failed")
+    wrapped.__cause__ = caught.value
+    said = "data.seq_len is now called data.block_size: give data.block_size=... instead"
+    assert one_line(wrapped) == said
