@@ -202,6 +202,10 @@ class NonFiniteGuard(L.Callback):
 
     def __init__(self, check_gradients: bool = True) -> None:
         self.check_gradients = check_gradients
+        self.hands_norm_on = False  # whether the clipping may use the norm (set per fit)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.hands_norm_on = norm_is_clipping_norm(trainer)
 
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
@@ -218,13 +222,13 @@ class NonFiniteGuard(L.Callback):
             return
         # the gradients this optimizer applies; their norm is kept for the clipping that
         # comes next (``clip_with_checked_norm``), which would otherwise take it again
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-        grads = [g for g in grads if g is not None]
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else None
         bad = not all_finite(grads, norm)
         if trainer.strategy.reduce_boolean_decision(bad, all=False):
             self.stop(trainer, self.first_bad(pl_module, "grad") if bad else "a gradient")
-        if norm is not None and norm_is_clipping_norm(trainer):
+        if norm is not None and self.hands_norm_on:
             pl_module.__dict__[CHECKED_NORM] = (optimizer, pl_module.global_step, norm)
 
     def on_save_checkpoint(
