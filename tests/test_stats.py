@@ -94,6 +94,38 @@ def test_best_over_lr_then_the_mean_over_seeds_and_the_test(tmp_path):
     assert "(paired t)" in line and "*" in line and "[" in line
 
 
+def test_a_sweep_and_its_repeat_with_the_same_seeds_count_every_run(tmp_path):
+    """Two dirs summarized together, both with seeds 0 and 1: the group's statistics use
+    all four runs (not the last dir's two), paired by dir and seed; the same seed run
+    twice in one dir keeps both values, and the test is then Welch's."""
+    accs = {"A": {"softmax": (0.90, 0.92), "fastmax": (0.50, 0.52)},
+            "B": {"softmax": (0.70, 0.72), "fastmax": (0.30, 0.32)}}  # fmt: skip
+    for sweep, per_kernel in accs.items():
+        n = 0
+        for kernel, per_seed in per_kernel.items():
+            for seed, acc in enumerate(per_seed):
+                job(tmp_path / sweep / str(n), [f"attention={kernel}", f"seed={seed}"], acc)
+                n += 1
+    summary = summarize(
+        [tmp_path / "A", tmp_path / "B"], out=tmp_path / "both", baseline="attention=softmax"
+    )
+    groups = {g["choice"]: g for g in summary["groups"]}
+    fastmax, softmax = groups["attention=fastmax"], groups["attention=softmax"]
+    assert sorted(fastmax["values"]) == [0.30, 0.32, 0.50, 0.52]
+    assert fastmax["mean"] == pytest.approx(0.41) and softmax["mean"] == pytest.approx(0.81)
+    assert fastmax["comparison"].test == "paired t"  # 4 pairs: (A, 0), (A, 1), (B, 0), (B, 1)
+    assert fastmax["comparison"].difference == pytest.approx(-0.40)
+
+    again = tmp_path / "again"  # one dir, seed 0 of each kernel run twice
+    for n, (kernel, acc) in enumerate([("softmax", 0.9), ("softmax", 0.7), ("fastmax", 0.5),
+                                       ("fastmax", 0.3)]):  # fmt: skip
+        job(again / str(n), [f"attention={kernel}", "seed=0"], acc)
+    groups = {g["choice"]: g for g in summarize(again, baseline="attention=softmax")["groups"]}
+    assert sorted(groups["attention=fastmax"]["values"]) == [0.3, 0.5]
+    assert groups["attention=fastmax"]["mean"] == pytest.approx(0.4)
+    assert groups["attention=fastmax"]["comparison"].test == "Welch t"
+
+
 def test_the_baseline_is_matched_at_the_same_values_of_the_other_keys(tmp_path):
     """In kernels x widths, linear at width 64 is tested against softmax at width 64 (a
     real difference) and at width 128 against softmax at 128 (none)."""

@@ -184,6 +184,18 @@ def seed_of(run: Run) -> str:
     return next((values[k] for k in SEED_KEYS if k in values), run.job)
 
 
+def final_by_seed(runs: Sequence[Run], metric: str) -> dict[str, float]:
+    """Each run's final ``metric``, keyed by its seed: the key a paired test matches runs
+    by. Runs from several dirs (a sweep and its repeat, both with seeds 0 and 1) are keyed
+    by dir and seed; where a key still repeats (the same choice and seed run twice in one
+    dir, as an Optuna study may), by job: every value counts, and no pairing is made."""
+    several = len({r.source for r in runs}) > 1
+    keys = [f"{r.source}:{seed_of(r)}" if several else seed_of(r) for r in runs]
+    if len(set(keys)) < len(keys):
+        keys = [f"{r.source}:{r.job}" for r in runs]
+    return {key: r.record.metrics[metric] for key, r in zip(keys, runs, strict=True)}
+
+
 def best_in_cells(runs: Sequence[Run], metric: str, mode: str, over: Sequence[str]) -> set[str]:
     """The jobs that are the best of their cell: runs that differ only in the ``over``
     keys (a learning-rate grid) form a cell, and its best finished run stands for it."""
@@ -205,14 +217,15 @@ def group_rows(
     runs: Sequence[Run], metric: str, keys: Sequence[str], by_source: bool = False
 ) -> list[dict[str, Any]]:
     """The mean of ``metric`` (final and best) over the finished jobs of each choice, its
-    std and its 95% t-interval over seeds; ``seeds`` maps each seed to its final value."""
+    std and its 95% t-interval over seeds; ``seeds`` maps each seed to its final value
+    (``final_by_seed``)."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
         groups.setdefault(choice_of(run, keys, by_source), []).append(run)
     rows = []
     for choice, members in groups.items():
         ok = [r for r in members if r.record.status == "ok"]
-        seeds = {seed_of(r): r.record.metrics[metric] for r in ok if metric in r.record.metrics}
+        seeds = final_by_seed([r for r in ok if metric in r.record.metrics], metric)
         finals = list(seeds.values())
         bests = [b for r in ok if (b := r.record.best_of(metric)) is not None]
         sizes = {r.record.state_size for r in members} - {None}
