@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.client
 import os
 import re
 import shutil
@@ -77,10 +78,19 @@ def test_corrupted_download_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_interrupted_download_leaves_no_partial_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionResetError("connection reset by peer"),
+        http.client.IncompleteRead(b"half of it", 10),  # a transfer cut short
+        ValueError("unknown url type: 'htp'"),  # a malformed URL
+    ],
+    ids=["reset", "incomplete", "bad-url"],
+)
+def test_interrupted_download_leaves_no_partial_file(tmp_path, monkeypatch, error):
     def fetch(url, path, timeout=60.0):
         Path(path).write_bytes(b"half of it")
-        raise ConnectionResetError("connection reset by peer")
+        raise error
 
     monkeypatch.setattr(download, "fetch", fetch)
     target = tmp_path / "file.bin"

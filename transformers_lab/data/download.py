@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import http.client
 import os
 import tempfile
 import urllib.request
@@ -80,7 +81,9 @@ def ensure_file(path: Path, url: str, checksum: str, *, download: bool = True) -
     try:
         try:
             fetch(url, tmp)
-        except OSError as exc:  # URLError, timeouts, refused connections are OSErrors
+        # URLError, timeouts and refused connections are OSErrors; a transfer cut short is
+        # an HTTPException (IncompleteRead), a malformed URL a ValueError
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             raise DataFileError(
                 f"could not download {url} ({exc}). Offline? Download it elsewhere and place "
                 f"it at {path} ({algorithm} {expected}), or point TLAB_DATA_DIR at a folder that "
