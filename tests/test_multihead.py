@@ -131,3 +131,9 @@ def test_prepared_memory_equals_cross_attention(name):
     pad[1, 5:] = True
     prepared = layer.project_context(mem, pad)
     torch.testing.assert_close(layer(x, prepared), layer(x, mem, key_padding_mask=pad))
+    weights = layer.attention_weights(x, mem, key_padding_mask=pad)
+    if prepared.keys is None:  # a summary of the keys (fastmax's state): no weights from it
+        with pytest.raises(ValueError, match="pass the context tensor"):
+            layer.attention_weights(x, prepared)
+    else:  # the memory's keys and mask give the same weights
+        torch.testing.assert_close(layer.attention_weights(x, prepared), weights)

@@ -185,8 +185,20 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
-        """The attention matrix of every head, (B, H, Nq, Nk), for inspection."""
-        q, k, _ = self.project(x, context)
+        """The attention matrix of every head, (B, H, Nq, Nk), for inspection. A prepared
+        ``Memory`` serves as the context where it kept its keys (its mask goes with it)."""
+        if isinstance(context, Memory):
+            if context.keys is None:
+                raise ValueError(
+                    f"attention={self.kernel.name}'s prepared memory keeps a summary of the "
+                    "keys, not the keys: pass the context tensor to attention_weights()"
+                )
+            self._check_x(x)
+            q, k = self.split_heads(self.q_proj(x)), context.keys
+            if key_padding_mask is None:
+                key_padding_mask = context.key_padding_mask
+        else:
+            q, k, _ = self.project(x, context)
         return self.kernel.weights(q, k, causal=causal, key_padding_mask=key_padding_mask)
 
     def decode(
