@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformers_lab.attention.fastmax.features import (
+    blocks_t,
     chunk_major,
     chunk_view,
-    chunks_t,
     constant,
     feature_dim,
     feature_weights,
@@ -60,7 +60,8 @@ class _ChunkLoop(torch.autograd.Function):
     once (``group_size``): for each, the output is the exact masked polynomial of the
     chunk plus phi(q) read against the state of the keys before it, where the states
     within a group come from a running sum of the chunks' own contributions. Only the
-    inputs and the state before each chunk are saved: the features are recomputed in the
+    inputs (as the steps' chunk-major blocks, which the backward pass then need not copy
+    again) and the state before each chunk are saved: the features are recomputed in the
     backward pass, a group at a time, so no N x F tensor is ever held. Each group is one
     call of ``forward_step`` / ``backward_step``, compiled by ``torch.compile`` when
     ``compiled`` (``steps``).
@@ -73,7 +74,7 @@ class _ChunkLoop(torch.autograd.Function):
         w = feature_weights(q.shape[-1], p, q.dtype, q.device)
         # chunk-major blocks (chunk i is [i]): their strides do not depend on N
         qc, kc, vc = (chunk_major(t, c) for t in (q, k, v_aug))  # (nc, B, H, C, .)
-        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (nc, B, H, E + E // 2, C)
+        ut_q, ut_k = blocks_t(qc, p), blocks_t(kc, p)  # (nc, B, H, E + E // 2, C)
         out = torch.empty_like(v_aug)  # written in place: only a step's inputs need blocks
         out_c = chunk_view(out, c)
         keep = any(ctx.needs_input_grad[:4])
@@ -87,19 +88,19 @@ class _ChunkLoop(torch.autograd.Function):
                 before[s] = before_s
         ctx.p, ctx.c, ctx.g, ctx.compiled = p, c, g, compiled
         if keep:
-            ctx.save_for_backward(q, k, v_aug, before)
+            ctx.save_for_backward(qc, kc, vc, before)  # blocks: the backward pass reads them
         return out, state
 
     @staticmethod
     def backward(ctx, d_out, d_state):  # type: ignore[override]
         first_order_only()
-        q, k, v_aug, before = ctx.saved_tensors
-        p, c, n = ctx.p, ctx.c, q.shape[2]
-        e = q.shape[-1] + constant(p)
-        w = feature_weights(q.shape[-1], p, q.dtype, q.device)[:, None]  # (F, 1)
-        qc, kc, vc, doc = (chunk_major(t, c) for t in (q, k, v_aug, d_out))
-        ut_q, ut_k = chunks_t(q, c, p), chunks_t(k, c, p)  # (nc, B, H, E + E // 2, C)
-        grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v_aug)
+        qc, kc, vc, before = ctx.saved_tensors
+        p, c, n = ctx.p, ctx.c, d_out.shape[2]
+        e = qc.shape[-1] + constant(p)
+        w = feature_weights(qc.shape[-1], p, qc.dtype, qc.device)[:, None]  # (F, 1)
+        doc = chunk_major(d_out, c)
+        ut_q, ut_k = blocks_t(qc, p), blocks_t(kc, p)  # (nc, B, H, E + E // 2, C)
+        grads = tuple(x.new_empty(*x.shape[1:3], n, x.shape[-1]) for x in (qc, kc, vc))
         dq, dk, dv = (chunk_view(t, c) for t in grads)
         d_s = d_state.contiguous()  # gradient w.r.t. the state after the group's keys
         step = steps(ctx.compiled).backward_step

@@ -53,9 +53,15 @@ def chunks_t(u: Tensor, c: int, p: int) -> Tensor:
     Whole-sequence rows N floats apart would alias in the cache when N is a power of two;
     and a chunk's strides do not depend on N (a compiled step compiles once for every N).
     """
-    b, h, n, _ = u.shape
-    ut = F.pad(u.detach(), (constant(p), 0), value=1.0).reshape(b, h, n // c, c, -1)
-    ut_t = ut.permute(2, 0, 1, 4, 3)
+    return blocks_t(chunk_view(u.detach(), c), p)
+
+
+def blocks_t(uc: Tensor, p: int) -> Tensor:
+    """``chunks_t`` from the chunk-major blocks ``uc`` (N / C, B, H, C, D) of u (a view of
+    them, transposed, for p=0 when ``uc`` is contiguous)."""
+    if p == 0 and uc.is_contiguous():
+        return uc.mT
+    ut_t = F.pad(uc, (constant(p), 0), value=1.0).mT
     return doubled_t(ut_t, p) if p == 2 else dense(ut_t)  # (cat makes a new tensor)
 
 
