@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from transformers_lab.bench import kernels as bench
 
@@ -55,6 +56,7 @@ def test_end_to_end_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         peak = float(row["peak_mib"])
         assert math.isfinite(peak) and peak >= 0
         assert row["mem_method"]
+        assert float(row["matmul_ms"]) >= 0  # on cpu, always measured (0 where SDPA has none)
 
     md = tmp_path / "kernels.md"
     png = tmp_path / "kernels.png"
@@ -107,6 +109,15 @@ def test_timeout_becomes_a_row() -> None:
 def test_measure_once_in_process() -> None:
     row = bench.measure_once(bench.Spec("fastmax_p1", causal=False, n=32, repeats=1))
     assert row["status"] == "ok" and row["time_ms"] > 0 and row["peak_mib"] >= 0
+    assert row["matmul_ms"] > 0  # its state and its reads are matrix products
+
+
+def test_the_matmul_time_counts_matrix_products_only() -> None:
+    a, b = torch.randn(64, 256, 256), torch.randn(64, 256, 256)
+    assert bench.matmul_time_ms(lambda: a + b) == 0.0
+    many = bench.matmul_time_ms(lambda: [torch.bmm(a, b) for _ in range(8)])
+    one = bench.matmul_time_ms(lambda: torch.bmm(a, b))
+    assert many > 2 * one > 0
 
 
 def test_reports_cover_failures_and_both_modes(tmp_path: Path) -> None:
@@ -133,14 +144,14 @@ def test_reports_cover_failures_and_both_modes(tmp_path: Path) -> None:
     # fastmax_p2 at 512: 6 ms vs 2 ms for softmax, 2 MiB vs 4 MiB, and 2x its memory at 256.
     assert "| 512 | fastmax_p2 | 3.00 | 0.50 | 2.00 |" in md
     # decode state: a KV cache of H N (D + Dv) = 4 * 512 * 64; fastmax's, the same at any N
-    assert "| additive | noncausal | 512 | – | – | 131,072 | – | – | error: boom |" in md
+    assert "| additive | noncausal | 512 | – | – | 131,072 | – | – | – | – | error: boom |" in md
     fastmax = {r["n"]: r["state_numbers"] for r in rows if r["variant"] == "fastmax_p2"}
     assert fastmax[256] == fastmax[512] == 4 * 33 * (33 * 17)  # H (Dv + 1) F, F = 561
     assert len(read_csv(paths["csv"])) == len(rows)
 
 
 def test_the_flop_bound_is_the_linear_kernels_flops_at_the_matmul_rate(tmp_path: Path) -> None:
-    fastmax = bench.Spec("fastmax_p2", False, 512).row(time_ms=30.0, peak_mib=1.0)
+    fastmax = bench.Spec("fastmax_p2", False, 512).row(time_ms=30.0, peak_mib=1.0, matmul_ms=15.0)
     softmax = bench.Spec("softmax", False, 512).row(time_ms=10.0, peak_mib=1.0)
     # non-causal: 12 F (Dv + 1) per token and head, F = 561, Dv + 1 = 33
     assert fastmax["gflop"] == pytest.approx(12 * 561 * 33 * 512 * 4 / 1e9)
@@ -148,8 +159,9 @@ def test_the_flop_bound_is_the_linear_kernels_flops_at_the_matmul_rate(tmp_path:
     rate = fastmax["gflop"] / 10e-3  # GFLOP/s that make the bound 10 ms: 3x it
     md = bench.write_reports([softmax, fastmax], tmp_path, rate=rate)["md"].read_text()
     assert f"rate, {rate:.0f} GFLOP/s" in md
-    assert "| fastmax_p2 | noncausal | 512 | 30.0 | 1.00 | 74,052 | 10.0 | 3.00 | ok |" in md
-    assert "| softmax | noncausal | 512 | 10.0 | 1.00 | 131,072 | – | – | ok |" in md
+    row = "| fastmax_p2 | noncausal | 512 | 30.0 | 1.00 | 74,052 | 10.0 | 3.00 | 15.0 | 1.50 | ok |"
+    assert row in md
+    assert "| softmax | noncausal | 512 | 10.0 | 1.00 | 131,072 | – | – | – | – | ok |" in md
 
 
 def test_the_matmul_rate_is_measured() -> None:

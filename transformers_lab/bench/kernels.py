@@ -23,7 +23,11 @@ out-of-memory kill or a timeout costs one row, never the whole run. The worker:
 4. on cpu, gives glibc back its usual habit of keeping freed memory for reuse (``mallopt``):
    mapping and unmapping every large buffer, as the setting of step 3 makes it do, page-faults
    fresh memory on every pass and slows allocation-heavy kernels by up to 2x;
-5. runs one warm-up fwd+bwd, then times ``--repeats`` more and reports the median.
+5. runs one warm-up fwd+bwd, then times ``--repeats`` more and reports the median;
+6. on cpu, runs one more fwd+bwd under ``torch.profiler`` and reports the time spent in
+   matrix products (``matmul_ms``: the self time of ``MATMUL_OPS``): against a linear
+   kernel's FLOP bound, how far its products alone are from it, at the shapes it uses,
+   and what the rest of its work (feature maps, copies, Python) costs.
 
 The loss is ``out.float().sum()``; the extra memory therefore includes the gradients of
 q, k and v (3 x B*H*N*D elements), the same for every variant.
@@ -120,6 +124,7 @@ COLUMNS = (
     "peak_mib",
     "state_numbers",
     "gflop",
+    "matmul_ms",
     "status",
     "mem_method",
 )
@@ -159,11 +164,18 @@ class Spec:
         time_ms: float | None = None,
         peak_mib: float | None = None,
         mem_method: str = "",
+        matmul_ms: float | None = None,
     ) -> Row:
         """The result row of this measurement, in ``COLUMNS`` order."""
         fields = asdict(self)
         row = {name: fields.get(name) for name in COLUMNS}
-        row.update(time_ms=time_ms, peak_mib=peak_mib, status=status, mem_method=mem_method)
+        row.update(
+            time_ms=time_ms,
+            peak_mib=peak_mib,
+            status=status,
+            mem_method=mem_method,
+            matmul_ms=matmul_ms,
+        )
         row["state_numbers"] = state_numbers(self.variant, self.n, self.heads, self.head_dim)
         flops = matmul_flops(self.variant, self.n, self.causal, self.heads, self.head_dim)
         row["gflop"] = None if flops is None else self.batch * flops / 1e9
@@ -343,8 +355,29 @@ def measure_once(spec: Spec) -> Row:
     run()  # warm-up of the timing, with the allocator as it will be
     seconds = [timed(run, spec.device) for _ in range(spec.repeats)]
     return spec.row(
-        time_ms=1e3 * statistics.median(seconds), peak_mib=peak / MIB, mem_method=method
+        time_ms=1e3 * statistics.median(seconds),
+        peak_mib=peak / MIB,
+        mem_method=method,
+        matmul_ms=None if spec.device.startswith("cuda") else matmul_time_ms(run),
     )
+
+
+# the ATen operators of matrix products, as the CPU profiler names them (Inductor's
+# compiled steps call the same ones for theirs)
+MATMUL_OPS = frozenset(
+    {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::_mm"}
+)
+
+
+def matmul_time_ms(run: Callable[[], None]) -> float:
+    """Milliseconds that one ``run()`` spends in matrix products (CPU): the self time of
+    ``MATMUL_OPS`` under ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    micros = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS)
+    return micros / 1e3
 
 
 def worker_main(spec_json: str) -> int:
@@ -511,7 +544,8 @@ def bound_ms(row: Row, rate: float | None) -> float | None:
 
 def results_table(rows: Sequence[Row], rate: float | None = None) -> list[str]:
     """The main table: one line per measurement; for the linear kernels, the time their
-    matmul FLOPs take at ``rate`` (the bound) and their time over it."""
+    matmul FLOPs take at ``rate`` (the bound) and their time over it; for every kernel
+    measured on CPU, the time in matrix products, and that over the bound."""
     body = (
         (
             r["variant"],
@@ -522,12 +556,15 @@ def results_table(rows: Sequence[Row], rate: float | None = None) -> list[str]:
             f"{r['state_numbers']:,}" if r.get("state_numbers") is not None else "",
             fmt(bound_ms(r, rate)),
             fmt(ratio(r["time_ms"], bound_ms(r, rate))),
+            fmt(r.get("matmul_ms")),
+            fmt(ratio(r.get("matmul_ms"), bound_ms(r, rate))),
             r["status"],
         )
         for r in rows
     )
     header = ("variant", "mode", "N", "time (ms)", "extra peak (MiB)", "decode state",
-              "FLOP bound (ms)", "÷ bound", "status")  # fmt: skip
+              "FLOP bound (ms)", "÷ bound", "matmuls (ms)", "matmuls ÷ bound",
+              "status")  # fmt: skip
     return markdown_table(header, body)
 
 
@@ -576,7 +613,9 @@ def markdown_report(rows: Sequence[Row], rate: float | None = None) -> str:
             [
                 f"FLOP bound: a linear kernel's matmul FLOPs (its `matmul_flops`) at this "
                 f"machine's measured matmul rate, {rate:.0f} GFLOP/s (square {RATE_SIZE} "
-                f"products, {torch.get_num_threads()} threads).",
+                f"products, {torch.get_num_threads()} threads). Matmuls: the time one pass "
+                "spends in matrix products (`torch.profiler`, CPU), at the shapes the kernel "
+                "uses; the rest of its time is its other work.",
                 "",
             ]
             if rate
