@@ -352,6 +352,45 @@ def test_a_trial_number_outside_a_study_sweep_is_refused_with_the_sweeper_to_use
     assert pruning.pruning_callback(OmegaConf.create({"trial": None, "pruner": {}})) is None
 
 
+def test_a_trial_reports_the_studys_objective_not_the_checkpoint_monitor(
+    tmp_path, monkeypatch, caplog
+):
+    """A study that minimises val/loss hears val/loss from its trials, even where the run
+    keeps its best checkpoint by val/acc; a validation without it is said once."""
+    from types import SimpleNamespace
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from transformers_lab.sweeps import job, pruning
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="s", storage=url, direction="minimize")
+    study.ask()  # trial 0
+    sweeper = {"storage": url, "study_name": "s", "objectives": ["val/loss"]}
+    monkeypatch.setattr(job, "hydra_config", lambda: OmegaConf.create({"sweeper": sweeper}))
+    cfg = OmegaConf.create(
+        {"trial": 0, "pruner": {"_target_": "optuna.pruners.MedianPruner"},
+         "monitor": {"metric": "val/acc"}}
+    )  # fmt: skip
+    callback = pruning.pruning_callback(cfg)
+    assert callback.monitor == "val/loss"
+
+    def validate(metrics, step):
+        trainer = SimpleNamespace(
+            sanity_checking=False, global_step=step, should_stop=False, callback_metrics=metrics
+        )
+        callback.on_validation_end(trainer, None)
+
+    with caplog.at_level("WARNING"):
+        validate({"val/acc": torch.tensor(0.5)}, 5)
+        validate({"val/acc": torch.tensor(0.6)}, 10)
+    said = [r for r in caplog.records if "not logged at validation" in r.getMessage()]
+    assert len(said) == 1 and "val/acc" in said[0].getMessage()
+    validate({"val/loss": torch.tensor(2.5), "val/acc": torch.tensor(0.7)}, 15)
+    assert optuna.load_study(study_name="s", storage=url).trials[0].intermediate_values == {15: 2.5}
+
+
 def test_a_worker_that_finds_the_study_just_made_waits_for_its_space(tmp_path, monkeypatch):
     # the creator records its space a moment after the study exists (workers started
     # together on a database server): the others wait for it and compare theirs

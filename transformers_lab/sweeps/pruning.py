@@ -1,4 +1,4 @@
-"""The job's side of an Optuna study: report the monitored metric after every validation
+"""The job's side of an Optuna study: report the study's objective after every validation
 and stop when the study's pruner says so.
 
 The study sweeper (``sweeps.optuna_sweeper``) gives each job its trial number as
@@ -24,19 +24,31 @@ log = logging.getLogger(__name__)
 
 
 class TrialPruning(L.Callback):
-    """Report ``monitor`` to an Optuna trial after each validation (its step: the global
-    step) and stop training once the trial should be pruned."""
+    """Report ``monitor`` (the study's objective) to an Optuna trial after each validation
+    (its step: the global step) and stop training once the trial should be pruned. A
+    validation that does not log it is said once: the pruner then never sees this trial."""
 
     def __init__(self, trial: optuna.Trial, monitor: str) -> None:
         self.trial = trial
         self.monitor = monitor
         self.pruned_at: int | None = None  # the global step it was pruned at
+        self.missing_said = False
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or self.pruned_at is not None:
             return
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
+            if not self.missing_said:
+                self.missing_said = True
+                logged = ", ".join(sorted(trainer.callback_metrics)) or "none"
+                log.warning(
+                    "trial %d: the study's objective %s is not logged at validation (logged: "
+                    "%s), so the pruner cannot judge this trial",
+                    self.trial.number,
+                    self.monitor,
+                    logged,
+                )
             return
         step = trainer.global_step
         self.trial.report(float(value), step=step)
@@ -96,4 +108,7 @@ def pruning_callback(cfg: DictConfig) -> TrialPruning | None:
     trial = next((t for t in study.get_trials(deepcopy=False) if t.number == int(number)), None)
     if trial is None:
         raise ConfigError(f"study {sweeper.study_name!r} has no trial {number}")
-    return TrialPruning(optuna.Trial(study, trial._trial_id), str(cfg.monitor.metric))
+    # the value the study ranks trials by (and its pruner compares): the objective
+    objectives = list(sweeper.get("objectives") or [])
+    metric = str(objectives[0]) if objectives else str(cfg.monitor.metric)
+    return TrialPruning(optuna.Trial(study, trial._trial_id), metric)
