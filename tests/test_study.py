@@ -167,6 +167,21 @@ def test_a_study_reopened_with_other_directions_or_space_is_refused(tmp_path):
     assert "this sweep has {optimizer.lr: Float(1e-05..0.01, log)}" in str(err.value)
 
 
+@pytest.mark.parametrize("sampler", [optuna.samplers.RandomSampler, optuna.samplers.TPESampler])
+def test_a_worker_that_resumes_or_joins_a_study_does_not_replay_the_seeds_draws(tmp_path, sampler):
+    """Every worker builds its sampler from the same seed (``seed: ${seed}``): the first
+    worker's draws are the seed's, a later worker's (a resume, or a second worker on a
+    shared storage) are new ones, not the same parameters again."""
+    storage = sqlite(tmp_path)
+    first = st.load_or_create(storage, "lr", ["maximize"], LR, sampler(seed=0))
+    draws = [first.ask(LR).params["optimizer.lr"] for _ in range(2)]
+    alone = optuna.create_study(sampler=sampler(seed=0))  # the seed's draws, for reference
+    assert draws == [alone.ask(LR).params["optimizer.lr"] for _ in range(2)]
+    later = st.load_or_create(storage, "lr", ["maximize"], LR, sampler(seed=0))
+    again = [later.ask(LR).params["optimizer.lr"] for _ in range(2)]
+    assert not set(again) & set(draws)
+
+
 # ------------------------------------------------------------------- slots and losses
 
 

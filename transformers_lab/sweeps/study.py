@@ -245,7 +245,9 @@ def load_or_create(
     where: str = "",
 ) -> optuna.Study:
     """The study ``name``, created if new. One that exists must have these directions
-    and this search space: a sweep never adds trials to a study of another question.
+    and this search space: a sweep never adds trials to a study of another question. Only
+    the worker that creates the study samples from ``sampler``'s seed; one that loads it
+    reseeds its sampler at random, so as not to ask for the first worker's draws again.
 
     Of workers that start together, the storage lets exactly one create the study (its
     name is a unique key); that one records the search space. The others wait for it
@@ -263,6 +265,9 @@ def load_or_create(
         created = True
     except optuna.exceptions.DuplicatedStudyError:
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
+        # A worker that joins or resumes the study would replay, from the same seed, the
+        # draws its first worker made (the same parameters again): it draws afresh.
+        study.sampler.reseed_rng()
         created = False
     have = [d.name.lower() for d in study.directions]
     hint = "give another hydra.sweeper.study_name, or the same settings to continue it"
