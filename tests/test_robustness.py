@@ -305,6 +305,33 @@ def test_a_resume_may_change_the_trainer_and_the_keys_it_lists(fastmax_last, tmp
     assert math.isfinite(metrics["val/loss"])
 
 
+def test_an_optimizer_setting_changed_on_resume_takes_effect(fastmax_last, tmp_path):
+    """Lightning restores the optimizer's groups and the schedule's base from the
+    checkpoint; a resume that changes the lr and weight decay (listed in
+    resume_may_change) trains with the new ones, at the schedule's position it resumed at."""
+    before = load(fastmax_last)
+    old_groups = before["optimizer_states"][0]["param_groups"]
+    old_lr = old_groups[0]["initial_lr"]
+    run(
+        tmp_path,
+        "resumed",
+        "attention=fastmax",
+        "trainer.max_epochs=2",
+        f"optimizer.lr={old_lr / 10}",
+        "optimizer.weight_decay=0.3",
+        "resume_may_change=[task.optimizer.lr,task.optimizer.weight_decay]",
+        f"ckpt_path={fastmax_last}",
+    )
+    after = load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
+    groups = after["optimizer_states"][0]["param_groups"]
+    assert [g["initial_lr"] for g in groups] == [old_lr / 10] * len(groups)
+    assert after["lr_schedulers"][0]["base_lrs"] == [old_lr / 10] * len(groups)
+    # the decayed group takes the new decay, the group without decay keeps none
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.3]
+    assert sorted(g["weight_decay"] for g in old_groups) == [0.0, 0.01]
+    assert all(0 < g["lr"] <= old_lr / 10 for g in groups)  # the new base x the schedule
+
+
 def test_config_differences_name_each_key_with_both_values():
     saved = {"model": {"n_head": 2, "attention": {"p": 2}}, "data": {"root": "/a", "bs": 8}}
     now = {"model": {"n_head": 4, "attention": {}}, "data": {"root": "/b", "bs": 8, "new": 1}}

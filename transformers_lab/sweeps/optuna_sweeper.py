@@ -8,7 +8,7 @@ with the study in a database (``hydra.sweeper.storage``, by default
 - **Many workers.** Processes with one storage and study name share the trials: each
   asks for one while the study has a free slot; numbers are given by the storage, so no
   two workers run the same trial, and a worker that took one slot too many gives it back.
-- **Pruning.** Each job reports its monitored metric to its trial after every validation
+- **Pruning.** Each job reports the study's objective to its trial after every validation
   (``sweeps.pruning``) and stops when ``pruner=median|hyperband`` says so; the job is
   recorded ``pruned``, the trial told so.
 - **Several objectives.** ``hydra.sweeper.objectives`` with one direction each; the summary

@@ -267,6 +267,39 @@ class Task(L.LightningModule):
         for logger in self.loggers:
             logger.log_hyperparams(self.counts)
 
+    def on_train_start(self) -> None:
+        if self.trainer.ckpt_path:  # resumed: the optimizer's state came from the checkpoint
+            apply_optimizer_settings(self.trainer, getattr(self.optimizer_factory, "keywords", {}))
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.run_config is not None:
             checkpoint["tlab_config"] = self.run_config
+
+
+# settings of an optimizer's constructor that are not per-group hyperparameters
+NOT_HYPERPARAMETERS = frozenset({"fused", "foreach", "capturable", "differentiable", "maximize"})
+
+
+def apply_optimizer_settings(trainer: L.Trainer, settings: dict[str, Any]) -> None:
+    """Give the optimizers of a resumed run the settings of its config (``settings``: the
+    optimizer's keywords, lr, betas, weight_decay...), over those the checkpoint restored:
+    a change that ``resume_may_change`` allowed takes effect, where Lightning would keep the
+    checkpoint's. The weight decay goes to the decayed group only; a new lr becomes the
+    schedule's base, at the step the run resumes at. The same settings change nothing."""
+    hyper = {k: v for k, v in settings.items() if k not in NOT_HYPERPARAMETERS}
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            for key, value in hyper.items():
+                if key not in group or (key == "weight_decay" and group[key] == 0):
+                    continue
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+    if "lr" not in hyper:
+        return
+    for config in trainer.lr_scheduler_configs:
+        scheduler = config.scheduler
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            continue
+        scheduler.base_lrs = [hyper["lr"]] * len(scheduler.base_lrs)
+        for group, rate in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["initial_lr"] = hyper["lr"]
+            group["lr"] = hyper["lr"] * rate(scheduler.last_epoch)
