@@ -334,6 +334,7 @@ def test_translate_main_reads_stdin_line_by_line(transformer_ckpt, tmp_path, mon
         (['text=["Two dogs.","  "]'], r"text[1] is empty"),
         (["text='§§§'"], "'§§§' encodes to no tokens"),
         (["ckpt_path=MISSING"], "no checkpoint at MISSING"),
+        (["device=cuda:7"], "device must be cpu or a GPU this machine has"),
     ],
 )
 def test_bad_translate_input_is_one_line_and_exit_code_2(
@@ -361,3 +362,12 @@ def test_bad_translate_input_is_one_line_and_exit_code_2(
     assert "Traceback" not in err
     if overrides == ["ckpt_path=GPT"]:
         assert "holds a GPT trained on ShakespeareCharDataModule" in errors[0]
+
+
+def test_translate_without_a_checkpoint_says_to_give_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["tlab-translate", "text=hi", f"hydra.run.dir={tmp_path}"])
+    with pytest.raises(SystemExit) as exit_:
+        translate_main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert "error: ckpt_path is required: give ckpt_path=... on the command line" in err

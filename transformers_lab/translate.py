@@ -24,6 +24,7 @@ from transformers_lab.builders import build_model
 from transformers_lab.checkpoints import load_checkpoint
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR, target_class
+from transformers_lab.config_checks import check_config
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT, Transformer
 from transformers_lab.runs import checkpoint_data, load_weights, saved_run
@@ -146,6 +147,7 @@ def translate(cfg: DictConfig) -> list[str]:
     """Translations of the sentences of ``cfg.text``, ``cfg.input_file`` or stdin, printed as
     ``source -> translation`` lines and returned."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
+    check_config(cfg)  # the checks every entry point makes: ckpt_path given, device, types
     check_options(cfg)
     sentences = given_sentences(cfg)
     L.seed_everything(cfg.seed)
