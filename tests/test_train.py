@@ -71,6 +71,22 @@ def test_every_experiment_composes_and_runs_a_fast_dev_run(experiment, data_root
     assert "train/loss" in metrics and cfg.monitor.metric in metrics
 
 
+def test_a_checkpoint_the_callback_names_but_never_wrote_is_none(tmp_path):
+    """Lightning's fast_dev_run may save no checkpoint and still set last_model_path: the
+    run's outcome and report name only checkpoints that exist."""
+    from types import SimpleNamespace
+
+    from transformers_lab.runs import checkpoint_path
+
+    written = tmp_path / "best.ckpt"
+    written.write_bytes(b"x")
+    callback = SimpleNamespace(best_model_path=str(written), last_model_path=str(tmp_path / "no"))
+    trainer = SimpleNamespace(checkpoint_callback=callback)
+    assert checkpoint_path(trainer, "best_model_path") == str(written)
+    assert checkpoint_path(trainer, "last_model_path") is None
+    assert checkpoint_path(SimpleNamespace(checkpoint_callback=None), "best_model_path") is None
+
+
 def test_the_experiments_are_the_promised_ones():
     expected = {"baby_gpt", "gpt_shakespeare", "vit_mnist", "vit_mnist_fastmax", "mqar"}
     assert expected | {"transformer_multi30k"} <= set(EXPERIMENTS)

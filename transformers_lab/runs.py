@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -73,9 +74,13 @@ def nothing_left_to_train(cfg: DictConfig, step: int) -> str:
 
 
 def checkpoint_path(trainer: L.Trainer, which: str) -> str | None:
-    """``best_model_path`` or ``last_model_path`` of the checkpoint callback, if saved."""
+    """``best_model_path`` or ``last_model_path`` of the checkpoint callback, if saved: a
+    path the callback names but never wrote (``debug=fdr``, whose fast_dev_run saves
+    nothing, still sets ``last_model_path``) is None."""
     callback = trainer.checkpoint_callback
     path = getattr(callback, which, "") if callback is not None else ""
+    if path and "://" not in path and not Path(path).is_file():
+        return None
     return path or None
 
 
