@@ -68,6 +68,43 @@ def test_interrupted_says_how_to_resume_with_the_same_overrides():
     assert "nothing saved" in str(nothing) and nothing.checkpoint is None
 
 
+@pytest.mark.parametrize("study", [False, True], ids=["hydra-sweeper", "optuna"])
+def test_a_stopped_sweep_job_says_how_to_finish_its_sweep_not_to_rerun_the_job(
+    tmp_path, monkeypatch, study
+):
+    """A job's own overrides hold sweep=... (and trial=N): rerun as they are, they start a
+    new sweep. A sweep job names its sweep's command and dir instead."""
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from transformers_lab.sweeps import job
+
+    sweep_dir = tmp_path / "sweep"
+    sweep_dir.mkdir()
+    master = ["sweep=attention_kernels", "trainer.max_steps=9", f"hydra.sweep.dir={sweep_dir}"]
+    OmegaConf.save({"hydra": {"overrides": {"task": master}}}, sweep_dir / "multirun.yaml")
+    sweeper = {"study_name": "lr"} if study else {}
+    hydra_cfg = OmegaConf.create(
+        {"mode": RunMode.MULTIRUN, "sweep": {"dir": str(sweep_dir)}, "sweeper": sweeper}
+    )
+    monkeypatch.setattr(job, "hydra_config", lambda: hydra_cfg)
+    own = ["sweep=attention_kernels", "trainer.max_steps=9", "attention=dot", "trial=3"]
+    exc = interrupted(fake_trainer("/r/1/last.ckpt"), own, job.sweep_resume())
+    message = str(exc)
+    command = (
+        f"tlab-train -m sweep=attention_kernels trainer.max_steps=9 hydra.sweep.dir={sweep_dir}"
+    )
+    if study:
+        assert message.endswith(f"resume its study with {command} (this trial is given up, "
+                                "its slot asked again)")  # fmt: skip
+    else:
+        assert message.endswith(f"finish its sweep with {command} skip_finished=true (this "
+                                "job resumes from it)")  # fmt: skip
+    assert "attention=dot" not in message and "trial=3" not in message
+    monkeypatch.setattr(job, "hydra_config", lambda: None)  # a run of its own
+    assert job.sweep_resume() is None
+
+
 def test_a_checkpoint_is_written_whole_and_readable(tmp_path):
     io = AtomicCheckpointIO()
     io.save_checkpoint({"w": torch.arange(3)}, tmp_path / "c" / "last.ckpt")

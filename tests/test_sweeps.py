@@ -367,6 +367,10 @@ def test_a_sweep_stopped_mid_job_resumes_to_the_summary_of_an_uninterrupted_swee
     if status == "interrupted":  # the best so far is named, with its value
         assert record["checkpoints"]["best"] == str(sweep / "1" / "checkpoints" / "best.ckpt")
         assert record["monitor"]["best"] is not None
+        # and how to go on: the sweep's command, its dir and skip_finished=true
+        said = stopped.stdout + stopped.stderr
+        assert "finish its sweep with tlab-train -m seed=0,1 " in said, said[-3000:]
+        assert f"hydra.sweep.dir={sweep} skip_finished=true (this job resumes from it)" in said
     resumed = tlab_train(
         *STOPPED_SWEEP, f"hydra.sweep.dir={sweep}", "skip_finished=true", cwd=tmp_path,
         **TESTS_ON_PATH,

@@ -322,9 +322,13 @@ def signal_name(trainer: L.Trainer) -> str:
     return by or "SIGTERM"
 
 
-def interrupted(trainer: L.Trainer, overrides: Sequence[str] = ()) -> Interrupted:
+def interrupted(
+    trainer: L.Trainer, overrides: Sequence[str] = (), sweep: Sequence[str] | None = None
+) -> Interrupted:
     """The entry point's account of a training run stopped by a signal, with the command
-    that resumes it: the run's ``overrides`` and the saved ``last.ckpt``."""
+    that resumes it: the run's ``overrides`` and the saved ``last.ckpt``; for a job of a
+    sweep, the command that finishes its sweep (``sweep``, from ``sweeps.job``), in which
+    the job resumes from its ``last.ckpt``."""
     name = signal_name(trainer)
     callback = trainer.checkpoint_callback
     last = getattr(callback, "last_model_path", "") or None
@@ -334,12 +338,13 @@ def interrupted(trainer: L.Trainer, overrides: Sequence[str] = ()) -> Interrupte
     if last is None:
         message = f"stopped by {name} at global step {trainer.global_step}: nothing saved"
         return Interrupted(message, name, None, best, best_score)
+    stopped = f"stopped by {name} at global step {trainer.global_step}: saved {last}"
+    if sweep is not None:
+        message = f"{stopped}; {' '.join(sweep)}"
+        return Interrupted(message, name, last, best, best_score)
     kept = [o for o in overrides if override_key(o) != "ckpt_path"]
     again = " ".join(shlex.quote(o) for o in [*kept, f"ckpt_path={last}"])
-    message = (
-        f"stopped by {name} at global step {trainer.global_step}: saved {last}; "
-        f"resume with tlab-train {again}"
-    )
+    message = f"{stopped}; resume with tlab-train {again}"
     return Interrupted(message, name, last, best, best_score)
 
 

@@ -50,7 +50,7 @@ from transformers_lab.runs import (
     say,
 )
 from transformers_lab.safety import interrupted
-from transformers_lab.sweeps.job import job_overrides, name_wandb_run, run_job
+from transformers_lab.sweeps.job import job_overrides, name_wandb_run, run_job, sweep_resume
 from transformers_lab.sweeps.optuna_sweeper import register as register_sweeper
 from transformers_lab.sweeps.record import Outcome
 
@@ -97,7 +97,7 @@ def fit_and_test(cfg: DictConfig) -> Outcome:
             try:
                 trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
             except SIGTERMException:  # SIGTERM or Ctrl+C: last.ckpt is saved
-                raise interrupted(trainer, job_overrides()) from None
+                raise interrupted(trainer, job_overrides(), sweep_resume()) from None
             if resumed_step is not None and trainer.global_step == resumed_step:
                 say(nothing_left_to_train(cfg, resumed_step))
         metrics = metrics_dict(trainer.callback_metrics)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +47,35 @@ def job_overrides() -> list[str]:
         return []
     # unresolved: an override may hold an interpolation (data.batch_size=${model.d_model})
     return list(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
+
+
+# keys of a sweep's command that its resume command sets itself
+RESUME_SETS = ("hydra.sweep.dir", "skip_finished")
+
+
+def sweep_resume() -> list[str] | None:
+    """For a job of a multirun, what finishes its sweep (words of a sentence, the command
+    last): the sweep's own command with its sweep dir, with ``skip_finished=true`` for
+    Hydra's sweeper (the finished jobs are skipped, this one resumes from its
+    ``last.ckpt``); an Optuna study's command as it is (the study gives this trial up and
+    asks for its slot again). None outside a multirun."""
+    if not in_multirun():
+        return None
+    hydra_cfg = hydra_config()
+    sweep_dir = Path(str(hydra_cfg.sweep.dir))
+    path = sweep_dir / "multirun.yaml"
+    master = [str(o) for o in OmegaConf.load(path).hydra.overrides.task] if path.is_file() else []
+    kept = [o for o in master if override_key(o) not in RESUME_SETS]
+    words = ["-m", *kept, f"hydra.sweep.dir={sweep_dir}"]
+    if "study_name" in (hydra_cfg.sweeper or {}):
+        command = " ".join(shlex.quote(w) for w in words)
+        return [
+            "resume its study with",
+            f"tlab-train {command}",
+            "(this trial is given up, its slot asked again)",
+        ]
+    command = " ".join(shlex.quote(w) for w in [*words, "skip_finished=true"])
+    return ["finish its sweep with", f"tlab-train {command}", "(this job resumes from it)"]
 
 
 def sweep_parameters(sweep_dir: Path) -> set[str]:
