@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -267,6 +268,22 @@ def test_resume_from_last_continues_the_global_step_and_the_schedule(tmp_path, c
     # one with lower limits than it has reached: Lightning's refusal, as a ConfigError
     with pytest.raises(ConfigError, match=r"current_epoch=3, but you have set .*max_epochs=2"):
         run_train(tmp_path, [*limit, "trainer.max_epochs=2", f"ckpt_path={done}"], "lower")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (
+            ["scheduler.max_steps=50"],
+            "scheduler.max_steps=50 must exceed scheduler.warmup_steps=100",
+        ),
+        (["trainer.val_check_interval=1000"], "trainer.check_val_every_n_epoch=null to count"),
+    ],
+    ids=["schedule-shorter-than-warm-up", "validation-beyond-an-epoch"],
+)
+def test_settings_that_cannot_train_are_one_config_error(tmp_path, overrides, said):
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        run_train(tmp_path, ["trainer.max_steps=3", *overrides], "r")
 
 
 @pytest.mark.parametrize(("max_steps", "validated"), [(14, [9, 13]), (20, [9, 19])])

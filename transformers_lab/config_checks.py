@@ -157,6 +157,20 @@ def check_rules(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be {expect.text}, got {shown(value)}")
 
 
+def check_schedule(scheduler: Any) -> None:
+    """A schedule of pinned length (``scheduler.max_steps``) must outlast its warm-up; a
+    null length follows the run's steps and shortens the warm-up to fit."""
+    if not isinstance(scheduler, DictConfig):
+        return
+    length, warmup = scheduler.get("max_steps"), scheduler.get("warmup_steps")
+    if isinstance(length, int) and isinstance(warmup, int) and length <= warmup:
+        raise ConfigError(
+            f"scheduler.max_steps={length} must exceed scheduler.warmup_steps={warmup}: give a "
+            f"longer schedule, a shorter warm-up (scheduler.warmup_steps=...), or "
+            f"scheduler.max_steps=null to follow the run's steps"
+        )
+
+
 def check_missing(cfg: DictConfig) -> None:
     """No mandatory value (``???``) is left unset."""
     missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra."))
@@ -294,6 +308,7 @@ def check_config(cfg: DictConfig) -> None:
     if "model" in cfg and "n_head" in cfg.model:
         data = cfg.get("data") or {}
         check_attention(cfg.model, data.get("block_size") or data.get("max_len"))
+    check_schedule(cfg.get("scheduler"))
     trainer = cfg.get("trainer") or {}
     if trainer.get("max_epochs") == -1 and trainer.get("max_steps") == -1:
         raise ConfigError("trainer.max_epochs=-1 with trainer.max_steps=-1 never stops; set one")

@@ -112,6 +112,14 @@ def fit_and_test(cfg: DictConfig) -> Outcome:
             metrics.update(final_test(trainer, task, datamodule, tested, training))
     except MisconfigurationException as exc:  # Lightning's word on a setting that cannot work
         raise ConfigError(f"Lightning refused the run: {exc}") from exc
+    except ValueError as exc:  # the same, where Lightning raises a plain ValueError
+        if not str(exc).strip().startswith("`val_check_interval`"):
+            raise
+        raise ConfigError(
+            f"Lightning refused the run: {str(exc).strip()} (here: trainer.val_check_interval "
+            "within an epoch, a fraction of one such as 0.25, or "
+            "trainer.check_val_every_n_epoch=null to count steps across epochs)"
+        ) from exc
     finally:
         finish_wandb(trainer)
     report(metrics, checkpoints)
