@@ -520,6 +520,16 @@ def test_an_unknown_group_option_lists_the_valid_ones():
             ["model=gpt", "data=mqar", "model.d_model=50", "model.n_head=4"],
             r"d_model=50.*n_head=4|50.*4",
         ),
+        (
+            ["task=recall"],  # the default model is a ViT
+            r"task=recall \(LanguageModelTask\) trains GPT models, not model=vit \(ViT\): use "
+            r"task=classification, or leave task= out",
+        ),
+        (
+            ["model=gpt", "data=mqar", "task=translation"],
+            r"\(TranslationTask\) trains Transformer models, not model=gpt \(GPT\): use "
+            r"task=language_model or task=recall",
+        ),
     ],
 )
 def test_a_model_that_does_not_fit_its_data_is_one_clear_error(

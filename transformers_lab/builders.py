@@ -117,12 +117,39 @@ def build_task(
     ``detokenize`` (ids -> text) lets the task log samples; ``run_config`` (the resolved
     model, data and task sections) is saved in its checkpoints."""
     detokenize = datamodule.detokenize if isinstance(datamodule, TextData) else None
+    check_task_trains(target_class(config), model)
     # Python objects go to the constructor itself: Hydra would build run_config's nodes
     factory = call(config, "task", _partial_=True)
     try:
         return factory(model=model, detokenize=detokenize, run_config=run_config)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"task: {exc}") from exc
+
+
+# the project's model classes: a task refuses one it does not train (a model of the
+# user's own classes is left to the task to judge)
+MODEL_CLASSES = frozenset({"GPT", "EncoderClassifier", "ViT", "Transformer"})
+
+
+def check_task_trains(task_class: type, model: torch.nn.Module) -> None:
+    """Refuse a task for a model it cannot train (``Task.trains``), naming the task options
+    that train it: a language-model task on a ViT would fail at its first loss."""
+    trains = getattr(task_class, "trains", ())
+    names = [c.__name__ for c in type(model).__mro__]
+    if not trains or not MODEL_CLASSES & set(names) or set(trains) & set(names):
+        return
+    fits = []
+    for path in sorted(CONF_DIR.glob("task/*.yaml")):
+        node = OmegaConf.load(path).get("task")
+        trains_it = isinstance(node, DictConfig) and "_target_" in node
+        if trains_it and set(getattr(target_class(node), "trains", ())) & set(names):
+            fits.append(path.stem)
+    hint = f"use task={' or task='.join(fits)}, or " if fits else ""
+    raise ConfigError(
+        f"{option('task')} ({task_class.__name__}) trains {' or '.join(trains)} models, not "
+        f"{option('model')} ({type(model).__name__}): {hint}leave task= out (each model has "
+        f"its own, conf/task/<model>.yaml)"
+    )
 
 
 def build_callbacks(

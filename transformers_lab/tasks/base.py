@@ -101,6 +101,11 @@ class Task(L.LightningModule):
             from the checkpoint alone.
     """
 
+    # the names of the model classes a task trains, matched along a model's class
+    # hierarchy; empty: any model. ``builders.build_task`` refuses a model of the project's
+    # own classes (``MODEL_CLASSES``) that the task does not train
+    trains: tuple[str, ...] = ()
+
     def __init__(
         self,
         model: nn.Module,

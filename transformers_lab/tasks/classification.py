@@ -15,6 +15,8 @@ class ClassificationTask(Task):
     split, ``{val,test}/loss`` and ``{val,test}/acc`` (summed across processes under DDP,
     so every rank logs the metric of the whole split), and ``val/acc_best``."""
 
+    trains = ("EncoderClassifier",)  # and ViT, a subclass: the models it trains
+
     best_acc = 0.0
 
     def step(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:

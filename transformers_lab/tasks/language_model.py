@@ -38,6 +38,8 @@ class LanguageModelTask(Task):
             batch size 1 is slow next to a validation pass of a small model on a CPU).
     """
 
+    trains = ("GPT",)  # the models it trains (and their subclasses)
+
     def __init__(
         self,
         model: torch.nn.Module,

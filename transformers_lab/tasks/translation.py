@@ -31,6 +31,8 @@ class TranslationTask(Task):
         beam_size: 1 for greedy, more for beam search.
     """
 
+    trains = ("Transformer",)  # the models it trains (and their subclasses)
+
     def __init__(
         self,
         model: torch.nn.Module,
