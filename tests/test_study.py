@@ -167,6 +167,24 @@ def test_a_study_reopened_with_other_directions_or_space_is_refused(tmp_path):
     assert "this sweep has {optimizer.lr: Float(1e-05..0.01, log)}" in str(err.value)
 
 
+def test_a_study_reopened_with_other_fixed_settings_is_refused(tmp_path):
+    """Its trials were run with experiment=mqar model.d_model=64: a sweep that gives them
+    another model would rank trials that do not compare. Logging, pruning and bookkeeping
+    may change; the sweep's own keys (n_trials, its dir) are not overrides of the trials."""
+    storage = sqlite(tmp_path)
+    settings = ["experiment=mqar", "model.d_model=64", "sweep=lr_optuna"]
+    st.load_or_create(storage, "lr", ["maximize"], LR, settings=settings)
+    again = [*reversed(settings), "pruner=median", "logger=csv", "skip_finished=true"]
+    st.load_or_create(storage, "lr", ["maximize"], LR, settings=again)
+    with pytest.raises(ConfigError) as err:
+        other = ["experiment=mqar", "model.d_model=32", "sweep=lr_optuna", "data.batch_size=8"]
+        st.load_or_create(storage, "lr", ["maximize"], LR, settings=other)
+    said = str(err.value)
+    assert "study 'lr' ran its trials with model.d_model=64 where this sweep gives " in said
+    assert "data.batch_size=8 model.d_model=32: its trials would not compare" in said
+    assert "give another hydra.sweeper.study_name" in said
+
+
 @pytest.mark.parametrize("sampler", [optuna.samplers.RandomSampler, optuna.samplers.TPESampler])
 def test_a_worker_that_resumes_or_joins_a_study_does_not_replay_the_seeds_draws(tmp_path, sampler):
     """Every worker builds its sampler from the same seed (``seed: ${seed}``): the first

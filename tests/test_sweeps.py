@@ -182,6 +182,17 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(failing_sweep):
     assert "model.n_head=3" in (sweep / "summary.md").read_text()
 
 
+def test_a_sweep_none_of_whose_jobs_finished_exits_non_zero(tmp_path):
+    """Every job failed (d_model=64 over 3 or 5 heads): the summary is written all the
+    same, and the sweep's exit code says it failed, for the scripts that run it."""
+    proc = tlab_train("-m", "model.n_head=3,5", *TINY, "logger=csv", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    sweep = sweep_dir_of(tmp_path)
+    assert [r["status"] for r in read_csv(sweep / "summary.csv")] == ["failed", "failed"]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {sweep}: none of its 2 jobs finished; see its summary.md"]
+
+
 @pytest.mark.slow
 def test_fail_fast_stops_the_sweep_at_the_first_failure(tmp_path):
     # batch_size=0 fails inside the job (its config check), where Hydra's launcher would

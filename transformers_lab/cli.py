@@ -280,3 +280,8 @@ def run_hydra(main: Callable[[], None], argv: Sequence[str] | None = None) -> No
             main()
     except (CompactHydraException, InterpolationResolutionError) as exc:
         fail(one_line(exc))
+    from transformers_lab.sweeps.summary import NOTHING_FINISHED
+
+    if NOTHING_FINISHED:  # a sweep that ran, none of whose jobs finished, is no success
+        print(f"error: {NOTHING_FINISHED[-1]}; see its summary.md", file=sys.stderr)
+        raise SystemExit(1)

@@ -107,7 +107,7 @@ class StudySweeper(Sweeper):
         with st.setup_lock(self.storage_url):  # workers started together take turns
             storage = st.open_storage(self.storage_url, self.heartbeat_interval)
             study = st.load_or_create(
-                storage, self.study_name, self.directions, space, sampler, pruner, where
+                storage, self.study_name, self.directions, space, sampler, pruner, where, fixed
             )
             reclaim(study, storage)
         self.save_study_file(sweep_dir)

@@ -32,6 +32,7 @@ from optuna.distributions import (
 from optuna.trial import FrozenTrial, TrialState
 
 from transformers_lab.errors import ConfigError
+from transformers_lab.sweeps.overrides import bookkeeping, override_key
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ RUN_DIR = "tlab:run_dir"  # the job's run dir
 ERROR = "tlab:error"  # why its job failed: a failed job holds its slot
 LOST = "tlab:lost"  # why it was given up: its worker died, or it was one too many
 SPACE = "tlab:search_space"  # the study's: {key: distribution as JSON}
+SETTINGS = "tlab:settings"  # the study's: the overrides every trial is given, sorted
+# overrides that do not change the question a study answers (how it is logged, pruned or
+# run), besides the sweeps' bookkeeping keys
+NOT_THE_QUESTION = ("pruner", "logger", "callbacks", "paths", "cpu_threads")
 
 # values of a job record that can be objectives besides its logged metrics
 RECORD_VALUES = ("params", "time_s", "state_size")
@@ -243,6 +248,7 @@ def load_or_create(
     sampler: optuna.samplers.BaseSampler | None = None,
     pruner: optuna.pruners.BasePruner | None = None,
     where: str = "",
+    settings: Sequence[str] = (),
 ) -> optuna.Study:
     """The study ``name``, created if new. One that exists must have these directions
     and this search space: a sweep never adds trials to a study of another question. Only
@@ -276,8 +282,9 @@ def load_or_create(
             f"study {name!r}{where} exists with directions {have}; this sweep asks "
             f"{list(directions)}: {hint}"
         )
-    wanted = space_json(space)
-    if created:
+    wanted, given = space_json(space), question(settings)
+    if created:  # the settings first: the others wait for the space, then read both
+        study.set_user_attr(SETTINGS, given)
         study.set_user_attr(SPACE, wanted)
         return study
     stored = recorded_space(study)
@@ -289,7 +296,29 @@ def load_or_create(
             f"study {name!r}{where} exists with the search space {describe(stored)}; this "
             f"sweep has {describe(wanted)}: {hint}"
         )
+    had = study.user_attrs.get(SETTINGS)
+    if had is None:  # recorded by an older sweeper, or none: this sweep's are its own
+        study.set_user_attr(SETTINGS, given)
+    elif had != given:
+        only_had = [o for o in had if o not in given] or ["nothing"]
+        only_given = [o for o in given if o not in had] or ["nothing"]
+        raise ConfigError(
+            f"study {name!r}{where} ran its trials with {' '.join(only_had)} where this sweep "
+            f"gives {' '.join(only_given)}: its trials would not compare; {hint}"
+        )
     return study
+
+
+def question(settings: Sequence[str]) -> list[str]:
+    """The overrides given to every trial that change what a study measures, sorted:
+    bookkeeping, logging, pruning and paths left out."""
+
+    def asks(override: str) -> bool:
+        key = override_key(override)
+        head = key.split(".", 1)[0].split("/", 1)[0]
+        return not bookkeeping(key) and head not in NOT_THE_QUESTION
+
+    return sorted(o for o in settings if asks(o))
 
 
 def recorded_space(study: optuna.Study) -> dict[str, str] | None:

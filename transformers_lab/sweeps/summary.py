@@ -815,6 +815,13 @@ class SweepSummary(Callback):
             return
         print_summary(summary)
         print(f"summary: {sweep_dir / 'summary.md'} (plot: summary.png)", flush=True)
+        statuses = [r["status"] for r in summary["jobs"]]
+        if statuses and not {"ok", "pruned"} & set(statuses):
+            NOTHING_FINISHED.append(f"{sweep_dir}: none of its {len(statuses)} jobs finished")
+
+
+# sweeps of this process none of whose jobs finished: the entry point exits non-zero
+NOTHING_FINISHED: list[str] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
