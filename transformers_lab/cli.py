@@ -275,13 +275,14 @@ def run_hydra(main: Callable[[], None], argv: Sequence[str] | None = None) -> No
         check_flags(argv)
         check_overrides(argv)
         check_run_dir(argv)
+    from transformers_lab.sweeps.record import NOTHING_FINISHED
+
+    NOTHING_FINISHED.clear()  # of this run only (tests run several in one process)
     try:
         with user_errors(), hydra_raising():  # user_errors: what a sweeper refuses, too
             main()
     except (CompactHydraException, InterpolationResolutionError) as exc:
         fail(one_line(exc))
-    from transformers_lab.sweeps.summary import NOTHING_FINISHED
-
     if NOTHING_FINISHED:  # a sweep that ran, none of whose jobs finished, is no success
         print(f"error: {NOTHING_FINISHED[-1]}; see its summary.md", file=sys.stderr)
         raise SystemExit(1)

@@ -41,7 +41,13 @@ from transformers_lab.errors import UnknownChoice, UnknownMetric
 from transformers_lab.files import atomic_write
 from transformers_lab.sweeps.curves import history
 from transformers_lab.sweeps.overrides import SEED_KEYS, override_key, override_map
-from transformers_lab.sweeps.record import RESULT_FILE, STATUSES, JobRecord, read_record
+from transformers_lab.sweeps.record import (
+    NOTHING_FINISHED,
+    RESULT_FILE,
+    STATUSES,
+    JobRecord,
+    read_record,
+)
 from transformers_lab.sweeps.stats import best_of, compare, t_interval
 from transformers_lab.sweeps.study_report import study_section
 
@@ -818,10 +824,6 @@ class SweepSummary(Callback):
         statuses = [r["status"] for r in summary["jobs"]]
         if statuses and not {"ok", "pruned"} & set(statuses):
             NOTHING_FINISHED.append(f"{sweep_dir}: none of its {len(statuses)} jobs finished")
-
-
-# sweeps of this process none of whose jobs finished: the entry point exits non-zero
-NOTHING_FINISHED: list[str] = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
