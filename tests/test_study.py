@@ -174,7 +174,8 @@ def test_a_study_reopened_with_other_fixed_settings_is_refused(tmp_path):
     storage = sqlite(tmp_path)
     settings = ["experiment=mqar", "model.d_model=64", "sweep=lr_optuna"]
     st.load_or_create(storage, "lr", ["maximize"], LR, settings=settings)
-    again = [*reversed(settings), "pruner=median", "logger=csv", "skip_finished=true"]
+    again = ["+experiment=mqar", *reversed(settings[1:]), "pruner=median", "logger=csv"]
+    again.append("skip_finished=true")
     st.load_or_create(storage, "lr", ["maximize"], LR, settings=again)
     with pytest.raises(ConfigError) as err:
         other = ["experiment=mqar", "model.d_model=32", "sweep=lr_optuna", "data.batch_size=8"]

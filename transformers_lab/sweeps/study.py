@@ -310,15 +310,16 @@ def load_or_create(
 
 
 def question(settings: Sequence[str]) -> list[str]:
-    """The overrides given to every trial that change what a study measures, sorted:
-    bookkeeping, logging, pruning and paths left out."""
+    """The overrides given to every trial that change what a study measures, sorted, a
+    leading ``+`` dropped (``+experiment=mqar`` is ``experiment=mqar``): bookkeeping,
+    logging, pruning and paths left out."""
 
     def asks(override: str) -> bool:
         key = override_key(override)
         head = key.split(".", 1)[0].split("/", 1)[0]
         return not bookkeeping(key) and head not in NOT_THE_QUESTION
 
-    return sorted(o for o in settings if asks(o))
+    return sorted(o.lstrip("+") for o in settings if asks(o))
 
 
 def recorded_space(study: optuna.Study) -> dict[str, str] | None:
