@@ -314,6 +314,28 @@ def test_mnist_modules_on_idx_files_the_test_writes(tmp_path, monkeypatch, modul
     assert dm.model_kwargs() == {"image_size": 28, "in_channels": 1, "num_classes": 10}
 
 
+def test_mnist_archives_in_a_folder_that_cannot_be_written_are_one_clear_error(
+    tmp_path, monkeypatch
+):
+    """A shared, read-only copy of the archives: unpacking beside them fails; the error
+    names the folder and the two fixes, not a traceback from torchvision."""
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    monkeypatch.setattr(MNISTDataModule, "files", {})  # the archives are there and verified
+
+    def unpack(self, train, augment, unpack=False):
+        raise PermissionError(13, "Permission denied", str(raw / "train-images-idx3-ubyte"))
+
+    monkeypatch.setattr(MNISTDataModule, "_dataset", unpack)
+    dm = MNISTDataModule(root=str(tmp_path), download=False)
+    with pytest.raises(DataFileError) as info:
+        dm.prepare_data()
+    said = str(info.value)
+    assert f"MNIST's archives in {raw} are unpacked once beside them" in said
+    assert "cannot be written (Permission denied)" in said and f"gunzip -k {raw}/*.gz" in said
+    assert "point TLAB_DATA_DIR (or data.root=) at a folder you can write" in said
+
+
 def test_digits_module_offline():
     dm = DigitsDataModule(batch_size=32)
     dm.setup()

@@ -103,7 +103,15 @@ class MNISTDataModule(ImageDataModule):
         for name, checksum in self.files.items():
             ensure_file(raw / name, self.mirror + name, checksum, download=self.download)
         for train in (True, False):  # torchvision unpacks verified archives, no download
-            self._dataset(train, augment=False, unpack=True)
+            try:
+                self._dataset(train, augment=False, unpack=True)
+            except PermissionError as exc:  # a shared, read-only copy of the archives
+                raise DataFileError(
+                    f"{self.folder}'s archives in {raw} are unpacked once beside them, but "
+                    f"{exc.filename or raw} cannot be written ({exc.strerror}); unpack them "
+                    f"there (gunzip -k {raw}/*.gz), or point TLAB_DATA_DIR (or data.root=) at "
+                    "a folder you can write that holds a copy"
+                ) from None
 
     def _dataset(self, train: bool, augment: bool, unpack: bool = False) -> Dataset:
         from torchvision import datasets, transforms
