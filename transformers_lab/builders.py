@@ -32,17 +32,30 @@ def build_datamodule(config: DictConfig) -> L.LightningDataModule:
     return call(config, "data")
 
 
-def data_compatible_models(provided: set[str]) -> list[str]:
-    """The model options in ``conf/model`` whose class takes every key in ``provided``."""
-    names = []
-    for path in sorted(CONF_DIR.glob("model/*.yaml")):
+def option_classes(group: str) -> list[tuple[str, type]]:
+    """(option, class) of every ``conf/<group>/*.yaml`` that names a class: its
+    ``_target_`` at the top, or under ``<group>:`` (a ``@package _global_`` file); options
+    that only pick another (``conf/task/gpt.yaml``) are left out."""
+    found = []
+    for path in sorted(CONF_DIR.glob(f"{group}/*.yaml")):
+        loaded = OmegaConf.load(path)
+        node = loaded if "_target_" in loaded else loaded.get(group)
+        if not (isinstance(node, DictConfig) and "_target_" in node):
+            continue
         try:
-            params = inspect.signature(target_class(OmegaConf.load(path))).parameters
+            found.append((path.stem, target_class(node)))
         except (AttributeError, ImportError, ValueError):  # pragma: no cover - broken file
             continue
-        if provided <= set(params):
-            names.append(path.stem)
-    return names
+    return found
+
+
+def data_compatible_models(provided: set[str]) -> list[str]:
+    """The model options in ``conf/model`` whose class takes every key in ``provided``."""
+    return [
+        name
+        for name, cls in option_classes("model")
+        if provided <= set(inspect.signature(cls).parameters)
+    ]
 
 
 # data keys where the model may hold more than the data needs (spare positions or ids)
@@ -138,12 +151,9 @@ def check_task_trains(task_class: type, model: torch.nn.Module) -> None:
     names = [c.__name__ for c in type(model).__mro__]
     if not trains or not MODEL_CLASSES & set(names) or set(trains) & set(names):
         return
-    fits = []
-    for path in sorted(CONF_DIR.glob("task/*.yaml")):
-        node = OmegaConf.load(path).get("task")
-        trains_it = isinstance(node, DictConfig) and "_target_" in node
-        if trains_it and set(getattr(target_class(node), "trains", ())) & set(names):
-            fits.append(path.stem)
+    fits = [
+        name for name, cls in option_classes("task") if set(getattr(cls, "trains", ())) & set(names)
+    ]
     hint = f"use task={' or task='.join(fits)}, or " if fits else ""
     raise ConfigError(
         f"{option('task')} ({task_class.__name__}) trains {' or '.join(trains)} models, not "

@@ -147,6 +147,11 @@ class MultiHeadAttention(nn.Module):
             q, k = self.rotary(q), self.rotary(k)
         return q, k, v
 
+    def queries(self, x: Tensor) -> Tensor:
+        """A cross-attention's per-head queries of x (B, Nq, d_model): (B, H, Nq, head_dim)."""
+        self._check_x(x)
+        return self.split_heads(self.q_proj(x))
+
     def _check_x(self, x: Tensor) -> None:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(
@@ -170,8 +175,7 @@ class MultiHeadAttention(nn.Module):
         """x (B, Nq, d_model), context (B, Nk, context_dim) or its prepared Memory
         -> (B, Nq, d_model)."""
         if isinstance(context, Memory):  # the mask travels inside the memory
-            self._check_x(x)
-            out = self.kernel.read_memory(self.split_heads(self.q_proj(x)), context)
+            out = self.kernel.read_memory(self.queries(x), context)
             return self.merge_heads(out)
         q, k, v = self.project(x, context)
         out = self.kernel(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
@@ -193,8 +197,7 @@ class MultiHeadAttention(nn.Module):
                     f"attention={self.kernel.name}'s prepared memory keeps a summary of the "
                     "keys, not the keys: pass the context tensor to attention_weights()"
                 )
-            self._check_x(x)
-            q, k = self.split_heads(self.q_proj(x)), context.keys
+            q, k = self.queries(x), context.keys
             if key_padding_mask is None:
                 key_padding_mask = context.key_padding_mask
         else:
