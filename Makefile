@@ -36,8 +36,8 @@ mad: install  ## MAD's six tasks at CPU scale for softmax (sweep=mad; ARGS="atte
 test: install  ## run the whole test suite (what CI runs)
 	WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)
 
-docs: install  ## rewrite the README's kernel table from the registered kernels
-	$(PY) -m transformers_lab.attention --readme README.md
+docs: install  ## rewrite the README's kernel table from the registered kernels (ARGS="--config-dir my_conf": yours too)
+	$(PY) -m transformers_lab.attention --readme README.md $(ARGS)
 
 test-fast: install  ## run the tests not marked slow
 	WANDB_MODE=offline $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -154,7 +154,8 @@ def test_the_check_command_prints_a_line_per_failure_and_its_status(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["fastmx"], "unknown kernel 'fastmx' (did you mean fastmax?); give a registered name"),
+        (["fastmx"], "unknown kernel 'fastmx' (did you mean fastmax?); valid: additive, based"),
+        (["mine", "--config-dir", "."], "no attention/ folder in the config dir"),
         (["nowhere.Kernel"], "cannot import nowhere for nowhere.Kernel"),
         (["torch.nn.Linear"], "torch.nn.Linear is not an AttentionKernel subclass"),
         (["fastmax", "p=3"], "unsupported Taylor order p=3"),

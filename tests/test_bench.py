@@ -78,7 +78,7 @@ def test_unknown_variant_lists_valid_ones(capsys: pytest.CaptureFixture[str]) ->
         assert name in err
 
     with pytest.raises(ValueError, match="valid variants are: softmax, additive, "):
-        bench.validate_variants(["nope"])
+        bench.variant_configs(["nope"])
 
 
 def test_plan_and_skips() -> None:

@@ -5,7 +5,9 @@ import csv
 import pytest
 
 from transformers_lab.attention import KERNELS
+from transformers_lab.attention.resolve import kernel_class
 from transformers_lab.bench import generation
+from transformers_lab.bench.kernels import PATH_VARIANTS, default_variants, variant_configs
 
 
 def test_generation_bench_writes_reports(tmp_path):
@@ -46,14 +48,20 @@ def test_generation_bench_writes_reports(tmp_path):
     assert cache[("softmax", "40")] == pytest.approx(state[("softmax", "40")] * 4 / 2**20)
 
 
-def test_every_registered_kernel_generates_by_default(tmp_path):
+def test_every_attention_option_generates_by_default(tmp_path):
     argv = ["--context", "4", "12", "--new-tokens", "2", "--n-layer", "1", "--d-model", "8"]
     assert generation.main([*argv, "--n-head", "2", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader((tmp_path / "generation.csv").open()))
-    assert sorted({r["kernel"] for r in rows}) == sorted(KERNELS)
-    for name, kernel in KERNELS.items():
+    options = [n for n in default_variants() if n not in PATH_VARIANTS]
+    assert sorted({r["kernel"] for r in rows}) == sorted(options)
+    configs = variant_configs(options)
+    classes = {kernel_class(c["_target_"]) for c in configs.values()}
+    assert {
+        cls for cls in KERNELS.values() if cls.__module__.startswith("transformers_lab")
+    } <= classes
+    for name, config in configs.items():
         sizes = [int(r["state_size"]) for r in rows if r["kernel"] == name]
-        assert (sizes[0] == sizes[1]) == kernel.linear, name
+        assert (sizes[0] == sizes[1]) == kernel_class(config["_target_"]).linear, name
     assert "ms / token" in (tmp_path / "generation.md").read_text()
 
 

@@ -81,8 +81,15 @@ def test_a_stopped_sweep_job_says_how_to_finish_its_sweep_not_to_rerun_the_job(
 
     sweep_dir = tmp_path / "sweep"
     sweep_dir.mkdir()
-    master = ["sweep=attention_kernels", "trainer.max_steps=9", f"hydra.sweep.dir={sweep_dir}"]
-    OmegaConf.save({"hydra": {"overrides": {"task": master}}}, sweep_dir / "multirun.yaml")
+    master = ["sweep=attention_kernels", "trainer.max_steps=9"]
+    # a user's config dir on the search path: the command must keep it to find their kernel
+    given = [
+        "hydra.searchpath=[file:///u/my_conf]",
+        f"hydra.sweep.dir={sweep_dir}",
+        "hydra.mode=MULTIRUN",
+    ]
+    overrides = {"hydra": given, "task": master}
+    OmegaConf.save({"hydra": {"overrides": overrides}}, sweep_dir / "multirun.yaml")
     sweeper = {"study_name": "lr"} if study else {}
     hydra_cfg = OmegaConf.create(
         {"mode": RunMode.MULTIRUN, "sweep": {"dir": str(sweep_dir)}, "sweeper": sweeper}
@@ -92,7 +99,8 @@ def test_a_stopped_sweep_job_says_how_to_finish_its_sweep_not_to_rerun_the_job(
     exc = interrupted(fake_trainer("/r/1/last.ckpt"), own, job.sweep_resume())
     message = str(exc)
     command = (
-        f"tlab-train -m sweep=attention_kernels trainer.max_steps=9 hydra.sweep.dir={sweep_dir}"
+        "tlab-train -m 'hydra.searchpath=[file:///u/my_conf]' sweep=attention_kernels "
+        f"trainer.max_steps=9 hydra.sweep.dir={sweep_dir}"
     )
     if study:
         assert message.endswith(f"resume its study with {command} (this trial is given up, "

@@ -17,62 +17,13 @@ from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError
 
-from transformers_lab.config import CONF_DIR, flatten
+from transformers_lab.config import CONF_DIR, flatten, group_options, search_dirs, unknown_option
 from transformers_lab.errors import ConfigError, DataFileError
 
 # values that are Hydra sweep functions or special, not option names
 SWEEP_FUNCTION = re.compile(r"^\w+\(.*\)$")
 # flags after which Hydra prints something and exits without creating a run dir
 INFO_FLAGS = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc"}
-
-
-def group_options(group: str, dirs: Sequence[Path] = (CONF_DIR,)) -> list[str]:
-    """The options of a config group: the ``.yaml`` files in ``<dir>/<group>/`` of each of
-    ``dirs`` (``conf/`` and the user's config dirs)."""
-    return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
-
-
-def unknown_option(group: str, choice: str, dirs: Sequence[Path] = (CONF_DIR,)) -> ConfigError:
-    """The error for an option that no config dir has in ``group``."""
-    where = ", ".join(f"conf/{group}/" if d == CONF_DIR else str(d / group) + "/" for d in dirs)
-    return ConfigError(
-        f"unknown {group} {choice!r}; valid options are: "
-        f"{', '.join(group_options(group, dirs))} ({where})"
-    )
-
-
-def search_dirs(argv: Sequence[str]) -> list[Path] | None:
-    """``conf/`` and the config dirs the command line adds (``hydra.searchpath=[...]``
-    entries ``file://<dir>`` or ``pkg://<package>``, ``--config-dir``); None when one of
-    them cannot be found from here (Hydra will say)."""
-    import importlib.util
-
-    dirs = [CONF_DIR]
-    entries: list[str] = []
-    for i, arg in enumerate(argv):
-        key, eq, value = arg.partition("=")
-        if key.lstrip("+") == "hydra.searchpath" and eq:
-            entries += [e.strip().strip("'\"") for e in value.strip("[]").split(",") if e.strip()]
-        elif key in ("--config-dir", "-cd"):
-            entries.append(value if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
-    for entry in entries:
-        scheme, sep, rest = entry.partition("://")
-        if not sep:
-            scheme, rest = "file", entry
-        if scheme == "file":
-            dirs.append(Path(rest))
-        elif scheme == "pkg":
-            package, _, sub = rest.partition("/")
-            try:
-                spec = importlib.util.find_spec(package)
-            except (ImportError, ValueError):
-                return None
-            if spec is None or not spec.submodule_search_locations:
-                return None
-            dirs.append(Path(next(iter(spec.submodule_search_locations))) / sub)
-        else:
-            return None
-    return dirs
 
 
 def check_overrides(argv: Sequence[str]) -> None:

@@ -7,8 +7,10 @@ The resolvers are registered on import; every entry point imports this module (t
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,18 +101,71 @@ def compose_config(name: str, overrides: list[str], output_dir: str | Path) -> D
     return cfg
 
 
-def attention_configs() -> dict[str, dict[str, Any]]:
-    """Every option of the ``attention`` group in ``conf/attention/``, composed (its
-    defaults applied), as plain dicts with ``_target_``, by option name."""
+def attention_configs(
+    dirs: Sequence[Path] = (CONF_DIR,), names: Sequence[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The options ``names`` (default: every one) of the ``attention`` group in ``dirs``
+    (``conf/`` and the user's config dirs), each composed as ``attention=<name>`` composes
+    it with ``dirs`` on the search path (its defaults applied), as plain dicts with
+    ``_target_``, by name."""
     from hydra import compose, initialize_config_dir
 
-    options = sorted(p.stem for p in (CONF_DIR / "attention").glob("*.yaml"))
+    names = group_options("attention", dirs) if names is None else names
+    extra = [f"file://{d}" for d in dirs if Path(d) != CONF_DIR]
+    searchpath = [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
     configs = {}
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        for name in options:
-            cfg = compose("train", overrides=[f"attention={name}"])
+        for name in names:
+            cfg = compose("train", overrides=[f"attention={name}", *searchpath])
             configs[name] = OmegaConf.to_container(cfg.attention, resolve=True)
     return configs
+
+
+def group_options(group: str, dirs: Sequence[Path] = (CONF_DIR,)) -> list[str]:
+    """The options of a config group: the ``.yaml`` files in ``<dir>/<group>/`` of each of
+    ``dirs`` (``conf/`` and the user's config dirs)."""
+    return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml")})
+
+
+def unknown_option(group: str, choice: str, dirs: Sequence[Path] = (CONF_DIR,)) -> ConfigError:
+    """The error for an option that no config dir has in ``group``."""
+    where = ", ".join(f"conf/{group}/" if d == CONF_DIR else str(d / group) + "/" for d in dirs)
+    return ConfigError(
+        f"unknown {group} {choice!r}; valid options are: "
+        f"{', '.join(group_options(group, dirs))} ({where})"
+    )
+
+
+def search_dirs(argv: Sequence[str]) -> list[Path] | None:
+    """``conf/`` and the config dirs the command line adds (``hydra.searchpath=[...]``
+    entries ``file://<dir>`` or ``pkg://<package>``, ``--config-dir``); None when one of
+    them cannot be found from here (Hydra will say)."""
+    dirs = [CONF_DIR]
+    entries: list[str] = []
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key.lstrip("+") == "hydra.searchpath" and eq:
+            entries += [e.strip().strip("'\"") for e in value.strip("[]").split(",") if e.strip()]
+        elif key in ("--config-dir", "-cd"):
+            entries.append(value if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
+    for entry in entries:
+        scheme, sep, rest = entry.partition("://")
+        if not sep:
+            scheme, rest = "file", entry
+        if scheme == "file":
+            dirs.append(Path(rest))
+        elif scheme == "pkg":
+            package, _, sub = rest.partition("/")
+            try:
+                spec = importlib.util.find_spec(package)
+            except (ImportError, ValueError):
+                return None
+            if spec is None or not spec.submodule_search_locations:
+                return None
+            dirs.append(Path(next(iter(spec.submodule_search_locations))) / sub)
+        else:
+            return None
+    return dirs
 
 
 def target_class(config: DictConfig) -> type:

@@ -25,11 +25,16 @@ from transformers_lab.attention.base import (
 
 # import every kernel module of the package, so that its classes register themselves
 for _module in pkgutil.iter_modules(__path__):
-    if not _module.name.startswith("_") and _module.name not in ("base", "naive", "check"):
+    if not _module.name.startswith("_") and _module.name not in (
+        "base",
+        "naive",
+        "check",
+        "resolve",
+    ):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 from transformers_lab.attention.additive import AdditiveAttention  # noqa: E402
-from transformers_lab.attention.fastmax import FastmaxAttention  # noqa: E402
+from transformers_lab.attention.fastmax import FastmaxAttention, FeatureKernel  # noqa: E402
 from transformers_lab.attention.softmax import (  # noqa: E402
     CosineAttention,
     DotAttention,
@@ -62,6 +67,7 @@ __all__ = [
     "CosineAttention",
     "DotAttention",
     "FastmaxAttention",
+    "FeatureKernel",
     "Memory",
     "SoftmaxAttention",
     "attention_mask",

@@ -2,6 +2,10 @@
 
 python -m transformers_lab.attention                  # print the table
 python -m transformers_lab.attention --readme README.md   # rewrite the README's table
+python -m transformers_lab.attention --readme README.md --config-dir my_conf   # and yours
+
+With ``--config-dir`` (repeatable; or ``make docs ARGS="--config-dir my_conf"``) the table
+also has the kernels of that config dir's ``attention/`` options, the user's own.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from transformers_lab.attention import KERNELS
+from transformers_lab.attention import KERNELS, AttentionKernel
 
 BEGIN = "<!-- kernel table: python -m transformers_lab.attention --readme README.md -->"
 END = "<!-- end of kernel table -->"
@@ -24,16 +28,30 @@ def state(cls: type) -> str:
     return f"grows: {kernel.state_size(1):,} numbers a head and token (D = Dv = 64)"
 
 
-def kernel_table(everyone: bool = False) -> str:
-    """One row per kernel of this package (``everyone``: every registered one, the user's
-    own included): name, weights, what it is, rows, decode state."""
+def user_kernels(config_dirs: Sequence[Path]) -> list[type[AttentionKernel]]:
+    """The kernel classes of the attention options in the user's ``config_dirs`` (importing
+    them registers them)."""
+    from transformers_lab.attention.resolve import config_dirs as with_conf
+    from transformers_lab.attention.resolve import kernel_class
+    from transformers_lab.config import attention_configs, group_options
+
+    dirs = with_conf(config_dirs)
+    theirs = set(group_options("attention", dirs)) - set(group_options("attention"))
+    configs = attention_configs(dirs, sorted(theirs))
+    return [kernel_class(config["_target_"]) for config in configs.values()]
+
+
+def kernel_table(config_dirs: Sequence[Path] = ()) -> str:
+    """One row per kernel of this package, and of the attention options in the user's
+    ``config_dirs``: name, weights, what it is, rows, decode state."""
     lines = [
         "| name | weights | what | rows sum to 1 | decode state |",
         "|---|---|---|---|---|",
     ]
+    theirs = set(user_kernels(config_dirs)) if config_dirs else set()
     for name in sorted(KERNELS):
         cls = KERNELS[name]
-        if not everyone and not cls.__module__.startswith("transformers_lab."):
+        if not cls.__module__.startswith("transformers_lab.") and cls not in theirs:
             continue
         summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".").replace("``", "`")
         rows = "yes" if cls.normalized else "no"
@@ -54,8 +72,21 @@ def with_table(text: str, table: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m transformers_lab.attention")
     parser.add_argument("--readme", type=Path, help="rewrite the table in this markdown file")
+    parser.add_argument(
+        "--config-dir",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="DIR",
+        help="a config dir of yours (as on hydra.searchpath): its attention options' kernels "
+        "join the table",
+    )
     args = parser.parse_args(argv)
-    table = kernel_table()
+    try:
+        table = kernel_table(args.config_dir)
+    except ValueError as exc:  # a dir without attention/, a kernel that does not import
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.readme is None:
         print(table)
         return 0

@@ -1,19 +1,25 @@
 """The kernel contract, checked on any kernel, the user's own included::
 
     python -m transformers_lab.attention.check fastmax p=1
+    python -m transformers_lab.attention.check fastmax_p2
+    python -m transformers_lab.attention.check mine --config-dir my_conf
     python -m transformers_lab.attention.check my_package.kernels.MyKernel scale=0.5
     python -m transformers_lab.attention.check my_conf/attention/mine.yaml
 
-TARGET is a registered name, a dotted path ``package.module.Class``, or a kernel's yaml
-(``_target_`` and ``_partial_: true``, as in ``conf/attention/``); ``key=value`` pairs are
-kernel options. The checks, on float64 inputs with the kernel's learned parameters moved
-off their initial values:
+TARGET is any name the ``attention`` group takes (the user's own with ``--config-dir DIR``
+or ``hydra.searchpath=[file://DIR]``, as ``tlab-train`` takes it), a registered kernel, a
+class path ``package.module.Class``, or a kernel's yaml (``attention/resolve.py``);
+``key=value`` pairs are kernel options. The checks, on float64 inputs with the kernel's
+learned parameters moved off their initial values:
 
 - ``shapes``: self- and cross-attention (Nq != Nk, Dv != D) give (B, H, Nq, Dv), finite;
-- ``reference``: ``forward`` equals the kernel's own ``reference_weights @ v`` within
-  1e-10 (and within 1e-5 in float32), causal or not, padded or not;
-- ``weights``: ``weights`` equals the reference, and ``forward == weights @ v``;
-- ``rows``: a kernel that declares ``normalized`` has rows that sum to 1;
+- ``reference``: the kernel defines ``reference_weights``, and ``forward`` equals its
+  ``reference_weights @ v`` within 1e-10 (and within 1e-5 in float32), causal or not,
+  padded or not;
+- ``weights``: ``forward == weights @ v``, and ``weights`` equals the reference (where
+  there is one: a missing reference is the ``reference`` check's failure alone);
+- ``rows``: a kernel that declares ``normalized`` has rows that sum to 1, every row
+  that sees a key (only a query with no key to see may give an all-zero row);
 - ``alignment``: causal with Nq < Nk aligns the queries to the last Nq keys;
 - ``future``: a causal output does not change when later keys and values do;
 - ``padding``: padded keys and values change nothing; in self-attention, nor do padded
@@ -36,9 +42,6 @@ One line per failure, and exit status 1 if any; ``ok`` and exit status 0 otherwi
 from __future__ import annotations
 
 import copy
-import difflib
-import functools
-import importlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,7 +50,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from transformers_lab.attention.base import REGISTRY, AttentionKernel
+from transformers_lab.attention.base import AttentionKernel, attention_mask, visible_keys
+from transformers_lab.attention.resolve import UnknownKernel, config_dirs, kernel_config
+from transformers_lab.config import CONF_DIR
 
 B, H, D, DV = 2, 3, 8, 5
 SHAPES = [(7, 7), (3, 9), (9, 4)]  # (Nq, Nk): self, fewer queries, more queries
@@ -61,39 +66,17 @@ class CheckError(ValueError):
 # ---------------------------------------------------------------- the target
 
 
-def kernel_factory(target: str, options: dict[str, Any] | None = None) -> Factory:
-    """A factory ``f(head_dim=, num_heads=)`` for TARGET (a registered name, a dotted class
-    path or a kernel yaml) with ``options``."""
-    options = dict(options or {})
-    if target.endswith((".yaml", ".yml")):
-        from hydra.utils import instantiate
-        from omegaconf import OmegaConf
+def kernel_factory(
+    target: str, options: dict[str, Any] | None = None, dirs: Sequence[Path] = (CONF_DIR,)
+) -> Factory:
+    """A factory ``f(head_dim=, num_heads=)`` for TARGET (a kernel yaml, an option of the
+    attention group in ``dirs``, a registered name or a class path) with ``options``."""
+    from hydra.utils import instantiate
 
-        path = Path(target)
-        if not path.is_file():
-            raise CheckError(f"no kernel config at {path}")
-        config = OmegaConf.load(path)
-        config.merge_with(options)
-        config._partial_ = True
-        return instantiate(config)
-    if target in REGISTRY:
-        return functools.partial(REGISTRY[target], **options)
-    if "." not in target:
-        near = difflib.get_close_matches(target, list(REGISTRY), n=1)
-        hint = f" (did you mean {near[0]}?)" if near else ""
-        raise CheckError(
-            f"unknown kernel {target!r}{hint}; give a registered name "
-            f"({', '.join(sorted(REGISTRY))}), a class as package.module.Class, or a yaml"
-        )
-    module_name, _, class_name = target.rpartition(".")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise CheckError(f"cannot import {module_name} for {target} ({exc})") from exc
-    cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, AttentionKernel)):
-        raise CheckError(f"{target} is not an AttentionKernel subclass")
-    return functools.partial(cls, **options)
+        return instantiate(kernel_config(target, dirs, options))
+    except UnknownKernel as exc:
+        raise CheckError(str(exc)) from None
 
 
 def with_alibi(factory: Factory) -> Factory:
@@ -173,7 +156,18 @@ def check_shapes(kernel: AttentionKernel) -> list[str]:
     return failures
 
 
+def has_reference(kernel: AttentionKernel) -> bool:
+    """Whether the kernel's class defines ``reference_weights`` (the base class has none)."""
+    return type(kernel).reference_weights is not AttentionKernel.reference_weights
+
+
 def check_reference(kernel: AttentionKernel) -> list[str]:
+    if not has_reference(kernel):
+        return [
+            f"{type(kernel).__name__} defines no reference_weights: write the weights from "
+            "the kernel's formula, naively in float64 (attention.naive has the masks and the "
+            "row sums); forward and weights are held against it"
+        ]
     failures = []
     kernel32 = copy.deepcopy(kernel).float()
     for nq, nk, causal, padded in cases(kernel):
@@ -195,9 +189,10 @@ def check_weights(kernel: AttentionKernel) -> list[str]:
         q, k, v = qkv(nq, nk)
         mask = padding(nk) if padded else None
         w = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
-        ref = kernel.reference_weights(q, k, causal=causal, key_padding_mask=mask)
-        if (why := gap(w, ref, 1e-10, 1e-12)) is not None:
-            failures.append(f"{describe(nq, nk, causal, padded)}: weights != reference, {why}")
+        if has_reference(kernel):
+            ref = kernel.reference_weights(q, k, causal=causal, key_padding_mask=mask)
+            if (why := gap(w, ref, 1e-10, 1e-12)) is not None:
+                failures.append(f"{describe(nq, nk, causal, padded)}: weights != reference, {why}")
         out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
         if (why := gap(out, w @ v, 1e-10, 1e-12)) is not None:
             failures.append(f"{describe(nq, nk, causal, padded)}: forward != weights @ v, {why}")
@@ -212,13 +207,14 @@ def check_rows(kernel: AttentionKernel) -> list[str]:
         q, k, _ = qkv(nq, nk)
         mask = padding(nk) if padded else None
         w = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
-        sums = w.sum(-1)
-        seen = w.abs().sum(-1) > 0  # a row with no key to see is all zero
-        if not torch.allclose(sums[seen], torch.ones_like(sums[seen]), atol=1e-10):
-            worst = (sums[seen] - 1).abs().max().item()
+        allowed = attention_mask(nq, nk, causal=causal, key_padding_mask=mask, device=w.device)
+        sees = (visible_keys(allowed, nq, nk, w.device) > 0).squeeze(-1).expand(w.shape[:-1])
+        sums = w.sum(-1)[sees]  # the rows of queries with a key to see; the others are zero
+        if not torch.allclose(sums, torch.ones_like(sums), atol=1e-10):
+            worst = (sums - 1).abs().max().item()
             failures.append(
-                f"{describe(nq, nk, causal, padded)}: a row sums to 1 {worst:+.3g} although "
-                "the kernel declares normalized = True"
+                f"{describe(nq, nk, causal, padded)}: a row of a query that sees a key sums "
+                f"to 1 {worst:+.3g} although the kernel declares normalized = True"
             )
     return failures
 
@@ -414,6 +410,8 @@ def check_kernel(factory: Factory, checks: Sequence[str] | None = None, seed: in
 
 
 def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` kernel options, the values read as yaml (``hydra.searchpath`` aside:
+    it names config dirs, not an option)."""
     import yaml
 
     options = {}
@@ -421,7 +419,8 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
         key, eq, value = pair.partition("=")
         if not eq or not key:
             raise CheckError(f"options are key=value, got {pair!r}")
-        options[key] = yaml.safe_load(value)
+        if key.lstrip("+") != "hydra.searchpath":
+            options[key] = yaml.safe_load(value)
     return options
 
 
@@ -432,19 +431,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m transformers_lab.attention.check",
         description="Check an attention kernel against the contract of transformers_lab.",
     )
-    parser.add_argument("target", help="registered name, package.module.Class, or a kernel yaml")
-    parser.add_argument("options", nargs="*", help="kernel options, key=value")
+    parser.add_argument(
+        "target",
+        help="an attention option (fastmax_p2), a registered kernel, package.module.Class, "
+        "or a kernel yaml",
+    )
+    parser.add_argument(
+        "options", nargs="*", help="kernel options, key=value; hydra.searchpath=[file://DIR]"
+    )
+    parser.add_argument(
+        "--config-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a config dir of yours whose attention/ holds TARGET (as on hydra.searchpath)",
+    )
     parser.add_argument(
         "--alibi", action="store_true", help="check it with ALiBi's bias on its scores"
     )
     args = parser.parse_args(argv)
     try:
-        factory = kernel_factory(args.target, parse_options(args.options))
+        dirs = config_dirs(args.config_dir, args.options)
+        factory = kernel_factory(args.target, parse_options(args.options), dirs)
         if args.alibi:
             factory = with_alibi(factory)
         failures = check_kernel(factory)
         ran = checks_for(build(factory))
-    except (CheckError, TypeError, ValueError) as exc:  # the kernel cannot even be built
+    except (CheckError, UnknownKernel, TypeError, ValueError) as exc:  # it cannot be built
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for line in failures:

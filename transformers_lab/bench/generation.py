@@ -3,23 +3,23 @@
 Usage::
 
     python -m transformers_lab.bench.generation --context 256 4096 --kernels softmax fastmax
+    python -m transformers_lab.bench.generation --kernels softmax relu2 --config-dir my_conf
 
 For every (kernel, context) a GPT with untrained weights encodes a random prompt of
 ``context`` tokens once (not timed), then generates ``--new-tokens`` tokens greedily, one
 cached step each; the figure is the median wall time of a step. The kernels that form
 scores keep a KV cache that grows with the context; the linear ones (fastmax, linear,
-based, performer, cosformer) keep a fixed-size state. Every registered kernel by
-default, with its default options (a positional kernel's ``max_len`` is the longest
-context). Writes ``generation.csv`` and ``generation.md`` to ``--out``: time per token,
-the cache's MiB and its ``state_size`` (numbers per sequence, all layers).
+based, performer, cosformer) keep a fixed-size state. Every option of the attention
+group by default (the user's own with ``--config-dir``), as configured there (a positional
+kernel's ``max_len`` is the longest context); a kernel is named as for ``bench.kernels``.
+Writes ``generation.csv`` and ``generation.md`` to ``--out``: time per token, the
+cache's MiB and its ``state_size`` (numbers per sequence, all layers).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import functools
-import inspect
 import statistics
 import sys
 import time
@@ -27,8 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from hydra.utils import instantiate
 
-from transformers_lab.attention import KERNELS
+from transformers_lab.attention.resolve import config_dirs
+from transformers_lab.bench.kernels import PATH_VARIANTS, default_variants, variant_configs
 from transformers_lab.models import GPT
 
 
@@ -65,7 +67,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m transformers_lab.bench.generation", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--context", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--kernels", nargs="+", default=list(KERNELS))
+    parser.add_argument(
+        "--kernels", nargs="+", help="default: every attention option, the user's included"
+    )
+    parser.add_argument(
+        "--config-dir", action="append", default=[], metavar="DIR", help="a config dir of yours"
+    )
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
@@ -74,17 +81,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=Path("bench_out/generation"))
     args = parser.parse_args(argv)
-    unknown = [k for k in args.kernels if k not in KERNELS]
-    if unknown:
-        parser.error(f"unknown kernels {unknown}; valid kernels are: {', '.join(KERNELS)}")
+    try:
+        dirs = tuple(config_dirs(args.config_dir))
+        names = args.kernels or [n for n in default_variants(dirs) if n not in PATH_VARIANTS]
+        configs = variant_configs(names, dirs)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     rows = []
     block_size = max(args.context) + args.new_tokens
-    for kernel in args.kernels:
+    for kernel, config in configs.items():
         torch.manual_seed(0)
-        factory = KERNELS[kernel]
-        if "max_len" in inspect.signature(factory).parameters:  # positions up to the block
-            factory = functools.partial(factory, max_len=block_size)
+        if "max_len" in config:  # a positional kernel (cosformer): positions up to the block
+            config = {**config, "max_len": max(config["max_len"], block_size)}
+        factory = instantiate(config)
         model = (
             GPT(
                 args.vocab,

@@ -4,6 +4,11 @@ Usage::
 
     python -m transformers_lab.bench.kernels --n 1024 2048 4096 --causal causal \\
         --kernels softmax fastmax_p2 --out bench_out/kernels
+    python -m transformers_lab.bench.kernels --kernels softmax relu2 --config-dir my_conf
+
+A kernel is any name the ``attention`` group takes (the user's own from ``--config-dir``),
+a registered kernel, a class path or a kernel yaml (``attention/resolve.py``), or one of
+the variants below (another path of an option, ``<option>_compiled``).
 
 Every (variant, causal, N) is measured in a fresh worker process
 (``python -m transformers_lab.bench.kernels --worker '<json spec>'``), so a crash, an
@@ -53,7 +58,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +67,8 @@ from hydra.utils import instantiate
 from torch import Tensor
 
 from transformers_lab.attention import AttentionKernel
-from transformers_lab.config import attention_configs
+from transformers_lab.attention.resolve import UnknownKernel, config_dirs, kernel_config
+from transformers_lab.config import CONF_DIR, attention_configs
 
 BASELINE = "softmax"  # the variant the others' time and memory are divided by
 # Variants beyond the attention options: another code path of one option, for comparison.
@@ -76,12 +82,12 @@ COMPILED = "_compiled"
 
 
 @functools.cache
-def variants() -> dict[str, dict[str, Any]]:
-    """Variant name -> kernel config (``_target_`` and options): every option of
-    ``conf/attention/`` (options that compose to the same config count once, under the
-    last name: fastmax is fastmax_p2), softmax first, then ``PATH_VARIANTS``, then the
-    compiled variants."""
-    options = attention_configs()
+def variants(dirs: tuple[Path, ...] = (CONF_DIR,)) -> dict[str, dict[str, Any]]:
+    """Variant name -> kernel config (``_target_`` and options): every option of the
+    attention group in ``dirs`` (``conf/`` and the user's config dirs; options that compose
+    to the same config count once, under the last name: fastmax is fastmax_p2), softmax
+    first, then ``PATH_VARIANTS``, then the compiled variants."""
+    options = attention_configs(dirs)
     unique = {json.dumps(c, sort_keys=True): name for name, c in options.items()}
     names = sorted(unique.values(), key=lambda n: (n != BASELINE, n))  # the baseline first
     found = {name: options[name] for name in names}
@@ -98,10 +104,10 @@ def compiled_variants(options: dict[str, dict[str, Any]]) -> dict[str, dict[str,
     }
 
 
-def default_variants() -> list[str]:
+def default_variants(dirs: tuple[Path, ...] = (CONF_DIR,)) -> list[str]:
     """What a run without ``--kernels`` measures: every variant but the compiled ones
     (each compiles for every N, 10-20 s apiece)."""
-    return [name for name in variants() if not name.endswith(COMPILED)]
+    return [name for name in variants(dirs) if not name.endswith(COMPILED)]
 
 
 QUADRATIC_VARIANTS = frozenset({"additive", "fastmax_p2_quadratic"})
@@ -157,6 +163,12 @@ class Spec:
     dtype: str = "float32"
     device: str = "cpu"
     repeats: int = 3
+    config: dict[str, Any] = field(default_factory=dict)  # the kernel's; {}: the variant's
+
+    @property
+    def kernel_config(self) -> dict[str, Any]:
+        """What the kernel is built from: the config given, else the built-in variant's."""
+        return self.config or variants()[self.variant]
 
     def row(
         self,
@@ -176,8 +188,9 @@ class Spec:
             mem_method=mem_method,
             matmul_ms=matmul_ms,
         )
-        row["state_numbers"] = state_numbers(self.variant, self.n, self.heads, self.head_dim)
-        flops = matmul_flops(self.variant, self.n, self.causal, self.heads, self.head_dim)
+        config = json.dumps(self.kernel_config, sort_keys=True)
+        row["state_numbers"] = state_numbers(config, self.n, self.heads, self.head_dim)
+        flops = matmul_flops(config, self.n, self.causal, self.heads, self.head_dim)
         row["gflop"] = None if flops is None else self.batch * flops / 1e9
         return row
 
@@ -188,18 +201,18 @@ class Spec:
 
 
 @functools.cache
-def state_numbers(variant: str, n: int, heads: int, head_dim: int) -> int:
-    """Numbers a decoder keeps per sequence after ``n`` tokens with this variant (its
-    kernel's ``state_size``): a KV cache grows with n, a linear state does not."""
-    kernel = instantiate(variants()[variant])(head_dim=head_dim, num_heads=heads)
+def state_numbers(config: str, n: int, heads: int, head_dim: int) -> int:
+    """Numbers a decoder keeps per sequence after ``n`` tokens with the kernel of this
+    config (JSON; its ``state_size``): a KV cache grows with n, a linear state does not."""
+    kernel = instantiate(json.loads(config))(head_dim=head_dim, num_heads=heads)
     return kernel.state_size(n)
 
 
 @functools.cache
-def matmul_flops(variant: str, n: int, causal: bool, heads: int, head_dim: int) -> int | None:
+def matmul_flops(config: str, n: int, causal: bool, heads: int, head_dim: int) -> int | None:
     """The matrix-product FLOPs of one fwd+bwd of a linear kernel (its ``matmul_flops``),
     one sequence; None for the others."""
-    kernel = instantiate(variants()[variant])(head_dim=head_dim, num_heads=heads)
+    kernel = instantiate(json.loads(config))(head_dim=head_dim, num_heads=heads)
     counter = getattr(kernel, "matmul_flops", None)
     return None if counter is None or not getattr(kernel, "linear", False) else counter(n, causal)
 
@@ -213,21 +226,32 @@ def matmul_rate(device: str = "cpu", dtype: str = "float32", size: int = 2048) -
     return 2 * size**3 / statistics.median(seconds) / 1e9
 
 
-def validate_variants(names: Iterable[str]) -> list[str]:
-    """``names`` as a list; a ValueError listing the valid variants if one is unknown."""
-    names = list(names)
-    unknown = [name for name in names if name not in variants()]
+def variant_configs(
+    names: Iterable[str], dirs: tuple[Path, ...] = (CONF_DIR,)
+) -> dict[str, dict[str, Any]]:
+    """Each name -> its kernel config: a variant (an option of the attention group in
+    ``dirs``, another path of one, a compiled one), else any other target of
+    ``attention.resolve`` (a yaml, a registered kernel, a class path). A ValueError listing
+    the valid variants if one is unknown."""
+    known = variants(dirs)
+    configs, unknown = {}, []
+    for name in names:
+        try:
+            configs[name] = known[name] if name in known else kernel_config(name, dirs)
+        except UnknownKernel:
+            unknown.append(name)
     if unknown:
         raise ValueError(
-            f"unknown variant(s) {', '.join(map(repr, unknown))}; "
-            f"valid variants are: {', '.join(variants())}"
+            f"unknown variant(s) {', '.join(map(repr, unknown))}; valid variants are: "
+            f"{', '.join(known)}; or a kernel yaml, a class as package.module.Class, and your "
+            "own attention options with --config-dir DIR"
         )
-    return names
+    return configs
 
 
 def build_variant(spec: Spec) -> AttentionKernel:
     """The kernel of ``spec.variant``, on the spec's device and dtype."""
-    config = dict(variants()[spec.variant])
+    config = dict(spec.kernel_config)
     if "max_len" in config:  # a positional kernel (cosformer): positions up to N
         config["max_len"] = max(config["max_len"], spec.n)
     kernel = instantiate(config)(head_dim=spec.head_dim, num_heads=spec.heads)
@@ -449,6 +473,7 @@ def plan(args: argparse.Namespace) -> list[Spec]:
             dtype=args.dtype,
             device=args.device,
             repeats=args.repeats,
+            config=args.configs[variant],
         )
         for causal in CAUSAL_MODES[args.causal]
         for variant in args.kernels
@@ -690,10 +715,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kernels",
         nargs="+",
-        default=default_variants(),
         metavar="VARIANT",
-        help=f"variants to run (default: {', '.join(default_variants())}; also: "
-        f"{', '.join(sorted(set(variants()) - set(default_variants())))})",
+        help=f"variants to run (default: {', '.join(default_variants())}, and the options of "
+        f"each --config-dir; also: "
+        f"{', '.join(sorted(set(variants()) - set(default_variants())))}; or any attention "
+        "option, registered kernel, kernel yaml or package.module.Class)",
+    )
+    parser.add_argument(
+        "--config-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a config dir of yours (as on hydra.searchpath): its attention/ options are "
+        "variants too",
     )
     parser.add_argument(
         "--repeats",
@@ -721,8 +755,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and check the arguments; unknown variants exit with the list of valid ones."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.worker is not None:  # the spec carries its kernel's config
+        return args
     try:
-        args.kernels = list(dict.fromkeys(validate_variants(args.kernels)))
+        dirs = tuple(config_dirs(args.config_dir))
+        args.kernels = list(dict.fromkeys(args.kernels or default_variants(dirs)))
+        args.configs = variant_configs(args.kernels, dirs)
     except ValueError as exc:
         parser.error(str(exc))
     if args.device == "cuda" and args.worker is None and not torch.cuda.is_available():

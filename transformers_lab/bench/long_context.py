@@ -7,7 +7,11 @@ Usage::
     python -m transformers_lab.bench.long_context --kernels softmax fastmax_p2 --steps 5
     python -m transformers_lab.bench.long_context --overrides data.block_size=8192
     python -m transformers_lab.bench.long_context --kernels softmax linear linear_compiled
+    python -m transformers_lab.bench.long_context --kernels softmax relu2 --config-dir my_conf
 
+A kernel is an attention option (the user's own with ``--config-dir``), ``<option>_compiled``,
+or any other target of ``attention.resolve`` (a kernel yaml, a class path; its config then
+replaces the experiment's attention, so ``--overrides attention.*`` do not reach it).
 Each (kernel, repeat) runs in a fresh worker process (``--worker``), which composes the
 experiment with ``attention=<kernel>``, builds its data module and model, and trains
 ``--steps`` optimizer steps (AdamW, gradient clipping) on the real batches after
@@ -53,8 +57,16 @@ KERNELS = ["softmax", "fastmax_p2", "fastmax_p1", "linear", "based", "performer"
 COLUMNS = ["repeat", "kernel", "context", "tokens_per_s", "step_ms", "peak_mib", "status"]
 
 
-def measure(kernel: str, steps: int, warmup: int, overrides: Sequence[str]) -> dict:
-    """Train ``warmup + steps`` steps of the experiment with ``kernel`` in this process."""
+def measure(
+    kernel: str,
+    steps: int,
+    warmup: int,
+    overrides: Sequence[str],
+    config: dict | None = None,
+) -> dict:
+    """Train ``warmup + steps`` steps of the experiment with ``kernel`` in this process:
+    an attention option (``overrides`` may put the user's config dirs on
+    ``hydra.searchpath``), or, given its kernel ``config``, any other target."""
     import lightning as L
 
     from transformers_lab.bench.training import train_step
@@ -63,8 +75,10 @@ def measure(kernel: str, steps: int, warmup: int, overrides: Sequence[str]) -> d
     from transformers_lab.nn import weight_decay_groups
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose_config("train", ["experiment=gpt_long_context",
-                                       *kernel_overrides(kernel), *overrides], tmp)  # fmt: skip
+        chosen = [] if config else kernel_overrides(kernel)
+        cfg = compose_config("train", ["experiment=gpt_long_context", *chosen, *overrides], tmp)
+    if config:  # a yaml or a class path: the model's ${attention} reads it
+        cfg.attention = config
     if "max_len" in cfg.attention:  # a positional kernel (cosformer): positions up to N
         cfg.attention.max_len = max(cfg.attention.max_len, cfg.data.block_size)
     L.seed_everything(cfg.seed)
@@ -122,19 +136,47 @@ def kernel_overrides(kernel: str) -> list[str]:
     return [f"attention={kernel}"]
 
 
-def valid_kernels() -> list[str]:
-    """Every ``attention`` option, and ``<option>_compiled`` for those with a
-    ``compiled`` option (the linear kernels)."""
+def valid_kernels(dirs: Sequence[Path]) -> list[str]:
+    """Every ``attention`` option of ``dirs`` (``conf/`` and the user's config dirs), and
+    ``<option>_compiled`` for those with a ``compiled`` option (the linear kernels)."""
     from transformers_lab.config import attention_configs
 
-    configs = attention_configs()
+    configs = attention_configs(dirs)
     return [*configs, *compiled_variants(configs)]
+
+
+def kernel_configs(kernels: Sequence[str], dirs: Sequence[Path]) -> dict[str, dict | None]:
+    """Each kernel -> None for an attention option (composed as ``attention=<name>``),
+    else its kernel config (a yaml, a registered kernel, a class path); a ValueError
+    naming the valid ones for a kernel that is neither."""
+    from transformers_lab.attention.resolve import UnknownKernel, kernel_config
+
+    valid = valid_kernels(dirs)
+    configs: dict[str, dict | None] = {}
+    for kernel in kernels:
+        try:
+            configs[kernel] = None if kernel in valid else kernel_config(kernel, dirs)
+        except UnknownKernel:
+            raise ValueError(
+                f"unknown kernel {kernel!r}; valid: {', '.join(valid)}, a kernel yaml or a "
+                "class as package.module.Class (your own options: --config-dir DIR)"
+            ) from None
+    return configs
+
+
+def searchpath(dirs: Sequence[Path]) -> list[str]:
+    """The override that puts the user's config dirs on Hydra's search path (none if none)."""
+    from transformers_lab.config import CONF_DIR
+
+    extra = [f"file://{d}" for d in dirs if d != CONF_DIR]
+    return [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
 
 
 def run_worker(kernel: str, args: argparse.Namespace) -> dict:
     """``measure`` in a fresh process; a crash or timeout becomes a status row."""
     spec = {"kernel": kernel, "steps": args.steps, "warmup": args.warmup,
-            "overrides": args.overrides}  # fmt: skip
+            "overrides": [*searchpath(args.dirs), *args.overrides],
+            "config": args.configs[kernel]}  # fmt: skip
     command = [sys.executable, "-m", MODULE, "--worker", json.dumps(spec)]
     empty = {"kernel": kernel, "context": None, "tokens_per_s": None, "step_ms": None,
              "peak_mib": None}  # fmt: skip
@@ -154,7 +196,9 @@ def run_worker(kernel: str, args: argparse.Namespace) -> dict:
 def worker_main(spec_json: str) -> int:
     spec = json.loads(spec_json)
     try:
-        row = measure(spec["kernel"], spec["steps"], spec["warmup"], spec["overrides"])
+        row = measure(
+            spec["kernel"], spec["steps"], spec["warmup"], spec["overrides"], spec["config"]
+        )
     except Exception as exc:  # any failure is a row, never a crash of the run
         row = {"kernel": spec["kernel"], "status": error_status(f"{type(exc).__name__}: {exc}")}
     print(json.dumps(row), flush=True)
@@ -201,14 +245,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker")
     parser.add_argument("--overrides", nargs="*", default=[], help="Hydra overrides for all")
     parser.add_argument("--out", type=Path, default=Path("bench_out/long_context"))
+    parser.add_argument(
+        "--config-dir", action="append", default=[], metavar="DIR", help="a config dir of yours"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
         return worker_main(args.worker)
-    valid = valid_kernels()
-    unknown = sorted(set(args.kernels) - set(valid))
-    if unknown:
-        parser.error(f"unknown kernel(s) {unknown}; valid: {', '.join(valid)}")
+    from transformers_lab.attention.resolve import config_dirs
+
+    try:
+        args.dirs = config_dirs(args.config_dir)
+        args.configs = kernel_configs(args.kernels, args.dirs)
+    except ValueError as exc:
+        parser.error(str(exc))
     rows = []
     for repeat in range(args.repeats):
         order = args.kernels if repeat % 2 == 0 else list(reversed(args.kernels))

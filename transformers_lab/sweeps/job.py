@@ -49,13 +49,14 @@ def job_overrides() -> list[str]:
     return list(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
 
 
-# keys of a sweep's command that its resume command sets itself
-RESUME_SETS = ("hydra.sweep.dir", "skip_finished")
+# keys of a sweep's command that its resume command sets itself (Hydra adds hydra.mode)
+RESUME_SETS = ("hydra.sweep.dir", "skip_finished", "hydra.mode")
 
 
 def sweep_resume() -> list[str] | None:
     """For a job of a multirun, what finishes its sweep (words of a sentence, the command
-    last): the sweep's own command with its sweep dir, with ``skip_finished=true`` for
+    last): the sweep's own command (its ``hydra.*`` overrides included, such as the
+    search path of the user's configs) with its sweep dir, with ``skip_finished=true`` for
     Hydra's sweeper (the finished jobs are skipped, this one resumes from its
     ``last.ckpt``); an Optuna study's command as it is (the study gives this trial up and
     asks for its slot again). None outside a multirun."""
@@ -64,7 +65,9 @@ def sweep_resume() -> list[str] | None:
     hydra_cfg = hydra_config()
     sweep_dir = Path(str(hydra_cfg.sweep.dir))
     path = sweep_dir / "multirun.yaml"
-    master = [str(o) for o in OmegaConf.load(path).hydra.overrides.task] if path.is_file() else []
+    given = OmegaConf.load(path).hydra.overrides if path.is_file() else {}
+    # the user's hydra.* overrides too: hydra.searchpath finds their kernels' configs
+    master = [str(o) for part in ("hydra", "task") for o in given.get(part, ())]
     kept = [o for o in master if override_key(o) not in RESUME_SETS]
     words = ["-m", *kept, f"hydra.sweep.dir={sweep_dir}"]
     if "study_name" in (hydra_cfg.sweeper or {}):
