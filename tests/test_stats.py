@@ -9,7 +9,14 @@ from scipy import stats as scipy_stats
 
 from transformers_lab.errors import UnknownChoice
 from transformers_lab.sweeps.record import JobRecord, Monitor, write_record
-from transformers_lab.sweeps.stats import best_of, compare, t_interval
+from transformers_lab.sweeps.stats import (
+    best_of,
+    bootstrap_interval,
+    compare,
+    interval,
+    metric_range,
+    t_interval,
+)
 from transformers_lab.sweeps.summary import summarize
 
 
@@ -54,10 +61,19 @@ def test_best_of_skips_missing_values():
     assert best_of([None, math.nan], "max") is None
 
 
-def job(folder, overrides, acc, status="ok"):
+def started(seed: str, extra: dict[str, str] | None = None) -> dict:
+    """A run's ``seeded`` record: the same for the same seed, as for kernels without
+    parameters of their own (``extra``: a kernel's own, shifting nothing here)."""
+    return {"data": "d0", "rng": f"r{seed}", "params": {"w": f"w{seed}", **(extra or {})}}
+
+
+def job(folder, overrides, acc, status="ok", seeded="auto", params=None):
     record = JobRecord(status=status, overrides=overrides, monitor=Monitor("val/acc", "max"))
     if status == "ok":
         record.metrics = {"val/acc": acc}
+        seed = next((o.split("=")[1] for o in overrides if o.startswith("seed=")), "0")
+        record.seeded = started(seed) if seeded == "auto" else seeded
+        record.params = params
     write_record(folder, record)
 
 
@@ -81,17 +97,22 @@ def test_best_over_lr_then_the_mean_over_seeds_and_the_test(tmp_path):
     groups = {g["choice"]: g for g in summary["groups"]}
     assert set(groups) == {"attention=softmax", "attention=fastmax"}  # lr is not a choice
     softmax, fastmax = groups["attention=softmax"], groups["attention=fastmax"]
-    assert softmax["seeds"] == {"0": 0.99, "1": 0.98, "2": 1.00}  # the best lr of each seed
-    assert fastmax["seeds"] == {"0": 0.52, "1": 0.55, "2": 0.48}
-    assert fastmax["comparison"].test == "paired t" and fastmax["comparison"].significant()
-    low, high = fastmax["ci"]
-    assert low < 0.5166 < high
+    # the lr with the best mean over seeds, all its seeds: softmax 0.89 at 1e-3 against
+    # 0.857 at 1e-2 (each seed's best lr would give 0.99, 0.98, 1.00: its luckiest draws)
+    assert softmax["seeds"] == {"0": 0.99, "1": 0.98, "2": 0.70}
+    assert fastmax["seeds"] == {"0": 0.52, "1": 0.50, "2": 0.48}  # 0.50 at 1e-2 > 0.467
+    comparison = fastmax["comparison"]
+    assert comparison.test == "paired t" and comparison.significant()  # p = 0.044
+    expected = scipy_stats.ttest_rel([0.52, 0.50, 0.48], [0.99, 0.98, 0.70]).pvalue
+    assert comparison.p == pytest.approx(expected)
+    spread = bootstrap_interval([0.52, 0.50, 0.48])
+    assert fastmax["ci"] == pytest.approx((spread.low, spread.high))
     chosen = [r["job"] for r in summary["jobs"] if r["best of cell"] == "yes"]
-    assert chosen == ["0", "2", "5", "7", "8", "11"]
+    assert chosen == ["0", "2", "4", "7", "9", "11"]
     md = (tmp_path / "grid" / "summary.md").read_text()
-    assert "Each cell is the best finished run over optimizer.lr." in md
+    assert "Each cell is the setting of optimizer.lr with the best mean over seeds" in md
     line = next(x for x in md.splitlines() if x.startswith("| attention=fastmax |"))
-    assert "(paired t)" in line and "*" in line and "[" in line
+    assert "(paired t)" in line and "0.5 ± 0.02 [0.484, 0.516] (n=3)" in line
 
 
 def test_a_sweep_and_its_repeat_with_the_same_seeds_count_every_run(tmp_path):
@@ -263,3 +284,129 @@ def test_a_baseline_that_every_run_shares_compares_nothing(tmp_path):
     summary = summarize(sweep, baseline="attention=softmax")  # no error: softmax is all
     assert all("comparison" not in g for g in summary["groups"])
     assert "Every run has the baseline's attention=softmax" in (sweep / "summary.md").read_text()
+
+
+# ---------------------------------------------------------------- intervals, pairing, n
+
+
+def test_an_interval_on_a_bounded_metric_stays_in_its_range():
+    assert metric_range("val/acc") == (0.0, 1.0) and metric_range("test/bleu") == (0.0, 100.0)
+    assert metric_range("val/loss") is None
+    # every resample of two seeds, 0 and 1: means 0, 0.5, 0.5, 1 (numpy's linear quantiles)
+    both = bootstrap_interval([0.0, 1.0])
+    assert (both.low, both.high) == pytest.approx((0.0375, 0.9625))
+    accs = [0.28, 0.98, 0.99]
+    assert t_interval(accs).high > 1.0  # Student's interval runs past an accuracy of 1
+    bounded = interval(accs, metric_range("val/acc"))
+    assert bounded.method == "bootstrap" and 0.28 <= bounded.low < bounded.high <= 0.99
+    assert interval(accs, None) == t_interval(accs)  # a loss keeps Student's t
+    many = [0.1 * i for i in range(9)]  # beyond 6 seeds: a fixed-seed Monte Carlo bootstrap
+    assert bootstrap_interval(many) == bootstrap_interval(many)
+    assert bootstrap_interval([0.7]).low is None
+
+
+def test_seeds_are_paired_only_where_each_seed_started_both_runs_alike(tmp_path):
+    """The same three seeds: fastmax's differences from softmax are steady, so a paired
+    test finds them (p < 0.05); Based's own projections shift the initial values of the
+    parameters it shares with softmax, so its seeds are not pairs and Welch's test, on the
+    same numbers, finds nothing. A record with no ``seeded`` (an older run) is not paired."""
+    sweep = tmp_path / "pairs"
+    soft, other = [0.30, 1.00, 0.60], [0.25, 0.93, 0.52]
+    n = 0
+    for kernel, accs in (("softmax", soft), ("fastmax", other), ("based", other)):
+        for seed, acc in enumerate(accs):
+            seeded = started(str(seed))
+            if kernel == "based":  # its projection drawn between the layers: w shifts too
+                seeded = {**seeded, "params": {"w": f"shifted{seed}", "proj": "p"}}
+            job(sweep / str(n), [f"attention={kernel}", f"seed={seed}"], acc, seeded=seeded)
+            n += 1
+    for seed, acc in enumerate(other):  # no record of what the seed fixed
+        job(sweep / str(n), ["attention=linear", f"seed={seed}"], acc, seeded=None)
+        n += 1
+    groups = {
+        g["choice"]: g["comparison"]
+        for g in summarize(sweep, baseline="attention=softmax")["groups"]
+        if "comparison" in g
+    }
+    paired = scipy_stats.ttest_rel(other, soft).pvalue
+    welch = scipy_stats.ttest_ind(other, soft, equal_var=False).pvalue
+    assert groups["attention=fastmax"].test == "paired t"
+    assert groups["attention=fastmax"].p == pytest.approx(paired) and paired < 0.05
+    for kernel in ("based", "linear"):
+        assert groups[f"attention={kernel}"].test == "Welch t"
+        assert groups[f"attention={kernel}"].p == pytest.approx(welch) and welch > 0.5
+    md = (sweep / "summary.md").read_text()
+    assert "paired by seed only where each seed started both runs alike" in md
+
+
+def test_one_seed_shows_n1_and_two_give_no_test(tmp_path):
+    sweep = tmp_path / "few"
+    job(sweep / "0", ["attention=softmax", "seed=0"], 0.9)
+    job(sweep / "1", ["attention=softmax", "seed=1"], 0.8)
+    job(sweep / "2", ["attention=linear", "seed=0"], 0.4)
+    job(sweep / "3", ["attention=linear", "seed=1"], 0.3)
+    job(sweep / "4", ["attention=cosine", "seed=0"], 0.2)
+    summarize(sweep, baseline="attention=softmax")
+    lines = (sweep / "summary.md").read_text().splitlines()
+    cosine = next(x for x in lines if x.startswith("| attention=cosine |"))
+    assert "| 0.2 (n=1) |" in cosine and "±" not in cosine
+    linear = next(x for x in lines if x.startswith("| attention=linear |"))
+    assert "0.35 ± 0.071 [0.304, 0.396] (n=2)" in linear and "| — (paired t, n<3) |" in linear
+    assert any("Fewer than 3 seeds a side: no test is meaningful" in x for x in lines)
+
+
+def test_the_grouped_table_shows_parameters_and_flags_an_unequal_count(tmp_path):
+    """Based carries 3.9% more parameters than softmax: the table says so."""
+    sweep = tmp_path / "sizes"
+    sizes = {"softmax": 10_000, "fastmax": 10_000, "based": 10_390, "linear": 10_050}
+    for n, (kernel, params) in enumerate(sizes.items()):
+        job(sweep / str(n), [f"attention={kernel}"], 0.5, params=params)
+    summary = summarize(sweep, baseline="attention=softmax")
+    off = {g["choice"]: g.get("params_off") for g in summary["groups"]}
+    assert off["attention=based"] == pytest.approx(0.039)
+    assert off["attention=fastmax"] is None and off["attention=linear"] is None  # 0.5%: within 1%
+    md = (sweep / "summary.md").read_text()
+    based = next(x for x in md.splitlines() if x.startswith("| attention=based |"))
+    assert "| 10,390 (+3.9%) ! |" in based
+    assert "! marks a parameter count more than 1% away from the baseline's" in md
+
+
+def hydra_run(folder, overrides, config, choices, acc):
+    """A job dir as Hydra leaves it: its composed config and the option of each group."""
+    from omegaconf import OmegaConf
+
+    (folder / ".hydra").mkdir(parents=True)
+    OmegaConf.save(config, folder / ".hydra" / "config.yaml")
+    OmegaConf.save({"hydra": {"runtime": {"choices": choices}}}, folder / ".hydra" / "hydra.yaml")
+    OmegaConf.save(overrides, folder / ".hydra" / "overrides.yaml")
+    job(folder, overrides, acc)
+
+
+def test_runs_group_by_what_they_ran_not_by_their_command_lines(tmp_path):
+    """attention=softmax given and softmax by default are one group; fastmax and
+    fastmax_p2, which compose to the same settings, are one group; a setting swept by hand
+    is named by its key."""
+    sweep = tmp_path / "resolved"
+    softmax = {"_target_": "Softmax", "p": None}
+    fastmax = {"_target_": "Fastmax", "p": 2}
+    runs = [
+        (["attention=softmax", "seed=0"], softmax, "softmax", 0.9),
+        (["seed=1"], softmax, "softmax", 0.8),
+        (["attention=fastmax", "seed=0"], fastmax, "fastmax", 0.5),
+        (["attention=fastmax_p2", "seed=1"], fastmax, "fastmax_p2", 0.4),
+        (["attention=fastmax", "seed=0", "optimizer.lr=0.01"], fastmax, "fastmax", 0.3),
+    ]
+    for n, (overrides, attention, option, acc) in enumerate(runs):
+        lr = 0.01 if "optimizer.lr=0.01" in overrides else 0.001
+        config = {"seed": int(overrides[-1][-1]) if "seed=1" in overrides else 0,
+                  "attention": attention, "optimizer": {"lr": lr}}  # fmt: skip
+        choices = {"attention": option, "optimizer": "adamw", "hydra/sweeper": "grid"}
+        hydra_run(sweep / str(n), overrides, config, choices, acc)
+    groups = {g["choice"]: g for g in summarize(sweep)["groups"]}
+    assert sorted(groups) == [
+        "attention=fastmax optimizer.lr=0.001",
+        "attention=fastmax optimizer.lr=0.01",
+        "attention=softmax optimizer.lr=0.001",
+    ]
+    assert sorted(groups["attention=softmax optimizer.lr=0.001"]["values"]) == [0.8, 0.9]
+    assert sorted(groups["attention=fastmax optimizer.lr=0.001"]["values"]) == [0.4, 0.5]

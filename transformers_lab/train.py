@@ -53,7 +53,7 @@ from transformers_lab.safety import interrupted
 from transformers_lab.sweeps.grid_sweeper import GridSweeper, register
 from transformers_lab.sweeps.job import job_overrides, name_wandb_run, run_job, sweep_resume
 from transformers_lab.sweeps.optuna_sweeper import register as register_sweeper
-from transformers_lab.sweeps.record import Outcome
+from transformers_lab.sweeps.record import Outcome, seeded
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ def fit_and_test(cfg: DictConfig) -> Outcome:
     model = build_model(cfg.model, datamodule)
     task = build_task(cfg.task, model, datamodule, run_config=resolved_sections(cfg))
     log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
+    start = seeded(model, task.run_config.get("data"))  # what the seed fixed, for pairing
     if cfg.get("compile") and (why := compile_model(model)):
         say(f"compile=true: torch.compile is unavailable here ({why}); training in eager mode")
     resumed_step = None
@@ -125,7 +126,7 @@ def fit_and_test(cfg: DictConfig) -> Outcome:
         finish_wandb(trainer)
     report(metrics, checkpoints)
     state = model.state_size() if isinstance(model, GPT) else None
-    return Outcome(metrics, best, task.num_params, checkpoints, state, pruned_at)
+    return Outcome(metrics, best, task.num_params, checkpoints, state, pruned_at, start)
 
 
 def pruned_step(trainer: L.Trainer) -> int | None:

@@ -8,6 +8,7 @@ study stopped early) with the metrics it reached, ``failed`` with its error, or
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -42,6 +43,32 @@ class Outcome:
     checkpoints: dict[str, str | None]  # best and last
     state_size: int | None = None  # a GPT's decoding state after block_size tokens
     pruned_at: int | None = None  # the global step an Optuna pruner stopped it at
+    seeded: dict[str, Any] | None = None  # what the seed fixed (``seeded``)
+
+
+def digest(data: bytes) -> str:
+    """A short fingerprint of some bytes (12 hex digits of SHA-1)."""
+    return hashlib.sha1(data).hexdigest()[:12]
+
+
+def seeded(model: Any, data_config: Any) -> dict[str, Any]:
+    """What a run's seed fixed before training, so that a summary pairs two runs by seed
+    only where the seed made them alike: the data (its resolved config: every data
+    module is generated or split from its own config), torch's random state once the
+    model is built (the order of the training batches is drawn from it), and each
+    parameter's initial values, by name. A kernel with parameters of its own (Based's
+    projections) draws them between the layers' and shifts everything drawn after."""
+    import torch
+
+    params = {
+        name: digest(p.detach().cpu().float().contiguous().numpy().tobytes())
+        for name, p in model.named_parameters()
+    }
+    return {
+        "data": digest(json.dumps(data_config, sort_keys=True, default=str).encode()),
+        "rng": digest(torch.get_rng_state().numpy().tobytes()),
+        "params": params,
+    }
 
 
 @dataclass
@@ -61,6 +88,7 @@ class JobRecord:
     error: str | None = None
     trial: int | None = None  # its Optuna trial's number (a study sweeper's job)
     pruned_at: int | None = None  # the global step its trial was pruned at
+    seeded: dict[str, Any] | None = None  # what its seed fixed: data, rng, initial params
 
     def finished(self, outcome: Outcome) -> None:
         """Fill in a fit's outcome: status ``ok``, or ``pruned`` if its trial was."""
@@ -68,6 +96,7 @@ class JobRecord:
         self.pruned_at = outcome.pruned_at
         self.metrics, self.params = dict(outcome.metrics), outcome.params
         self.state_size, self.checkpoints = outcome.state_size, dict(outcome.checkpoints)
+        self.seeded = outcome.seeded
         self.monitor.best = outcome.best
         self.objective = self.metrics.get(self.monitor.metric or "")
 

@@ -29,7 +29,7 @@ import re
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,8 @@ from transformers_lab.sweeps.record import (
     JobRecord,
     read_record,
 )
-from transformers_lab.sweeps.stats import best_of, compare, t_interval
+from transformers_lab.sweeps.settings import labelled_values
+from transformers_lab.sweeps.stats import MIN_FOR_TEST, best_of, compare, interval, metric_range
 from transformers_lab.sweeps.study_report import study_section
 
 log = logging.getLogger(__name__)
@@ -59,11 +60,21 @@ SUMMARY_FILES = ("summary.csv", "summary.md", "summary.png")
 @dataclass
 class Run:
     """One run as the summary sees it: its record (or what its dir shows of a job that
-    never wrote one), its label in the tables, and the dir given that holds it."""
+    never wrote one), its label in the tables, the dir given that holds it, and what tells
+    it from the other runs (``settings.labelled_values``: its seed, the options and
+    settings that changed, and its ``(identity)``, read from its composed config)."""
 
     job: str
     source: str
     record: JobRecord
+    values: dict[str, str] = field(default_factory=dict)
+    identity: dict[str, str] | None = None
+
+    def same_as(self, ignore: Sequence[str] = ()) -> tuple:
+        """The key of its group: its settings that change between runs (its labels where
+        no composed config tells them), the ``ignore`` keys aside."""
+        found = self.identity if self.identity is not None else self.values
+        return tuple(sorted((k, v) for k, v in found.items() if k not in (*ignore, *SEED_KEYS)))
 
 
 # ---------------------------------------------------------------- runs
@@ -109,7 +120,8 @@ def collect(*dirs: str | Path) -> list[Run]:
     With several dirs, a job is named ``<sweep>/<job>``. A job without a record, or whose
     record still says ``running`` (killed, or running now), is ``incomplete``, with the
     last metrics of its csv."""
-    runs = []
+    runs: list[Run] = []
+    found: list[tuple[list[str], Path]] = []
     for source in map(Path, dirs):
         for run_dir in run_dirs(source):
             record = read_record(run_dir) or JobRecord(
@@ -122,6 +134,9 @@ def collect(*dirs: str | Path) -> list[Run]:
             several = len(dirs) > 1 and run_dir != source
             job = f"{source.name}/{run_dir.name}" if several else run_dir.name
             runs.append(Run(job, source.name, record))
+            found.append((record.overrides, run_dir))
+    for run, (values, identity) in zip(runs, labelled_values(found), strict=True):
+        run.values, run.identity = values, identity
     return runs
 
 
@@ -130,7 +145,7 @@ def collect(*dirs: str | Path) -> list[Run]:
 
 def varying_keys(runs: Sequence[Run]) -> list[str]:
     """The override keys whose value differs between jobs (what the sweep varies)."""
-    maps = [override_map(r.record.overrides) for r in runs]
+    maps = [r.values for r in runs]
     keys = sorted({k for m in maps for k in m})
     return [k for k in keys if len({m.get(k) for m in maps}) > 1] or keys
 
@@ -138,7 +153,7 @@ def varying_keys(runs: Sequence[Run]) -> list[str]:
 def choice_values(run: Run, keys: Sequence[str], by_source: bool = False) -> dict[str, str]:
     """The job's swept values, seeds aside (and the dir it came from when ``by_source``):
     what makes its group."""
-    values = override_map(run.record.overrides)
+    values = run.values
     chosen = {k: values[k] for k in keys if k not in SEED_KEYS and k in values}
     return {"(source)": str(run.source), **chosen} if by_source else chosen
 
@@ -186,74 +201,117 @@ def job_rows(runs: Sequence[Run], metric: str) -> list[dict[str, Any]]:
 
 def seed_of(run: Run) -> str:
     """The run's seed (what repeats a choice), or its job name when it has none."""
-    values = override_map(run.record.overrides)
-    return next((values[k] for k in SEED_KEYS if k in values), run.job)
+    return next((run.values[k] for k in SEED_KEYS if k in run.values), run.job)
 
 
-def final_by_seed(runs: Sequence[Run], metric: str) -> dict[str, float]:
-    """Each run's final ``metric``, keyed by its seed: the key a paired test matches runs
-    by. Runs from several dirs (a sweep and its repeat, both with seeds 0 and 1) are keyed
-    by dir and seed; where a key still repeats (the same choice and seed run twice in one
-    dir, as an Optuna study may), by job: every value counts, and no pairing is made."""
+def by_seed(runs: Sequence[Run]) -> dict[str, Run]:
+    """The runs keyed by their seed: the key a paired test matches runs by. Runs from
+    several dirs (a sweep and its repeat, both with seeds 0 and 1) are keyed by dir and
+    seed; where a key still repeats (the same choice and seed run twice in one dir, as an
+    Optuna study may), by job: every value counts, and no pairing is made."""
     several = len({r.source for r in runs}) > 1
     keys = [f"{r.source}:{seed_of(r)}" if several else seed_of(r) for r in runs]
     if len(set(keys)) < len(keys):
         keys = [f"{r.source}:{r.job}" for r in runs]
-    return {key: r.record.metrics[metric] for key, r in zip(keys, runs, strict=True)}
+    return dict(zip(keys, runs, strict=True))
+
+
+def final_by_seed(runs: Sequence[Run], metric: str) -> dict[str, float]:
+    """Each run's final ``metric``, keyed as ``by_seed`` keys it."""
+    return {key: r.record.metrics[metric] for key, r in by_seed(runs).items()}
 
 
 def best_in_cells(runs: Sequence[Run], metric: str, mode: str, over: Sequence[str]) -> set[str]:
-    """The jobs that are the best of their cell: runs that differ only in the ``over``
-    keys (a learning-rate grid) form a cell, and its best finished run stands for it."""
-    cells: dict[tuple, list[Run]] = {}
+    """The jobs that stand for their cell: runs that differ only in the ``over`` keys (a
+    learning-rate grid) and their seeds form a cell, and the setting of the ``over`` keys
+    whose finished runs have the best mean stands for it, with all its seeds. (The best
+    rate of each seed apart would pick each seed's luckiest rate, and overstate the cell.)"""
+    cells: dict[tuple, dict[tuple, list[Run]]] = {}
     for run in runs:
-        values = override_map(run.record.overrides)
-        cell = tuple(sorted((k, v) for k, v in values.items() if k not in over))
-        cells.setdefault((run.source, cell), []).append(run)
+        cell = run.same_as(ignore=over)
+        setting = tuple(run.values.get(k) for k in over)
+        cells.setdefault((run.source, cell), {}).setdefault(setting, []).append(run)
     chosen = set()
-    for members in cells.values():
-        finished = [r for r in members if r.record.status == "ok"]
-        index = best_of([r.record.metrics.get(metric) for r in finished], mode)
+    for settings in cells.values():
+        finished = {
+            setting: [r for r in members if metric in r.record.metrics and r.record.status == "ok"]
+            for setting, members in settings.items()
+        }
+        finished = {k: v for k, v in finished.items() if v}
+        means = [statistics.fmean(r.record.metrics[metric] for r in v) for v in finished.values()]
+        index = best_of(means, mode)
         if index is not None:
-            chosen.add(finished[index].job)
+            chosen |= {r.job for r in list(finished.values())[index]}
     return chosen
 
 
 def group_rows(
-    runs: Sequence[Run], metric: str, keys: Sequence[str], by_source: bool = False
+    runs: Sequence[Run],
+    metric: str,
+    keys: Sequence[str],
+    by_source: bool = False,
+    ignore: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """The mean of ``metric`` (final and best) over the finished jobs of each choice, its
-    std and its 95% t-interval over seeds; ``seeds`` maps each seed to its final value
-    (``final_by_seed``)."""
-    groups: dict[str, list[Run]] = {}
+    """The mean of ``metric`` (final and best) over the finished jobs of each choice (runs
+    with the same settings, ``settings.IDENTITY``), its std and its 95% interval over seeds
+    (``stats.interval``: a bootstrap for a bounded metric), the ``ignore`` keys (a grid
+    searched over) aside; ``seeds`` maps each seed to its
+    final value and ``starts`` to what the seed fixed (``by_seed``); the choice's parameter
+    count and decoding state."""
+    bounds = metric_range(metric)
+    groups: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
-        groups.setdefault(choice_of(run, keys, by_source), []).append(run)
+        key = (run.source if by_source else "", run.same_as(ignore))
+        groups.setdefault(key, []).append(run)
     rows = []
-    for choice, members in groups.items():
+    for members in groups.values():
         ok = [r for r in members if r.record.status == "ok"]
-        seeds = final_by_seed([r for r in ok if metric in r.record.metrics], metric)
+        seeded = by_seed([r for r in ok if metric in r.record.metrics])
+        seeds = {key: r.record.metrics[metric] for key, r in seeded.items()}
         finals = list(seeds.values())
         bests = [b for r in ok if (b := r.record.best_of(metric)) is not None]
         sizes = {r.record.state_size for r in members} - {None}
-        interval = t_interval(finals) if finals else None
+        params = {r.record.params for r in members} - {None}
+        spread = interval(finals, bounds) if finals else None
         rows.append(
             {
-                "choice": choice,
+                "choice": choice_of(members[0], keys, by_source),
                 "values_of": choice_values(members[0], keys, by_source),
                 "runs": f"{len(ok)}/{len(members)}",
+                "params": params.pop() if len(params) == 1 else None,
                 "state_size": sizes.pop() if len(sizes) == 1 else None,
-                "mean": interval.mean if interval else None,
+                "mean": spread.mean if spread else None,
                 "std": statistics.stdev(finals) if len(finals) > 1 else 0.0 if finals else None,
-                "ci": (interval.low, interval.high)
-                if interval and interval.low is not None
-                else None,
+                "ci": (spread.low, spread.high) if spread and spread.low is not None else None,
+                "ci_method": spread.method if spread else None,
+                "n": len(finals),
                 "best mean": statistics.fmean(bests) if bests else None,
                 "best std": statistics.stdev(bests) if len(bests) > 1 else 0.0 if bests else None,
                 "values": finals,
                 "seeds": seeds,
+                "starts": {key: r.record.seeded for key, r in seeded.items()},
             }
         )
     return rows
+
+
+def alike(a: dict | None, b: dict | None) -> bool:
+    """Whether two runs started alike (``record.seeded``): the same data, the same random
+    state when training began (the order of the batches is drawn from it), and the same
+    initial values of every parameter both have. Unknown (an older record): no."""
+    if not a or not b:
+        return False
+    shared = set(a.get("params", {})) & set(b.get("params", {}))
+    return (
+        a.get("data") == b.get("data")
+        and a.get("rng") == b.get("rng")
+        and all(a["params"][name] == b["params"][name] for name in shared)
+    )
+
+
+def pairable(starts: dict[str, dict | None], base: dict[str, dict | None]) -> bool:
+    """Whether two groups may be paired by seed: the same seeds, each pair started alike."""
+    return set(starts) == set(base) and all(alike(starts[k], base[k]) for k in starts)
 
 
 def against_baseline(groups: Sequence[dict[str, Any]], baseline: str) -> None:
@@ -262,7 +320,8 @@ def against_baseline(groups: Sequence[dict[str, Any]], baseline: str) -> None:
     ``baseline`` sets some keys (``attention=softmax``, or several, space-separated); a
     group is compared with the group that differs from it only in those keys, set to the
     baseline's values: in a grid of kernels x widths, each kernel against softmax at the
-    same width. A group with no such partner gets no comparison."""
+    same width. A group with no such partner gets no comparison. The test is paired by
+    seed only where each seed started both runs alike (``pairable``), else Welch's."""
     wanted = override_map(baseline.split())
     if not wanted:
         raise UnknownChoice(f"the baseline {baseline!r} sets no key; give one as key=value")
@@ -270,10 +329,12 @@ def against_baseline(groups: Sequence[dict[str, Any]], baseline: str) -> None:
     for g in groups:
         target = frozenset({**g["values_of"], **wanted}.items())
         base = by_values.get(target)
-        if base is None or base is g:
+        if base is None:
             continue
-        if g["seeds"] and base["seeds"]:
-            g["comparison"] = compare(g["seeds"], base["seeds"])
+        g["base"] = base
+        if base is not g and g["seeds"] and base["seeds"]:
+            paired = pairable(g["starts"], base["starts"])
+            g["comparison"] = compare(g["seeds"], base["seeds"], paired)
             g["versus"] = base["choice"]
     if not any(frozenset(wanted.items()) <= frozenset(g["values_of"].items()) for g in groups):
         choices = ", ".join(repr(g["choice"]) for g in groups)
@@ -376,14 +437,14 @@ def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -
     ax.bar(
         range(len(shown)),
         [g["mean"] for g in shown],
-        yerr=[half_ci(g) for g in shown],
+        yerr=error_bars(shown),
         capsize=4,
         color="#4c72b0",
     )
     for i, g in enumerate(shown):  # each seed's value
         ax.plot([i] * len(g["values"]), g["values"], "o", color="#222222", markersize=3.5)
     ax.set_xticks(range(len(shown)), [g["choice"] for g in shown], rotation=30, ha="right")
-    ax.set_ylabel(f"final {metric} (mean, 95% CI)")
+    ax.set_ylabel(f"final {metric} (mean, 95% interval)")
     ax.set_title(title, fontsize=9)
     failed = [g["choice"] for g in groups if g["mean"] is None]
     if failed:
@@ -402,9 +463,18 @@ def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -
     plt.close(fig)
 
 
-def half_ci(g: dict[str, Any]) -> float:
-    """Half the width of a group's interval (0 with one seed)."""
-    return 0.0 if g.get("ci") is None else (g["ci"][1] - g["ci"][0]) / 2
+def error_bar(g: dict[str, Any]) -> tuple[float, float]:
+    """How far a group's interval reaches below and above its mean (0 with one seed; a
+    bootstrap interval need not be symmetric)."""
+    if g.get("ci") is None:
+        return (0.0, 0.0)
+    return (max(0.0, g["mean"] - g["ci"][0]), max(0.0, g["ci"][1] - g["mean"]))
+
+
+def error_bars(groups: Sequence[dict[str, Any]]) -> list[list[float]]:
+    """The groups' error bars as matplotlib takes them: [[below...], [above...]]."""
+    bars = [error_bar(g) for g in groups]
+    return [[b[0] for b in bars], [b[1] for b in bars]]
 
 
 def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -> None:
@@ -418,12 +488,12 @@ def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: 
     shown = [g for g in groups if g["mean"] is not None and g["state_size"]]
     fig, ax = plt.subplots(figsize=(6.0, 4.0), dpi=120)
     for g in shown:
-        ax.errorbar(g["state_size"], g["mean"], yerr=half_ci(g), fmt="o", capsize=3)
+        ax.errorbar(g["state_size"], g["mean"], yerr=error_bars([g]), fmt="o", capsize=3)
         ax.annotate(g["choice"], (g["state_size"], g["mean"]), fontsize=7,
                     xytext=(4, 3), textcoords="offset points")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("decoding state after block_size tokens (numbers per sequence)")
-    ax.set_ylabel(f"final {metric} (mean, 95% CI)")
+    ax.set_ylabel(f"final {metric} (mean, 95% interval)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, format="png")
@@ -457,7 +527,7 @@ def grid_rows(
     shown = {x, lines, panels, *SEED_KEYS, *ignore}
     cells: dict[tuple[str, str, str], dict[tuple, list[float]]] = {}
     for run in runs:
-        values = override_map(run.record.overrides)
+        values = run.values
         if run.record.status != "ok" or metric not in run.record.metrics or x not in values:
             continue
         panel = values.get(panels, "(all)") if panels else "(all)"
@@ -582,7 +652,7 @@ def summarize(
         grouped = [r for r in runs if r.job in chosen or r.record.status != "ok"]
         for row in rows:
             row["best of cell"] = "yes" if row["job"] in chosen else ""
-    groups = group_rows(grouped, metric, keys, by_source)
+    groups = group_rows(grouped, metric, keys, by_source, over)
     groups.sort(
         key=lambda g: (g["mean"] is None, -(g["mean"] or 0) if mode == "max" else g["mean"] or 0)
     )
@@ -592,6 +662,7 @@ def summarize(
         baseline = None
     if baseline:
         against_baseline(groups, baseline)
+    flag_params(groups)
     grid_table = None
     if grid:
         if len(grid) not in (2, 3):
@@ -620,14 +691,15 @@ def summarize(
         "",
         f"{len(rows)} jobs ({status}). Metric: `{metric}` ({better} is better).",
         "",
-        f"## By choice (final `{metric}`: mean ± std [95% t-interval] over seeds)",
+        f"## By choice (final `{metric}`: mean ± std [95% interval] over seeds)",
         "",
-        *grouping_notes(over, baseline),
+        *grouping_notes(over, baseline, groups, metric),
         *([" ".join(notes), ""] if notes else []),
         markdown_table(
             [group_cells(g, metric) for g in groups],
             ["choice", "runs ok", f"final {metric}", f"best {metric}"]
             + (["vs baseline", "p (test)"] if baseline else [])
+            + (["params"] if any(g["params"] for g in groups) else [])
             + (["state size"] if any(g["state_size"] for g in groups) else []),
         ),
         "",
@@ -735,49 +807,96 @@ def plot_curves(
     return write_curves(histories, metrics, Path(out) if out is not None else default_out(dirs))
 
 
-def grouping_notes(over: Sequence[str], baseline: str | None) -> list[str]:
-    """The lines that say how the grouped table was made."""
+def grouping_notes(
+    over: Sequence[str], baseline: str | None, groups: Sequence[dict[str, Any]], metric: str
+) -> list[str]:
+    """The lines that say how the grouped table was made, and what it cannot show."""
     notes = []
+    methods = {g["ci_method"] for g in groups if g.get("ci") is not None}
+    if "bootstrap" in methods:
+        low, high = metric_range(metric) or (0, 1)
+        notes.append(
+            f"`{metric}` lies in [{low:g}, {high:g}]: its interval is the percentile "
+            "bootstrap over seeds (every resample for up to 6 seeds), which stays in that "
+            "range; few seeds give a narrow one."
+        )
+    elif methods:
+        notes.append("The interval is Student's t over seeds.")
     if over:
-        notes.append(f"Each cell is the best finished run over {', '.join(over)}.")
+        notes.append(
+            f"Each cell is the setting of {', '.join(over)} with the best mean over seeds, "
+            "all its seeds kept."
+        )
     if baseline:
         notes.append(
             f"Compared with {baseline} at the same values of the other keys: the difference "
-            "of means, and the two-sided p of a paired t-test over seeds (Welch's t-test "
-            "where the seeds differ); * marks p < 0.05; a single seed on either side has "
-            "no test (—)."
+            "of means, and the two-sided p of a t-test, paired by seed only where each seed "
+            "started both runs alike (the same data and order, the same initial values of "
+            "the parameters both have; `result.json`'s `seeded`), else Welch's; * marks "
+            "p < 0.05."
+        )
+    if any(0 < g["n"] < MIN_FOR_TEST for g in groups):
+        notes.append(
+            f"Fewer than {MIN_FOR_TEST} seeds a side: no test is meaningful, and none is "
+            "given (—); n=1 has no spread."
+        )
+    params = [g for g in groups if g.get("params_off")]
+    if params:
+        notes.append(
+            "! marks a parameter count more than 1% away from "
+            + ("the baseline's" if baseline else "the most common one")
+            + ": the comparison is not at equal size."
         )
     return [" ".join(notes), ""] if notes else []
 
 
+def flag_params(groups: Sequence[dict[str, Any]]) -> None:
+    """Mark (``params_off``, the relative difference) each group whose parameter count is
+    more than 1% away from its baseline's (``base``, set by ``against_baseline``), or,
+    without a baseline, from the most common count."""
+    counts = [g["params"] for g in groups if g.get("params")]
+    if not counts:
+        return
+    common = max(sorted(set(counts)), key=counts.count)
+    for g in groups:
+        reference = g["base"]["params"] if g.get("base") else common
+        if g.get("params") and reference and abs(g["params"] / reference - 1) > 0.01:
+            g["params_off"] = g["params"] / reference - 1
+
+
 def group_cells(g: dict[str, Any], metric: str) -> dict[str, Any]:
     """One row of the grouped table."""
+    off = g.get("params_off")
     row = {
         "choice": g["choice"],
         "runs ok": g["runs"],
         f"final {metric}": with_ci(g),
-        f"best {metric}": pm(g["best mean"], g["best std"]),
-        "state size": g["state_size"],
+        f"best {metric}": pm(g["best mean"], g["best std"], g["n"]),
+        "params": ""
+        if g.get("params") is None
+        else f"{g['params']:,}" + (f" ({off:+.1%}) !" if off else ""),
+        "state size": "" if g.get("state_size") is None else f"{g['state_size']:,}",
     }
     if (c := g.get("comparison")) is not None:
         row["vs baseline"] = f"{c.difference:+.3g}"
-        p = "—" if c.p is None else f"{c.p:.2g}{'*' if c.significant() else ''}"
-        row["p (test)"] = f"{p} ({c.test})"
+        few = min(g["n"], g["base"]["n"]) < MIN_FOR_TEST
+        p = "—" if c.p is None or few else f"{c.p:.2g}{'*' if c.significant() else ''}"
+        row["p (test)"] = f"{p} ({c.test}{', n<3' if few else ''})"
     return row
 
 
 def with_ci(g: dict[str, Any]) -> str:
-    """``mean ± std [low, high]``; the interval only with two seeds or more."""
-    text = pm(g["mean"], g["std"])
+    """``mean ± std [low, high] (n=…)``; one seed: ``mean (n=1)``, no spread."""
+    text = pm(g["mean"], g["std"], g["n"])
     if g.get("ci") is not None:
         text += f" [{g['ci'][0]:.3g}, {g['ci'][1]:.3g}]"
-    return text
+    return text if g["mean"] is None else f"{text} (n={g['n']})"
 
 
-def pm(mean: float | None, std: float | None) -> str:
+def pm(mean: float | None, std: float | None, n: int = 2) -> str:
     if mean is None:
         return "—"
-    return f"{mean:.4g} ± {std:.2g}"
+    return f"{mean:.4g}" if n < 2 else f"{mean:.4g} ± {std:.2g}"
 
 
 def print_summary(summary: dict[str, Any]) -> None:
