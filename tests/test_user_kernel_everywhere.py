@@ -143,11 +143,12 @@ def test_the_readme_table_has_the_users_kernel_with_their_config_dir(user_path):
 
 def test_a_glob_sweep_runs_the_users_kernel(tmp_path):
     """``attention=glob(...)`` lists the options of every config dir, the user's too (Hydra's
-    own sweeper lists only those it started with: relu2 was silently left out)."""
+    own sweeper lists only those it started with: relu2 was silently left out), and the
+    joblib launcher's workers take the sweeper's loader as it pickles."""
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(USER)}
     proc = subprocess.run(
         [sys.executable, "-m", "transformers_lab.train", "-m", "attention=glob(relu*)",
-         "experiment=mqar", "debug=fdr", "logger=csv", "trainer.enable_progress_bar=false",
+         "launcher=joblib", "experiment=mqar", "debug=fdr", "logger=csv", "trainer.enable_progress_bar=false",
          f"hydra.searchpath=[file://{MY_CONF}]", f"hydra.sweep.dir={tmp_path}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

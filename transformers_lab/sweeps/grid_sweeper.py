@@ -44,6 +44,10 @@ class SearchPathLoader:
         return self.loader.get_group_options(group_name, results_filter, config_name, overrides)
 
     def __getattr__(self, name: str) -> Any:
+        # only what this object lacks; an unpickled one (a joblib worker's) asks for its
+        # own attributes before they are set, and must not ask the loader it has not got
+        if name in ("loader", "searchpath") or name.startswith("__"):
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
 
