@@ -43,7 +43,10 @@ TINY = ["debug=limit", *QUIET]  # 3 epochs of 3 training and 2 validation batche
 BUDGET = [
     ("tlab-train ckpt_path=", [*TINY, "trainer.max_epochs=4"]),  # one epoch more than saved
     ("tlab-train debug=", QUIET),
-    ("tlab-train sweep=attention_kernels", [*TINY, "hydra.sweeper.params.seed=0"]),
+    (
+        "tlab-train sweep=attention_kernels",
+        [*TINY, "hydra.sweeper.params.seed=0", "optimizer.lr=1e-3"],
+    ),
     ("tlab-train sweep=lr_optuna", [*TINY, "hydra.sweeper.n_trials=2"]),
     (
         "tlab-train sweep=mad",

@@ -904,7 +904,9 @@ def print_summary(summary: dict[str, Any]) -> None:
     rows = [group_cells(g, metric) for g in summary["groups"]]
     compared = any("vs baseline" in row for row in rows)
     columns = ["choice", "runs ok", f"final {metric}"]
-    print(markdown_table(rows, columns + (["vs baseline", "p (test)"] if compared else [])))
+    columns += ["vs baseline", "p (test)"] if compared else []
+    columns += [c for c in ("params", "state size") if any(row[c] for row in rows)]
+    print(markdown_table(rows, columns))
     failed = [r for r in summary["jobs"] if r["status"] != "ok"]
     for r in failed:
         print(f"job {r['job']} {r['status']}: {r['overrides']} {r['error']}".rstrip())
