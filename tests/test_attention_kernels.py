@@ -316,6 +316,26 @@ def test_cosformer_weighs_nearby_keys_more_and_refuses_positions_past_max_len():
         kernel(q, k, v, causal=True)
 
 
+def test_cosformer_rows_sum_to_1_where_relu_q_and_relu_k_never_overlap():
+    """q positive where k is negative and the other way round: relu(q)·relu(k) = 0 for
+    every pair, and without the feature floor every row (the first causal query's with
+    its one key, too) would be all zero; each path and the reference give rows of 1."""
+    kernel = make("cosformer", max_len=16)
+    sign = torch.tensor([1.0, -1.0]).repeat_interleave(D // 2).double()
+    q = torch.rand(1, H, 6, D, dtype=torch.float64) * sign
+    k = -torch.rand(1, H, 6, D, dtype=torch.float64) * sign
+    assert (torch.relu(q) @ torch.relu(k).transpose(-1, -2) == 0).all()
+    rows = torch.ones(1, H, 6, dtype=torch.float64)
+    for causal in (True, False):
+        torch.testing.assert_close(kernel.weights(q, k, causal=causal).sum(-1), rows)
+        torch.testing.assert_close(kernel.reference_weights(q, k, causal=causal).sum(-1), rows)
+    ones = torch.ones(1, H, 6, 1, dtype=torch.float64)  # each output: its row's sum
+    for impl in ("quadratic", "linear"):
+        fast = make("cosformer", max_len=16, impl=impl, chunk_size=4)
+        for causal in (True, False):
+            torch.testing.assert_close(fast(q, k, ones, causal=causal), ones)
+
+
 def test_cosformer_is_refused_where_queries_and_keys_have_no_common_positions(tmp_path):
     from transformers_lab.config import compose_config
     from transformers_lab.config_checks import check_config

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import urllib.error
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,11 +29,13 @@ SMALL = [
     "trainer.enable_model_summary=false",
 ]
 MQAR = ["data=mqar", "data.train_examples=8", "data.val_examples=8"]
+REAL = Path(os.environ.get("TLAB_DATA_DIR", "/nonexistent"))  # real data sets, if there
 
 
 def case(entry: str, args: list[str], message: str, **options) -> pytest.param:
     """``tlab-<entry> <args>`` must fail with ``message`` in its error line. ``{name}`` in
-    an argument is a file of the ``files`` fixture; ``$NAME=value`` sets an env var."""
+    an argument or the message is a file of the ``files`` fixture; ``$NAME=value`` sets an
+    env var."""
     return pytest.param(entry, args, message, id=f"{entry} {' '.join(args)}", **options)
 
 
@@ -88,6 +91,12 @@ CASES = [
         ["ckpt_path={plain}"],
         "was saved from a different model config (",
     ),
+    case(
+        "train",
+        ["ckpt_path={vit}", "optimizer.lr=0.01", "resume_may_change=[optimizer.lr]"],
+        "resume_may_change: optimizer.lr names no key of the model, data or task config that "
+        "the checkpoint is compared with (did you mean task.optimizer.lr?)",
+    ),
     case("train", ["ckpt_path={tmp}/nope.ckpt"], "no checkpoint at"),
     case("train", ["ckpt_path={junk}"], "junk.ckpt is not a checkpoint"),
     # where the run goes
@@ -116,6 +125,16 @@ CASES = [
     case("train", ["trainer.precision=fp8"], "trainer.precision must be one of"),
     case("train", ["trainer.limit_train_batches=1.5"], "limit_train_batches must be null or a"),
     case("train", ["trainer=tpu"], "unknown trainer 'tpu'"),
+    case(
+        "train",
+        ["trainer=gpu"],
+        "trainer.accelerator=gpu needs a GPU, and torch finds none on this machine (cuda or "
+        "mps); use trainer=cpu to train on the CPU",
+        marks=pytest.mark.skipif(
+            torch.cuda.is_available() or torch.backends.mps.is_available(),
+            reason="needs a machine without a GPU",
+        ),
+    ),
     case("train", ["monitor.mode=up"], "monitor.mode must be one of min, max, got 'up'"),
     case(
         "train",
@@ -127,12 +146,49 @@ CASES = [
     case(
         "train",
         ["model=gpt", *MQAR, "data.block_size=4"],
-        "data: block_size=4 is too short for num_kv_pairs=8: MQAR needs block_size >= 4 * ",
+        "data=mqar (SyntheticDataModule) refuses data.block_size=4, data.num_kv_pairs=8: "
+        "block_size=4 is too short for num_kv_pairs=8: MQAR needs block_size >= 4 * ",
     ),
     case(
         "train",
         ["data.val_fraction=0.9", "data.test_fraction=0.5"],
-        "data: val_fraction=0.9 + test_fraction=0.5 leave no training images",
+        "data=digits (DigitsDataModule) refuses data.val_fraction=0.9, data.test_fraction=0.5: "
+        "val_fraction=0.9 + test_fraction=0.5 leave no training images",
+    ),
+    # values a data module refuses itself: its constructor, or its set-up
+    case(
+        "train",
+        ["data=shakespeare_bpe", "data.encoding=nonsense"],
+        "data=shakespeare_bpe (ShakespeareBPEDataModule) refuses data.encoding='nonsense': "
+        "unknown tiktoken encoding 'nonsense'; known ones: gpt2, ",
+    ),
+    case(
+        "train",
+        ["data=multi30k", "data.tokenizer=tiktoken", "data.encoding=nonsense"],
+        "data=multi30k (TranslationDataModule) refuses data.encoding='nonsense': unknown "
+        "tiktoken encoding 'nonsense'",
+    ),
+    case(
+        "train",
+        [*MQAR, "data.problem=sorting"],
+        "data=mqar (SyntheticDataModule) refuses data.problem='sorting': unknown synthetic "
+        "problem 'sorting'; valid ones are: mqar, copy, sort",
+    ),
+    case(
+        "train",
+        ["data=mad_in_context_recall", "+data.k_motif_size=3"],
+        "data=mad_in_context_recall (MADDataModule) refuses data.k_motif_size=3: MAD's "
+        "in_context_recall takes no k_motif_size",
+    ),
+    case(  # refused as the tokenizer is built, when the data is set up
+        "train",
+        ["data=shakespeare_bpe", "data.bpe_file={junk}", "$TLAB_DATA_DIR={real}"],
+        "data=shakespeare_bpe (ShakespeareBPEDataModule) refuses data.bpe_file='{junk}': "
+        "bpe_file={junk} is not a .tiktoken ranks file",
+        marks=pytest.mark.skipif(
+            not (REAL / "shakespeare" / "input.txt").is_file(),
+            reason=f"needs the real Tiny Shakespeare under TLAB_DATA_DIR={REAL}",
+        ),
     ),
     case(
         "train",
@@ -203,6 +259,11 @@ CASES = [
     case("eval", ["ckpt_path={vit}", "split=train"], "split=train is not one of val, test"),
     case("eval", ["ckpt_path={vit}", "+data.batch_size=0"], "data.batch_size must be an integer"),
     case("eval", ["ckpt_path={vit}", "logger=nope"], "unknown logger 'nope'"),
+    case(  # the checkpoint's data config, which no option of tlab-eval's chose
+        "eval",
+        ["ckpt_path={vit}", "+data.val_fraction=0.9", "+data.test_fraction=0.5"],
+        "data (DigitsDataModule) refuses data.val_fraction=0.9, data.test_fraction=0.5: ",
+    ),
     # tlab-sample
     case("sample", ["ckpt_path={vit}"], "(DigitsDataModule) has no text tokenizer"),
     case("sample", ["ckpt_path={junk}"], "is not a checkpoint"),
@@ -234,7 +295,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     (root / "locked").mkdir(mode=0o500)
     names = ("junk.ckpt", "plain.ckpt", "file", "empty", "locked")
     paths = {name.split(".")[0]: str(root / name) for name in names}
-    return {"vit": str(root / "vit" / "checkpoints" / "last.ckpt"), **paths}
+    return {"vit": str(root / "vit" / "checkpoints" / "last.ckpt"), "real": str(REAL), **paths}
 
 
 def offline(url: str, path, timeout: float = 60.0) -> None:
@@ -261,5 +322,5 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert exit_.value.code == 2, err
-    assert len(errors) == 1 and message in errors[0], err
+    assert len(errors) == 1 and message.format(**files) in errors[0], err
     assert "Traceback" not in err

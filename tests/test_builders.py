@@ -11,7 +11,13 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, TQDMProgressBar
 from omegaconf import OmegaConf
 
-from transformers_lab.builders import build_callbacks, build_model, build_task, model_kwargs
+from transformers_lab.builders import (
+    build_callbacks,
+    build_model,
+    build_task,
+    compile_model,
+    model_kwargs,
+)
 from transformers_lab.data import SyntheticDataModule
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT
@@ -121,3 +127,17 @@ def test_the_trainer_profiles_nothing_at_no_cost_unless_a_profiler_is_asked_for(
         assert first is second is None  # one shared no-op context, nested or not
     cfg = compose_config("train", ["debug=profiler", "logger=csv"], tmp_path)
     assert isinstance(build_trainer(cfg).profiler, SimpleProfiler)
+
+
+def test_compile_true_says_it_compiled_the_model(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the compiler's probe runs
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **kw: compiled.append(self))
+    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)  # set back afterwards
+    model = build_model(config(), Data())
+    said = compile_model(model)
+    assert compiled == [model]
+    assert said == (
+        "compile=true: the model (GPT) runs through torch.compile (inductor), which compiles "
+        "it at its first batch"
+    )

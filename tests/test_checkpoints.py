@@ -71,3 +71,19 @@ def test_a_resume_with_another_config_names_each_change(tmp_path):
         check_resume(checkpoint, {"model": {"n": 2}, "data": {"root": "/a", "size": 2}}, "c")
     check_resume(checkpoint, {"model": {"n": 2}, "data": {"size": 2}}, "c", ["data"])
     check_resume({}, {"model": {"n": 3}}, "c")  # no saved config: shapes only, later
+
+
+def test_a_key_resume_may_change_does_not_have_is_refused_with_the_nearest():
+    """``optimizer.lr`` is ``task.optimizer.lr`` in the sections a checkpoint holds: listed
+    as it is, it would allow nothing, and the run would be refused for the change anyway."""
+    saved = {"task": {"optimizer": {"lr": 1e-3}}, "model": {"dropout": 0.1}}
+    checkpoint = {"tlab_config": saved}
+    now = {"task": {"optimizer": {"lr": 1e-2}}, "model": {"dropout": 0.1}}
+    with pytest.raises(ConfigError, match=r"optimizer.lr names no key .*did you mean task.opt"):
+        check_resume(checkpoint, now, "c", ["optimizer.lr"])
+    with pytest.raises(ConfigError, match=r"model.drpout names no .*did you mean model.dropout\?"):
+        check_resume(checkpoint, now, "c", ["model.drpout"])
+    with pytest.raises(ConfigError, match=r"nope names no key .*\(--cfg job prints them\)"):
+        check_resume({}, now, "c", ["nope"])  # checked without a saved config too
+    check_resume(checkpoint, now, "c", ["task.optimizer.lr"])
+    check_resume(checkpoint, now, "c", ["task.optimizer", "model"])  # whole sections

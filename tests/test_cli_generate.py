@@ -218,6 +218,16 @@ def test_load_task_with_another_block_size_names_exactly_that_key(gpt_ckpt):
     assert "(data.block_size: 16 -> 24);" in str(err.value)
 
 
+def test_a_data_option_the_checkpoints_tokenizer_refuses_names_that_key(bpe_gpt_ckpt):
+    """The saved tokenizer state is refused as it is loaded into the data module (another
+    encoding than the model was trained with): one ConfigError naming the key."""
+    with pytest.raises(ConfigError) as err:
+        load_task(bpe_gpt_ckpt, data={"encoding": "gpt2"})
+    said = str(err.value)
+    assert "(ShakespeareBPEDataModule) refuses data.encoding='gpt2': the checkpoint " in said
+    assert "trained with the tiktoken encoding 'tiny'" in said
+
+
 def sample_main(ckpt: Path, out: Path, monkeypatch, capsys, *overrides: str) -> tuple[int, str]:
     argv = ["tlab-sample", f"ckpt_path={ckpt}", *overrides, f"hydra.run.dir={out}"]
     monkeypatch.setattr(sys, "argv", argv)

@@ -306,6 +306,33 @@ def test_a_compiled_step_compiles_once_for_every_sequence_length(monkeypatch, ca
         torch._dynamo.reset()
 
 
+def test_compiled_kernels_on_the_quadratic_path_say_once_a_class_that_it_is_not_compiled(
+    monkeypatch, caplog
+):
+    # impl=auto takes the quadratic path while the keys are no more than the features
+    # (fastmax p=2 with D=8: 45; linear: 8), whose N x N form has no compiled steps
+    from transformers_lab.attention import build_kernel
+    from transformers_lab.attention.fastmax import feature_kernel
+
+    monkeypatch.setattr(feature_kernel, "UNCOMPILED_SAID", set())
+    q, k, v = (torch.randn(1, 2, 8, 8) for _ in range(3))
+    with caplog.at_level("WARNING"):
+        build_kernel("fastmax", head_dim=8, num_heads=2)(q, k, v)  # not compiled: nothing
+        for name in ("fastmax", "fastmax", "linear"):  # two fastmax modules: one class
+            kernel = build_kernel(name, head_dim=8, num_heads=2, compiled=True)
+            for causal in (True, False, True):
+                kernel(q, k, v, causal=causal)
+    said = [r.getMessage() for r in caplog.records if "runs uncompiled" in r.getMessage()]
+    assert said == [
+        "attention.compiled=true: fastmax runs uncompiled at 8 keys, on its quadratic path "
+        "(impl=auto takes it while the keys are no more than its 45 features); only the "
+        "linear path is compiled: attention.impl=linear forces it",
+        "attention.compiled=true: linear runs uncompiled at 8 keys, on its quadratic path "
+        "(impl=auto takes it while the keys are no more than its 8 features); only the "
+        "linear path is compiled: attention.impl=linear forces it",
+    ]
+
+
 def test_a_step_past_the_recompile_limit_runs_eagerly_and_keeps_compiling(monkeypatch, caplog):
     from torch._dynamo.exc import FailOnRecompileLimitHit
 

@@ -77,6 +77,17 @@ def test_a_sweep_keeps_its_study_in_the_sweep_dir_and_each_trial_in_its_own_job_
     assert "## Study `lr`" in summary and "3 trials (3 complete) of n_trials=3" in summary
 
 
+def test_a_trial_prints_none_of_the_warnings_optuna_gives_this_sweeper(tmp_path):
+    """The sweeper asks for trials outside ``Study.optimize`` and records their heartbeats
+    itself, and reclaims stale trials with a function Optuna calls experimental: Optuna's
+    warnings about both are expected, and said around no trial."""
+    proc = run(tmp_path, tmp_path / "sweep", "hydra.sweeper.n_trials=1", "test=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trial 0: " in proc.stdout
+    output = proc.stdout + proc.stderr
+    assert "ExperimentalWarning" not in output and "Heartbeat of storage" not in output
+
+
 @pytest.mark.slow
 def test_a_sweep_killed_in_its_third_trial_resumes_to_exactly_n_trials(tmp_path):
     sweep = tmp_path / "sweep"

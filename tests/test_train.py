@@ -240,6 +240,17 @@ def test_train_then_eval_reproduces_the_validation_metric(tmp_path):
     assert evaluate(cfg)["val/acc"] == pytest.approx(logged, abs=1e-6)
 
 
+def test_eval_takes_cpu_threads_as_train_does(tmp_path, monkeypatch):
+    one_batch = ["trainer.max_epochs=1", "trainer.limit_train_batches=1", "test=false"]
+    run_train(tmp_path, [*SMALL, *one_batch, "trainer.limit_val_batches=1"])
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)  # the tests' own stay
+    overrides = [f"ckpt_path={last}", "logger=csv", "cpu_threads=1"]
+    metrics = evaluate(compose_run("eval", overrides, tmp_path / "eval"))
+    assert threads == [1] and "val/acc" in metrics
+
+
 def test_resume_from_last_continues_the_global_step_and_the_schedule(tmp_path, capsys):
     limit = [*SMALL, "trainer.limit_train_batches=3", "test=false"]
     run_train(tmp_path, [*limit, "trainer.max_epochs=2"], "first")

@@ -148,7 +148,8 @@ def test_a_glob_sweep_runs_the_users_kernel(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(USER)}
     proc = subprocess.run(
         [sys.executable, "-m", "transformers_lab.train", "-m", "attention=glob(relu*)",
-         "launcher=joblib", "experiment=mqar", "debug=fdr", "logger=csv", "trainer.enable_progress_bar=false",
+         "launcher=joblib", "experiment=mqar", "debug=fdr", "logger=csv",
+         "trainer.enable_progress_bar=false",
          f"hydra.searchpath=[file://{MY_CONF}]", f"hydra.sweep.dir={tmp_path}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
+import re
 from typing import Any
 
 import lightning as L
@@ -21,15 +23,60 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.profilers import PassThroughProfiler
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.config import CONF_DIR, call, option, target_class
+from transformers_lab.config import CONF_DIR, call, flatten, option, target_class
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def build_datamodule(config: DictConfig) -> L.LightningDataModule:
-    return call(config, "data")
+# what a data module raises for a value of its config that it cannot use
+REFUSALS = (ValueError, LookupError, TypeError)
+
+
+def build_datamodule(
+    config: DictConfig, checkpoint: dict[str, Any] | None = None
+) -> L.LightningDataModule:
+    """The data module of ``config``, ready to size a model: built, given the state that
+    ``checkpoint`` holds for it (the tokenizer a model was trained with), its files
+    fetched (``prepare_data``) and its splits set up, on the first local process (under
+    DDP the trainer sets up the others once that one has the files). A value that the
+    module refuses on the way, in its constructor or deep in a tokenizer's loader, is one
+    ``ConfigError`` that names the data config and the key (``data_refusal``)."""
+    factory = call(config, "data", _partial_=True)  # a _target_ that cannot be imported
+    try:
+        datamodule = factory()
+        state = (checkpoint or {}).get(type(datamodule).__qualname__)
+        if state:
+            datamodule.load_state_dict(state)
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            datamodule.prepare_data()
+            datamodule.setup("fit")  # every split: the modules here set up all at once
+    except ConfigError:
+        raise
+    except REFUSALS as exc:
+        raise ConfigError(data_refusal(config, exc)) from exc
+    return datamodule
+
+
+def data_refusal(config: DictConfig, exc: Exception) -> str:
+    """A data module's refusal in one line: the data config, the keys it is about (those
+    its message names, or whose value it quotes, as an encoding's name), and the message."""
+    values = {
+        key: value
+        for key, value in flatten(OmegaConf.to_container(config, resolve=True)).items()
+        if not key.startswith("_")
+    }
+    said = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    keys = [
+        f"data.{key}={value!r}"
+        for key, value in values.items()
+        if re.search(rf"(?<![\w/-]){re.escape(key)}(?![\w/.-])", said)  # a word, not in a path
+        or (isinstance(value, str) and repr(value) in said)
+    ]
+    # tlab-eval's data config is the checkpoint's, which no option of its own chose
+    what = f"{option('data').removesuffix('=?')} ({target_class(config).__name__})"
+    return f"{what} refuses {', '.join(keys) or 'a value of its config'}: {said}"
 
 
 def option_classes(group: str) -> list[tuple[str, type]]:
@@ -107,17 +154,22 @@ def build_model(config: DictConfig, datamodule: Any) -> torch.nn.Module:
     return call(config, "model", **model_kwargs(config, datamodule))
 
 
-def compile_model(model: torch.nn.Module) -> str | None:
+def compile_model(model: torch.nn.Module) -> str:
     """``torch.compile`` the model in place (its state dict keeps its keys); a part that
-    fails to compile later runs eagerly (dynamo's ``suppress_errors``). Returns None, or
-    why the compiler cannot run here (the model is left as it was)."""
+    fails to compile later runs eagerly (dynamo's ``suppress_errors``). Returns the line
+    that says what runs: the model compiled, or why the compiler cannot run here (the
+    model is left as it was)."""
     try:
         torch.compile(lambda x: x * 2 + 1)(torch.ones(2))
     except Exception as exc:  # no C++ compiler, an unsupported platform or Python
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return f"compile=true: torch.compile is unavailable here ({why}); training in eager mode"
     torch._dynamo.config.suppress_errors = True
     model.compile()
-    return None
+    return (
+        f"compile=true: the model ({type(model).__name__}) runs through torch.compile "
+        "(inductor), which compiles it at its first batch"
+    )
 
 
 def build_task(

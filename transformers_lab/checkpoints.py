@@ -4,6 +4,7 @@ with)."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -132,12 +133,12 @@ def check_resume(
     """Refuse to resume ``checkpoint`` into a run whose model, data or task config (the
     kernel's class and options included) differs from the one it was trained with; the
     one-line error names each key with its old and new value."""
-    saved = checkpoint.get("tlab_config")
+    saved = checkpoint.get("tlab_config") or {}
+    old = {k: saved.get(k, {}) for k in config}
+    check_may_change(may_change, old, config)
     if not saved:  # not written by tlab-train: only the tensor shapes can be checked
         return
-    changed = differences(
-        {k: saved.get(k, {}) for k in config}, config, (*RESUME_MAY_CHANGE, *may_change)
-    )
+    changed = differences(old, config, (*RESUME_MAY_CHANGE, *may_change))
     if not changed:
         return
     overrides = Path(path).resolve().parent.parent / ".hydra" / "overrides.yaml"
@@ -151,3 +152,25 @@ def check_resume(
         f"with the options it was trained with{given}, list a key in "
         f"resume_may_change=[...] to change it on purpose, or drop ckpt_path to start afresh"
     )
+
+
+def check_may_change(may_change: Sequence[str], *configs: dict) -> None:
+    """Refuse a key of ``resume_may_change`` that is no key (nor section) of the compared
+    ``configs``: it would allow nothing, and the change it was meant for would still be
+    refused, with the advice to list a key that is listed. The error names the nearest."""
+    known = set()
+    for config in configs:
+        known.update(config)  # the sections, an empty one too
+        for key in flatten(config):
+            parts = key.split(".")
+            known.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for key in may_change:
+        if key in known:
+            continue
+        near = sorted(k for k in known if k.endswith(f".{key}"))
+        near = near or difflib.get_close_matches(key, sorted(known), n=3)
+        hint = f"did you mean {' or '.join(near)}?" if near else "--cfg job prints them"
+        raise ConfigError(
+            f"resume_may_change: {key} names no key of the model, data or task config that "
+            f"the checkpoint is compared with ({hint}); give each key by its full name there"
+        )

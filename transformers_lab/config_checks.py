@@ -157,6 +157,24 @@ def check_rules(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be {expect.text}, got {shown(value)}")
 
 
+# the torch devices each of Lightning's GPU accelerators runs on
+GPU_ACCELERATORS = {"gpu": ("cuda", "mps"), "cuda": ("cuda",), "mps": ("mps",)}
+
+
+def check_accelerator(trainer: Any) -> None:
+    """A GPU accelerator (``trainer=gpu``, ``fsdp``) needs a GPU this machine has; without
+    one, the error names the CPU preset (Lightning would say only that it found no GPU
+    backend, after the data and the model were built)."""
+    accelerator = str(trainer.get("accelerator"))
+    devices = GPU_ACCELERATORS.get(accelerator, ())
+    if devices and not any(map(available_device, devices)):
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} needs a GPU, and torch finds none on this "
+            f"machine ({' or '.join(devices)}); use trainer=cpu to train on the CPU, or run "
+            "where a GPU is"
+        )
+
+
 def check_schedule(scheduler: Any) -> None:
     """A schedule of pinned length (``scheduler.max_steps``) must outlast its warm-up; a
     null length follows the run's steps and shortens the warm-up to fit."""
@@ -310,6 +328,7 @@ def check_config(cfg: DictConfig) -> None:
         check_attention(cfg.model, data.get("block_size") or data.get("max_len"))
     check_schedule(cfg.get("scheduler"))
     trainer = cfg.get("trainer") or {}
+    check_accelerator(trainer)
     if trainer.get("max_epochs") == -1 and trainer.get("max_steps") == -1:
         raise ConfigError("trainer.max_epochs=-1 with trainer.max_steps=-1 never stops; set one")
     stopper = (cfg.get("callbacks") or {}).get("early_stopping")

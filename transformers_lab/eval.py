@@ -21,7 +21,13 @@ from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR, call
 from transformers_lab.config_checks import check_config
 from transformers_lab.errors import ConfigError
-from transformers_lab.runs import finish_wandb, metrics_dict, print_metrics, restore
+from transformers_lab.runs import (
+    finish_wandb,
+    metrics_dict,
+    print_metrics,
+    restore,
+    use_cpu_threads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +40,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg)
     if cfg.split not in SPLITS:
         raise ConfigError(f"split={cfg.split} is not one of {', '.join(SPLITS)}")
+    use_cpu_threads(cfg)
     L.seed_everything(cfg.seed, workers=True)
     checkpoint, datamodule, task = restore(cfg)
     if cfg.split == "test" and not is_overridden("test_dataloader", datamodule):

@@ -1,11 +1,10 @@
-"""What the entry points share about a run: preparing its data, restoring one from its
+"""What the entry points share about a run: its CPU threads, restoring one from its
 checkpoint, the lines it prints, and closing its loggers. No entry point imports
 another; they all import this."""
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,11 +31,11 @@ def metrics_dict(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in sorted(metrics.items())}
 
 
-def prepare(datamodule: L.LightningDataModule) -> None:
-    """Download or unpack the data before the model is sized from it (on the first local
-    process only: under DDP the others start once the trainer launches them)."""
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        datamodule.prepare_data()
+def use_cpu_threads(cfg: DictConfig) -> None:
+    """Give torch the run's ``cpu_threads`` (null: torch's default), so that runs that share
+    a machine do not each take all of its cores."""
+    if cfg.get("cpu_threads"):
+        torch.set_num_threads(int(cfg.cpu_threads))
 
 
 def say(*lines: str, file: Any = None) -> None:
@@ -138,22 +137,11 @@ def saved_run(checkpoint: dict[str, Any], path: Any, data_overrides: Any) -> Dic
     return run
 
 
-def checkpoint_data(checkpoint: dict[str, Any], run: DictConfig) -> L.LightningDataModule:
-    """The data module of a saved run, with the tokenizer state the checkpoint holds
-    (the vocabulary the model was trained with)."""
-    datamodule = build_datamodule(run.data)
-    state = checkpoint.get(type(datamodule).__qualname__)
-    if state:
-        datamodule.load_state_dict(state)
-    return datamodule
-
-
 def restore(cfg: DictConfig) -> tuple[dict[str, Any], L.LightningDataModule, Any]:
     """The checkpoint, its data module (tokenizer restored) and its task, weights loaded."""
     checkpoint = load_checkpoint(cfg.ckpt_path)
     run = saved_run(checkpoint, cfg.ckpt_path, cfg.get("data"))
-    datamodule = checkpoint_data(checkpoint, run)
-    prepare(datamodule)
+    datamodule = build_datamodule(run.data, checkpoint)  # the tokenizer it was trained with
     task = build_task(run.task, build_model(run.model, datamodule), datamodule)
     check_checkpoint(checkpoint, task, cfg.ckpt_path, resolved_sections(run))
     task.load_state_dict(checkpoint["state_dict"])
@@ -168,7 +156,6 @@ def load_task(
     scripts. ``data`` overrides entries of the saved data config (e.g. ``batch_size``)."""
     config = OmegaConf.create({"ckpt_path": str(ckpt_path), "data": data or {}})
     _, datamodule, task = restore(config)
-    datamodule.setup("fit")
     return task.eval(), datamodule
 
 

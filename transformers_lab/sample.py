@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig
 
-from transformers_lab.builders import build_model
+from transformers_lab.builders import build_datamodule, build_model
 from transformers_lab.checkpoints import load_checkpoint
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
@@ -23,14 +23,14 @@ from transformers_lab.config_checks import check_config
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT
-from transformers_lab.runs import checkpoint_data, load_weights, saved_run
+from transformers_lab.runs import load_weights, saved_run
 
 
 def load_generator(cfg: DictConfig) -> tuple[torch.nn.Module, L.LightningDataModule]:
     """The GPT of the checkpoint (weights loaded) and the data module with its tokenizer."""
     checkpoint = load_checkpoint(cfg.ckpt_path)
     run = saved_run(checkpoint, cfg.ckpt_path, cfg.get("data"))
-    datamodule = checkpoint_data(checkpoint, run)
+    datamodule = build_datamodule(run.data, checkpoint)  # the tokenizer it was trained with
     if not isinstance(datamodule, TextData):
         raise ConfigError(
             f"the checkpoint's data ({type(datamodule).__name__}) has no text tokenizer to "

@@ -20,7 +20,6 @@ import sys
 
 import hydra
 import lightning as L
-import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from omegaconf import DictConfig
 
@@ -45,9 +44,9 @@ from transformers_lab.runs import (
     log_hyperparameters,
     metrics_dict,
     nothing_left_to_train,
-    prepare,
     report,
     say,
+    use_cpu_threads,
 )
 from transformers_lab.safety import interrupted
 from transformers_lab.sweeps.grid_sweeper import GridSweeper, register
@@ -72,17 +71,15 @@ def fit_and_test(cfg: DictConfig) -> Outcome:
     if checkpoint is not None:
         may_change = list(cfg.get("resume_may_change") or ())
         check_resume(checkpoint, resolved_sections(cfg), cfg.ckpt_path, may_change)
-    if cfg.get("cpu_threads"):
-        torch.set_num_threads(int(cfg.cpu_threads))
+    use_cpu_threads(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg.data)
-    prepare(datamodule)
     model = build_model(cfg.model, datamodule)
     task = build_task(cfg.task, model, datamodule, run_config=resolved_sections(cfg))
     log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
     start = seeded(model, task.run_config.get("data"))  # what the seed fixed, for pairing
-    if cfg.get("compile") and (why := compile_model(model)):
-        say(f"compile=true: torch.compile is unavailable here ({why}); training in eager mode")
+    if cfg.get("compile"):
+        say(compile_model(model))
     resumed_step = None
     if checkpoint is not None:  # and its tensors fit (a checkpoint with no saved config)
         check_checkpoint(checkpoint, task, cfg.ckpt_path, task.run_config)

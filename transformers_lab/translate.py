@@ -20,14 +20,14 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, ListConfig
 
-from transformers_lab.builders import build_model
+from transformers_lab.builders import build_datamodule, build_model
 from transformers_lab.checkpoints import load_checkpoint
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR, target_class
 from transformers_lab.config_checks import check_config
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT, Transformer
-from transformers_lab.runs import checkpoint_data, load_weights, saved_run
+from transformers_lab.runs import load_weights, saved_run
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule
             f"experiment=transformer_multi30k); {cfg.ckpt_path} holds a {cls.__name__} "
             f"trained on {data}{hint}"
         )
-    datamodule = checkpoint_data(checkpoint, run)
+    datamodule = build_datamodule(run.data, checkpoint)  # the tokenizer it was trained with
     model = build_model(run.model, datamodule)
     return load_weights(model, checkpoint, cfg.ckpt_path, run), datamodule
 

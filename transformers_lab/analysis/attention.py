@@ -3,7 +3,7 @@
     with AttentionCapture(model) as capture:
         model(x)
     capture.maps["blocks.0.attn"]          # (B, H, Nq, Nk), rows sum to 1
-    fig = plot_attention_maps(capture.maps, tokens=["a", "b", ...])
+    fig = plot_attention_maps(capture.maps, task.example(batch))  # the tokens on the axes
 
 The capture hooks the attention *kernels*: before each kernel call it reads the per-head
 q and k the kernel receives and asks the kernel for ``weights(q, k, ...)``, the explicit
@@ -14,6 +14,7 @@ the ``with`` block ends, even on an error.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -143,6 +144,18 @@ def attention_maps(model: nn.Module, *inputs: Any, **kwargs: Any) -> dict[str, T
     return capture.maps
 
 
+# tick labels are set in 6 pt type, at least this far apart (in points) to stay readable
+LABEL_PITCH = 8
+
+
+def readable_ticks(n: int, length: float, max_labels: int | None = None) -> range:
+    """The positions of ``n`` that get a label on an axis ``length`` points long: every
+    one where they fit ``LABEL_PITCH`` apart (or ``max_labels`` of them), else every k-th
+    from the first, k as small as fits."""
+    room = max(1, max_labels if max_labels is not None else int(length // LABEL_PITCH))
+    return range(0, n, math.ceil(n / room))
+
+
 def plot_attention(
     weights: Tensor,
     queries: Sequence[str] | None = None,
@@ -150,11 +163,12 @@ def plot_attention(
     *,
     ax: Any = None,
     title: str = "",
-    max_labels: int = 48,
+    max_labels: int | None = None,
 ) -> Any:
     """Heatmap of one map (Nq, Nk): queries down, keys across, colour from 0 to the
-    row maximum over the map. Tick labels are drawn when there are at most
-    ``max_labels`` of them. Returns the matplotlib Axes."""
+    row maximum over the map. ``queries`` and ``keys`` (the tokens) label the ticks: all
+    of them where they fit the axis, else an evenly spaced subset (``readable_ticks``;
+    ``max_labels`` caps their number). Returns the matplotlib Axes."""
     from matplotlib.figure import Figure
 
     if weights.dim() != 2:
@@ -163,15 +177,17 @@ def plot_attention(
         ax = Figure(figsize=(4, 4)).subplots()
     w = weights.detach().float().cpu().numpy()
     ax.imshow(w, cmap="viridis", vmin=0.0, vmax=max(float(w.max()), 1e-12), aspect="auto")
-    for labels, set_ticks, set_labels, n in (
-        (queries, ax.set_yticks, ax.set_yticklabels, w.shape[0]),
-        (keys, ax.set_xticks, ax.set_xticklabels, w.shape[1]),
+    box = ax.get_window_extent()  # in pixels, as the figure lays the axes out now
+    points = 72 / ax.figure.dpi
+    for labels, axis, n, length, rotation in (
+        (queries, ax.yaxis, w.shape[0], box.height * points, 0),
+        (keys, ax.xaxis, w.shape[1], box.width * points, 90),
     ):
-        if labels is not None and len(labels) == n and n <= max_labels:
-            set_ticks(range(n))
-            set_labels(labels, fontsize=6, rotation=90 if set_ticks == ax.set_xticks else 0)
-        else:
-            set_ticks([])
+        if labels is None or len(labels) != n:
+            axis.set_ticks([])
+            continue
+        shown = readable_ticks(n, length, max_labels)
+        axis.set_ticks(shown, [labels[i] for i in shown], fontsize=6, rotation=rotation)
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     if title:

@@ -9,6 +9,12 @@ and cos(a - b) = cos a cos b + sin a sin b splits it into the features
 engine (p = 0) with twice the head dim. M is fixed (``max_len``), not the length of each
 call, so that a causal forward and token-by-token decoding weigh alike; positions past M
 are refused. Nearby tokens weigh more (the locality bias of the paper).
+
+The features are relu(x) + ``FEATURE_FLOOR``, not relu(x) alone: where relu(q_i) and
+relu(k_j) share no positive coordinate for every key j a query sees (the first causal
+query has one key), every product is 0 and the row would be all zero, not a distribution.
+The floor gives every visible key a weight of at least D·floor² cos(·) > 0 (|i - j| < M),
+too small to change the weights of features of ordinary size.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from torch import Tensor
 from transformers_lab.attention import naive
 from transformers_lab.attention.fastmax import FeatureKernel
 
+# added to relu(x), so that every key a query sees has a positive weight (module docstring)
+FEATURE_FLOOR = 1e-6
+
 
 class CosFormerAttention(FeatureKernel):
     """cosFormer attention: ReLU features with the cos re-weighting, linear time.
@@ -32,7 +41,7 @@ class CosFormerAttention(FeatureKernel):
     """
 
     name = "cosformer"
-    formula = "relu(q)·relu(k) cos(π(i−j)/2M), normalised over keys"
+    formula = "(relu(q)+ε)·(relu(k)+ε) cos(π(i−j)/2M), normalised over keys, ε = 10⁻⁶"
     positional = True
 
     def __init__(
@@ -66,7 +75,7 @@ class CosFormerAttention(FeatureKernel):
         return f"{super().extra_repr()}, max_len={self.max_len}"
 
     def features(self, x: Tensor, role: str) -> Tensor:
-        return torch.relu(x)
+        return torch.relu(x) + FEATURE_FLOOR
 
     def angles(self, start: int, n: int, device: torch.device) -> Tensor:
         if start + n > self.max_len:
@@ -84,11 +93,14 @@ class CosFormerAttention(FeatureKernel):
     def reference_weights(
         self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
     ) -> Tensor:
-        """``relu(q_i)·relu(k_j) cos(π/2 (i - j) / M)`` normalised, with the queries at the
-        last positions of the keys when causal, in float64."""
+        """``(relu(q_i) + ε)·(relu(k_j) + ε) cos(π/2 (i - j) / M)`` normalised (ε the
+        ``FEATURE_FLOOR``), with the queries at the last positions of the keys when causal,
+        in float64."""
         nq, nk = q.shape[2], k.shape[2]
         i = torch.arange(nq, dtype=torch.float64)[:, None] + (nk - nq if causal else 0)
         j = torch.arange(nk, dtype=torch.float64)[None, :]
-        f = naive.dot(torch.relu(q.double()), torch.relu(k.double()))
+        f = naive.dot(
+            torch.relu(q.double()) + FEATURE_FLOOR, torch.relu(k.double()) + FEATURE_FLOOR
+        )
         f = f * torch.cos(math.pi / 2 * (i - j) / self.max_len)
         return naive.normalise_rows(f, naive.pair_mask(q, k, causal, key_padding_mask))

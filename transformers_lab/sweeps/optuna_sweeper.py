@@ -28,6 +28,7 @@ import json
 import logging
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,9 @@ from transformers_lab.sweeps.study_report import STUDY_FILE, TRIALS_FILE
 log = logging.getLogger(__name__)
 
 PLUGIN_MODULE = "hydra_plugins.tlab_optuna_sweeper"
+# what Optuna says when a study with heartbeats asks for a trial outside Study.optimize, as
+# this sweeper does: it records the heartbeats of the trials it runs itself (``Heartbeat``)
+HEARTBEAT_WARNING = "Heartbeat of storage is supposed to be used with Study.optimize"
 
 
 class StudySweeper(Sweeper):
@@ -170,7 +174,9 @@ class StudySweeper(Sweeper):
         """Up to ``n_jobs`` new trials while the study has free slots."""
         trials = []
         for _ in range(min(self.n_jobs, self.n_trials - st.slots_taken(study))):
-            trial = study.ask(space)
+            with warnings.catch_warnings():  # the trials' heartbeats are ours (``Heartbeat``)
+                warnings.filterwarnings("ignore", HEARTBEAT_WARNING, UserWarning)
+                trial = study.ask(space)
             trial.set_user_attr(st.OWNER, st.this_worker())
             if st.rank(study, trial.number) > self.n_trials:  # another worker took it first
                 st.give_up(study, trial, "asked beyond n_trials (another worker took the slot)")

@@ -424,7 +424,13 @@ def reclaim_lost(study: optuna.Study, storage: optuna.storages.BaseStorage) -> l
             lost.append(trial)
     if isinstance(storage, optuna.storages.RDBStorage) and storage.heartbeat_interval:
         before = {t.number for t in study.get_trials(states=(TrialState.RUNNING,))}
-        optuna.storages.fail_stale_trials(study)  # no heartbeat within the grace period
+        with warnings.catch_warnings():  # "experimental" since Optuna 2.9, said every trial
+            warnings.filterwarnings(
+                "ignore",
+                ".*fail_stale_trials is experimental",
+                optuna.exceptions.ExperimentalWarning,
+            )
+            optuna.storages.fail_stale_trials(study)  # no heartbeat within the grace period
         after = {t.number for t in study.get_trials(states=(TrialState.RUNNING,))}
         lost += [t for t in study.get_trials(deepcopy=False) if t.number in before - after]
     return lost

@@ -12,6 +12,7 @@ reference (``naive``), the non-causal state (``factorized``), the chunked causal
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 import torch
@@ -23,6 +24,11 @@ from transformers_lab.attention.fastmax.factorized import factorized
 from transformers_lab.attention.fastmax.features import feature_dim, read_state, weighted_state
 from transformers_lab.attention.fastmax.naive import polynomial_matrix, quadratic
 from transformers_lab.attention.fastmax.recurrent import recurrent_step
+
+log = logging.getLogger(__name__)
+
+# the kernel classes that have said their quadratic path runs uncompiled (once a class)
+UNCOMPILED_SAID: set[type] = set()
 
 
 def safe_divide(num: Tensor, den: Tensor) -> Tensor:
@@ -107,6 +113,28 @@ class FeatureKernel(AttentionKernel):
             return self.impl
         return "quadratic" if num_keys <= feature_dim(self.feature_count, self.p) else "linear"
 
+    def say_uncompiled(self, num_keys: int) -> None:
+        """Say, once for this kernel class, that ``compiled=True`` compiles nothing where
+        the quadratic path runs: only the linear paths' steps are compiled, and
+        ``impl=auto`` takes the quadratic one for few keys, so a short run compiles nothing
+        and is no faster."""
+        if type(self) in UNCOMPILED_SAID or torch.compiler.is_compiling():
+            return  # said, or inside the model's torch.compile, which compiles this path too
+        UNCOMPILED_SAID.add(type(self))
+        features = feature_dim(self.feature_count, self.p)
+        why = (
+            f"impl=auto takes it while the keys are no more than its {features} features"
+            if self.impl == "auto"
+            else "impl=quadratic"
+        )
+        log.warning(
+            "attention.compiled=true: %s runs uncompiled at %d keys, on its quadratic path "
+            "(%s); only the linear path is compiled: attention.impl=linear forces it",
+            self.name,
+            num_keys,
+            why,
+        )
+
     def extra_repr(self) -> str:
         compiled = ", compiled=True" if self.compiled else ""
         return f"{super().extra_repr()}, chunk_size={self.chunk_size}, impl={self.impl}{compiled}"
@@ -162,6 +190,8 @@ class FeatureKernel(AttentionKernel):
         with torch.autocast(q.device.type, enabled=False):
             qs, ks, v_aug = self.prepare(q, k, v, key_padding_mask, q_start)
             if self.path(k.shape[2]) == "quadratic":
+                if self.compiled:
+                    self.say_uncompiled(k.shape[2])
                 out = quadratic(qs, ks, v_aug, self.p, causal)
             elif causal:
                 out, _ = chunked_causal(
