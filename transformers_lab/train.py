@@ -49,9 +49,8 @@ from transformers_lab.runs import (
     use_cpu_threads,
 )
 from transformers_lab.safety import interrupted
-from transformers_lab.sweeps.grid_sweeper import GridSweeper, register
 from transformers_lab.sweeps.job import job_overrides, name_wandb_run, run_job, sweep_resume
-from transformers_lab.sweeps.optuna_sweeper import register as register_sweeper
+from transformers_lab.sweeps.plugins import register_sweepers
 from transformers_lab.sweeps.record import Outcome, seeded
 
 log = logging.getLogger(__name__)
@@ -143,8 +142,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    register(GridSweeper, "tlab_grid_sweeper")
-    register_sweeper()
+    register_sweepers()
     run_hydra(hydra_main)
 
 

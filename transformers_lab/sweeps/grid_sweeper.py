@@ -12,7 +12,6 @@ search path. It is the default (``conf/hydra/default.yaml``); a preset that over
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 from hydra.core.object_type import ObjectType
@@ -21,7 +20,6 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
-PLUGIN_PACKAGE = "hydra_plugins"
 BASIC = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
@@ -71,16 +69,3 @@ class GridSweeper(Sweeper):
 
     def sweep(self, arguments: list[str]) -> Any:
         return self.basic.sweep(arguments)
-
-
-def register(cls: type, module: str) -> None:
-    """Enter the sweeper ``cls`` into Hydra's plugins as ``hydra_plugins.<module>.<name>``,
-    the ``_target_`` its config gives (Hydra instantiates sweepers only from that
-    namespace), so that no separate package has to be installed."""
-    plugins = Plugins.instance()
-    path = f"{PLUGIN_PACKAGE}.{module}"
-    if f"{path}.{cls.__name__}" not in plugins.class_name_to_class:
-        original = sys.modules[cls.__module__]
-        cls.__module__ = path
-        sys.modules.setdefault(path, original)
-        plugins.register(cls)

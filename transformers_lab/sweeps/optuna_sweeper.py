@@ -15,7 +15,7 @@ with the study in a database (``hydra.sweeper.storage``, by default
   draws the Pareto front.
 
 Jobs run in ``<sweep dir>/<trial number>``, through any launcher (basic, joblib, SLURM).
-Hydra accepts sweepers only from its ``hydra_plugins`` namespace; ``register()`` enters
+Hydra accepts sweepers only from its ``hydra_plugins`` namespace; ``sweeps.plugins`` enters
 this one there under the name the config's ``_target_`` gives, so no separate package has
 to be installed.
 """
@@ -49,7 +49,6 @@ from transformers_lab.sweeps.study_report import STUDY_FILE, TRIALS_FILE
 
 log = logging.getLogger(__name__)
 
-PLUGIN_MODULE = "hydra_plugins.tlab_optuna_sweeper"
 # what Optuna says when a study with heartbeats asks for a trial outside Study.optimize, as
 # this sweeper does: it records the heartbeats of the trials it runs itself (``Heartbeat``)
 HEARTBEAT_WARNING = "Heartbeat of storage is supposed to be used with Study.optimize"
@@ -323,14 +322,3 @@ class Heartbeat:
 
     def stop(self) -> None:
         self.done.set()
-
-
-def register() -> None:
-    """Enter ``StudySweeper`` into Hydra's plugins as ``hydra_plugins.tlab_optuna_sweeper.
-    StudySweeper`` (Hydra instantiates sweepers only from that namespace)."""
-    plugins = Plugins.instance()
-    name = f"{PLUGIN_MODULE}.{StudySweeper.__name__}"
-    if name not in plugins.class_name_to_class:
-        StudySweeper.__module__ = PLUGIN_MODULE
-        sys.modules.setdefault(PLUGIN_MODULE, sys.modules[__name__])
-        plugins.register(StudySweeper)
