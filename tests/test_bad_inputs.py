@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformers_lab.attention.check import main as check_main
+from transformers_lab.bench.generation import main as bench_generation_main
+from transformers_lab.bench.kernels import main as bench_kernels_main
+from transformers_lab.bench.long_context import main as bench_long_context_main
 from transformers_lab.config import compose_config
 from transformers_lab.data import download
 from transformers_lab.eval import main as eval_main
@@ -18,7 +22,16 @@ from transformers_lab.sample import main as sample_main
 from transformers_lab.train import main as train_main
 from transformers_lab.train import train
 
-ENTRY_POINTS = {"train": train_main, "eval": eval_main, "sample": sample_main}
+ENTRY_POINTS = {
+    "train": train_main,
+    "eval": eval_main,
+    "sample": sample_main,
+    # the tools that name a kernel as the attention group does (attention/resolve.py)
+    "check": lambda: sys.exit(check_main()),
+    "bench": lambda: sys.exit(bench_kernels_main()),
+    "bench-generation": lambda: sys.exit(bench_generation_main()),
+    "bench-long-context": lambda: sys.exit(bench_long_context_main()),
+}
 # a ViT on digits that trains in a second (every train case starts from it)
 SMALL = [
     "logger=csv",
@@ -40,6 +53,14 @@ def case(entry: str, args: list[str], message: str, **options) -> pytest.param:
 
 
 CASES = [
+    # a kernel named to the check and the benches: unknown, or a config dir without kernels
+    case("check", ["relu3"], "unknown kernel 'relu3' (did you mean relu?); valid: additive"),
+    case("check", ["relu2", "--config-dir", "{tmp}"], "no attention/ folder in the config dir"),
+    case("check", ["my_conf/attention/none.yaml"], "no kernel config at my_conf/attention/none"),
+    case("bench", ["--kernels", "softmax", "relu3"], "unknown variant(s) 'relu3'; valid variants"),
+    case("bench-generation", ["--kernels", "relu3"], "unknown variant(s) 'relu3'"),
+    case("bench-long-context", ["--kernels", "relu3"], "unknown kernel 'relu3'; valid: additive"),
+    case("bench", ["--config-dir", "{tmp}"], "no attention/ folder in the config dir"),
     # the model and its attention kernel
     case("train", ["attention=fastmx"], "unknown attention 'fastmx'; valid options are"),
     case("train", ["model.attention=fastmx"], "unknown attention kernel 'fastmx'; valid kernels"),

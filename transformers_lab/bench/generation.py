@@ -31,6 +31,7 @@ from hydra.utils import instantiate
 
 from transformers_lab.attention.resolve import config_dirs
 from transformers_lab.bench.kernels import PATH_VARIANTS, default_variants, variant_configs
+from transformers_lab.cli import fail
 from transformers_lab.models import GPT
 
 
@@ -86,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = args.kernels or [n for n in default_variants(dirs) if n not in PATH_VARIANTS]
         configs = variant_configs(names, dirs)
     except ValueError as exc:
-        parser.error(str(exc))
+        fail(str(exc))  # one line: the kernel named and the valid ones
 
     rows = []
     block_size = max(args.context) + args.new_tokens

@@ -68,6 +68,7 @@ from torch import Tensor
 
 from transformers_lab.attention import AttentionKernel
 from transformers_lab.attention.resolve import UnknownKernel, config_dirs, kernel_config
+from transformers_lab.cli import fail
 from transformers_lab.config import CONF_DIR, attention_configs
 
 BASELINE = "softmax"  # the variant the others' time and memory are divided by
@@ -762,7 +763,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.kernels = list(dict.fromkeys(args.kernels or default_variants(dirs)))
         args.configs = variant_configs(args.kernels, dirs)
     except ValueError as exc:
-        parser.error(str(exc))
+        fail(str(exc))  # one line: the kernel named and the valid ones
     if args.device == "cuda" and args.worker is None and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
     return args

@@ -51,6 +51,7 @@ from transformers_lab.bench.kernels import (
     reuse_freed_memory,
     worker_env,
 )
+from transformers_lab.cli import fail
 
 MODULE = "transformers_lab.bench.long_context"
 KERNELS = ["softmax", "fastmax_p2", "fastmax_p1", "linear", "based", "performer", "cosformer"]
@@ -258,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.dirs = config_dirs(args.config_dir)
         args.configs = kernel_configs(args.kernels, args.dirs)
     except ValueError as exc:
-        parser.error(str(exc))
+        fail(str(exc))  # one line: the kernel named and the valid ones
     rows = []
     for repeat in range(args.repeats):
         order = args.kernels if repeat % 2 == 0 else list(reversed(args.kernels))
