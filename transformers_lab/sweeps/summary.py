@@ -224,8 +224,9 @@ def final_by_seed(runs: Sequence[Run], metric: str) -> dict[str, float]:
 def best_in_cells(runs: Sequence[Run], metric: str, mode: str, over: Sequence[str]) -> set[str]:
     """The jobs that stand for their cell: runs that differ only in the ``over`` keys (a
     learning-rate grid) and their seeds form a cell, and the setting of the ``over`` keys
-    whose finished runs have the best mean stands for it, with all its seeds. (The best
-    rate of each seed apart would pick each seed's luckiest rate, and overstate the cell.)"""
+    whose finished runs have the best mean stands for it, with all its runs (a seed that
+    failed there too). A cell with no finished run stands as it is. (The best rate of each
+    seed apart would pick each seed's luckiest rate, and overstate the cell.)"""
     cells: dict[tuple, dict[tuple, list[Run]]] = {}
     for run in runs:
         cell = run.same_as(ignore=over)
@@ -240,8 +241,8 @@ def best_in_cells(runs: Sequence[Run], metric: str, mode: str, over: Sequence[st
         finished = {k: v for k, v in finished.items() if v}
         means = [statistics.fmean(r.record.metrics[metric] for r in v) for v in finished.values()]
         index = best_of(means, mode)
-        if index is not None:
-            chosen |= {r.job for r in list(finished.values())[index]}
+        best = [settings[list(finished)[index]]] if index is not None else settings.values()
+        chosen |= {r.job for members in best for r in members}
     return chosen
 
 
@@ -649,9 +650,9 @@ def summarize(
     grouped = runs
     if over:
         chosen = best_in_cells(runs, metric, mode, over)
-        grouped = [r for r in runs if r.job in chosen or r.record.status != "ok"]
+        grouped = [r for r in runs if r.job in chosen]
         for row in rows:
-            row["best of cell"] = "yes" if row["job"] in chosen else ""
+            row["best of cell"] = "yes" if row["job"] in chosen and row["status"] == "ok" else ""
     groups = group_rows(grouped, metric, keys, by_source, over)
     groups.sort(
         key=lambda g: (g["mean"] is None, -(g["mean"] or 0) if mode == "max" else g["mean"] or 0)
