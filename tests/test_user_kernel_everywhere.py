@@ -47,6 +47,14 @@ def test_every_way_of_naming_the_kernel_gives_its_config(user_path):
         config_dirs([USER])
 
 
+def test_a_kernel_yaml_that_needs_its_config_says_how_to_name_it(tmp_path):
+    (tmp_path / "attention").mkdir()
+    yaml = tmp_path / "attention" / "sized.yaml"
+    yaml.write_text(f"_target_: {CLASS}\n_partial_: true\nchunk_size: ${{data.block_size}}\n")
+    with pytest.raises(UnknownKernel, match=f"--config-dir {tmp_path}\\) and name it sized"):
+        kernel_config(str(yaml))
+
+
 @pytest.mark.parametrize(
     "argv",
     [

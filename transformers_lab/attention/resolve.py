@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from transformers_lab.attention.base import REGISTRY, AttentionKernel, qualified_name
 from transformers_lab.config import CONF_DIR, attention_configs, group_options, search_dirs
@@ -65,7 +66,13 @@ def kernel_config(
         path = Path(target)
         if not path.is_file():
             raise UnknownKernel(f"no kernel config at {path}")
-        config = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        try:
+            config = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        except OmegaConfBaseException as exc:  # ${...} of a config it is not composed in
+            raise UnknownKernel(
+                f"{path} cannot be read on its own ({str(exc).splitlines()[0]}): put its dir "
+                f"on the search path (--config-dir {path.parent.parent}) and name it {path.stem}"
+            ) from None
         if not isinstance(config, dict) or "_target_" not in config:
             raise UnknownKernel(f"{path} is no kernel config: it needs a _target_ (a class path)")
         if "defaults" in config:
