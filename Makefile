@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 train: install  ## the default experiment (ViT on digits, offline, ~1 min); ARGS="experiment=baby_gpt ..."
 	$(VENV)/bin/tlab-train $(ARGS)
 
-ABLATE_BUDGET ?= trainer.max_epochs=2
+ABLATE_BUDGET ?= trainer.max_epochs=4
 
 ablate: install  ## the kernel ablation on MQAR: every kernel x 3 learning rates x 2 seeds, each kernel at its best rate, 2 epochs a job (ABLATE_BUDGET), about 20 min on 2 cores, offline, 2 jobs at a time; prints the table, saves summary.png
 	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=attention_kernels experiment=mqar launcher=joblib trainer.enable_progress_bar=false $(ABLATE_BUDGET) $(ARGS)
