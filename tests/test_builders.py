@@ -133,9 +133,9 @@ def test_compile_true_says_it_compiled_the_model(monkeypatch):
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the compiler's probe runs
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **kw: compiled.append(self))
-    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", False)  # set back afterwards
     model = build_model(config(), Data())
-    said = compile_model(model)
+    with torch._dynamo.config.patch(suppress_errors=False):  # compile_model sets it; undone
+        said = compile_model(model)
     assert compiled == [model]
     assert said == (
         "compile=true: the model (GPT) runs through torch.compile (inductor), which compiles "

@@ -1,6 +1,6 @@
 """A user's kernel is first-class everywhere a built-in one is: glob sweeps, the three
 benches, the check, the printed resume command, the README's table. The kernel is
-``tests/user/my_kernels/relu2.py`` (ReLU² linear attention, outside the package) with its
+``tests/user/user_kernels/relu2.py`` (ReLU² linear attention, outside the package) with its
 yaml in ``tests/user/my_conf/attention/``, found through the config dir as a user's is."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from transformers_lab.bench import kernels as bench
 
 USER = Path(__file__).parent / "user"
 MY_CONF = USER / "my_conf"
-CLASS = "my_kernels.relu2.ReLU2Attention"
+CLASS = "user_kernels.relu2.ReLU2Attention"
 YAML = str(MY_CONF / "attention" / "relu2.yaml")
 
 

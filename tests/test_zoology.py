@@ -99,9 +99,9 @@ def test_a_tiny_zoology_sweep_writes_the_figure_and_the_table(tmp_path):
             assert f"| 64x4 | {kernel} | {width} |" in grid
     assert (sweep / "grid.png").stat().st_size > 0
     summary = (sweep / "summary.md").read_text()
-    assert "best finished run over optimizer.lr" in summary
+    assert "the setting of optimizer.lr with the best mean over seeds" in summary
     # each kernel is compared with softmax at its own width (one seed: no test, a difference)
-    compared = [line for line in summary.splitlines() if "(Welch t)" in line]
+    compared = [line for line in summary.splitlines() if "| — (Welch t, n<3) |" in line]
     assert sorted(line.split(" | ")[0] for line in compared) == [
         "| attention=linear model.d_model=16",
         "| attention=linear model.d_model=32",

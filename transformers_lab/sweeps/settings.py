@@ -77,11 +77,18 @@ def labelled_values(
         for key in changed
         if key not in given and any(determines(options, settings, g, key) for g in groups)
     }
+    # what the command lines set by hand is named too, changed or not (a grid's PANELS key
+    # with one value): a group by its option, a setting by its value
+    named_groups = sorted(set(groups) | {k for k in given if any(k in o for o in options)})
+    named = sorted(
+        {k for k in changed if k not in explained}
+        | {k for k in given if k not in named_groups and any(k in x for x in settings)}
+    )
     values = []
     for s, o in zip(settings, options, strict=True):
         own = {k: s[k] for k in SEED_KEYS if k in s}
-        own.update({g: o.get(g, "null") for g in groups})
-        own.update({k: s.get(k, "null") for k in changed if k not in explained})
+        own.update({g: o.get(g, "null") for g in named_groups})
+        own.update({k: s.get(k, "null") for k in named})
         values.append((own, {k: s.get(k, "null") for k in changed}))
     return values
 
