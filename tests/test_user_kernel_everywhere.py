@@ -20,6 +20,7 @@ from transformers_lab.attention.check import main as check_main
 from transformers_lab.attention.resolve import UnknownKernel, config_dirs, kernel_config
 from transformers_lab.bench import generation, long_context
 from transformers_lab.bench import kernels as bench
+from transformers_lab.config import searchpath_override
 
 USER = Path(__file__).parent / "user"
 MY_CONF = USER / "my_conf"
@@ -128,7 +129,7 @@ def test_the_long_context_bench_takes_the_users_kernel(user_path):
     configs = long_context.kernel_configs(["relu2", "softmax", CLASS], dirs)
     assert configs == {"relu2": None, "softmax": None, CLASS: kernel_config(CLASS)}
     assert "relu2" in long_context.valid_kernels(dirs)
-    assert long_context.searchpath(dirs) == [f"hydra.searchpath=[file://{MY_CONF.resolve()}]"]
+    assert searchpath_override(dirs) == [f"hydra.searchpath=[file://{MY_CONF.resolve()}]"]
     with pytest.raises(ValueError, match="unknown kernel 'relu3'"):
         long_context.kernel_configs(["relu3"], config_dirs())
 

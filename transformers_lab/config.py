@@ -111,14 +111,20 @@ def attention_configs(
     from hydra import compose, initialize_config_dir
 
     names = group_options("attention", dirs) if names is None else names
-    extra = [f"file://{d}" for d in dirs if Path(d) != CONF_DIR]
-    searchpath = [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
+    searchpath = searchpath_override(dirs)
     configs = {}
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for name in names:
             cfg = compose("train", overrides=[f"attention={name}", *searchpath])
             configs[name] = OmegaConf.to_container(cfg.attention, resolve=True)
     return configs
+
+
+def searchpath_override(dirs: Sequence[Path]) -> list[str]:
+    """The override that puts the user's config dirs among ``dirs`` on Hydra's search
+    path (none if there are none)."""
+    extra = [f"file://{d}" for d in dirs if Path(d) != CONF_DIR]
+    return [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
 
 
 def group_options(group: str, dirs: Sequence[Path] = (CONF_DIR,)) -> list[str]:

@@ -165,18 +165,12 @@ def kernel_configs(kernels: Sequence[str], dirs: Sequence[Path]) -> dict[str, di
     return configs
 
 
-def searchpath(dirs: Sequence[Path]) -> list[str]:
-    """The override that puts the user's config dirs on Hydra's search path (none if none)."""
-    from transformers_lab.config import CONF_DIR
-
-    extra = [f"file://{d}" for d in dirs if d != CONF_DIR]
-    return [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
-
-
 def run_worker(kernel: str, args: argparse.Namespace) -> dict:
     """``measure`` in a fresh process; a crash or timeout becomes a status row."""
+    from transformers_lab.config import searchpath_override
+
     spec = {"kernel": kernel, "steps": args.steps, "warmup": args.warmup,
-            "overrides": [*searchpath(args.dirs), *args.overrides],
+            "overrides": [*searchpath_override(args.dirs), *args.overrides],
             "config": args.configs[kernel]}  # fmt: skip
     command = [sys.executable, "-m", MODULE, "--worker", json.dumps(spec)]
     empty = {"kernel": kernel, "context": None, "tokens_per_s": None, "step_ms": None,

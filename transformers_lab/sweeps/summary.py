@@ -216,11 +216,6 @@ def by_seed(runs: Sequence[Run]) -> dict[str, Run]:
     return dict(zip(keys, runs, strict=True))
 
 
-def final_by_seed(runs: Sequence[Run], metric: str) -> dict[str, float]:
-    """Each run's final ``metric``, keyed as ``by_seed`` keys it."""
-    return {key: r.record.metrics[metric] for key, r in by_seed(runs).items()}
-
-
 def best_in_cells(runs: Sequence[Run], metric: str, mode: str, over: Sequence[str]) -> set[str]:
     """The jobs that stand for their cell: runs that differ only in the ``over`` keys (a
     learning-rate grid) and their seeds form a cell, and the setting of the ``over`` keys
