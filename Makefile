@@ -22,9 +22,9 @@ $(VENV)/.installed: pyproject.toml
 train: install  ## the default experiment (ViT on digits, offline, ~1 min); ARGS="experiment=baby_gpt ..."
 	$(VENV)/bin/tlab-train $(ARGS)
 
-ABLATE_BUDGET ?= trainer.max_epochs=4
+ABLATE_BUDGET ?= trainer.max_steps=2200
 
-ablate: install  ## the kernel ablation on MQAR: every kernel x 2 learning rates x 2 seeds, each kernel at its best rate, 4 epochs a job (ABLATE_BUDGET), about 21 min on 2 cores, offline, 2 jobs at a time; prints the table, saves summary.png
+ablate: install  ## the kernel ablation on MQAR: every kernel x 2 learning rates x 2 seeds, each kernel at its best rate, 2200 steps a job (ABLATE_BUDGET), about 20 min on 2 cores, offline, 2 jobs at a time; prints the table, saves summary.png
 	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=attention_kernels experiment=mqar launcher=joblib trainer.enable_progress_bar=false $(ABLATE_BUDGET) $(ARGS)
 
 zoology: install  ## Zoology's MQAR figure at CPU scale (sweep=zoology_mqar): grid.png, state.png, summary.md; see docs/ablations.md for its time
