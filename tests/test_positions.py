@@ -62,7 +62,7 @@ def test_rope_in_multi_head_attention_decodes_from_where_the_cache_ends():
         for t in range(4, 9):
             out, state = mha.decode(x[:, t : t + 1], state)
             steps.append(out)
-        assert state[1] == 9  # the tokens seen
+        assert state.seen == 9  # the tokens seen
         torch.testing.assert_close(torch.cat(steps, dim=1), full)
 
 

@@ -264,8 +264,8 @@ def resume_main(tmp_path, monkeypatch, capsys, ckpt: Path, *overrides: str) -> l
     return [line for line in err.splitlines() if line.startswith("error:")]
 
 
-FASTMAX = "'transformers_lab.attention.FastmaxAttention'"
-SOFTMAX = "'transformers_lab.attention.SoftmaxAttention'"
+FASTMAX = "'transformers_lab.attention.fastmax.FastmaxAttention'"
+SOFTMAX = "'transformers_lab.attention.softmax.SoftmaxAttention'"
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.profilers import PassThroughProfiler
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.config import CONF_DIR, call, flatten, option, target_class
+from transformers_lab.config import CONF_DIR, call, expand_hybrid, flatten, option, target_class
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
 
@@ -151,6 +151,7 @@ def model_kwargs(config: DictConfig, datamodule: Any) -> dict[str, Any]:
 
 def build_model(config: DictConfig, datamodule: Any) -> torch.nn.Module:
     """The model of ``config`` sized for ``datamodule``."""
+    config = expand_hybrid(config)  # the layers model.hybrid names, as their configs
     return call(config, "model", **model_kwargs(config, datamodule))
 
 

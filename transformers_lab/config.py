@@ -120,6 +120,67 @@ def attention_configs(
     return configs
 
 
+def run_config_dirs() -> list[Path]:
+    """The config dirs of the Hydra run in progress (``conf/`` and the user's on
+    ``hydra.searchpath``); ``conf/`` alone outside a run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return [CONF_DIR]
+    sources = HydraConfig.get().runtime.get("config_sources") or []
+    dirs = [Path(s.path) for s in sources if s.get("schema") == "file" and Path(s.path).is_dir()]
+    return dirs or [CONF_DIR]
+
+
+def layer_config(name: str, dirs: Sequence[Path] = (CONF_DIR,)) -> dict[str, Any]:
+    """The config of a hybrid stack's layer ``name`` (``model.hybrid``): an option of the
+    attention group, composed as ``attention=<name>`` would be, or of the mixer group
+    (``base_conv``)."""
+    if name in group_options("attention", dirs):
+        return attention_configs(dirs, [name])[name]
+    for d in reversed(list(dirs)):  # the user's dirs before conf/
+        path = d / "mixer" / f"{name}.yaml"
+        if path.is_file():
+            return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    valid = ["attention", *group_options("attention", dirs), *group_options("mixer", dirs)]
+    raise ConfigError(
+        f"model.hybrid: unknown layer {name!r}; valid ones are: {', '.join(valid)} "
+        "(attention: the model's own attention config; a kernel of your own config dir needs "
+        "hydra.searchpath=[file://DIR])"
+    )
+
+
+def expand_hybrid(model: DictConfig, dirs: Sequence[Path] | None = None) -> DictConfig:
+    """The model config with each layer named in ``model.hybrid`` replaced by its config
+    (``layer_config``); ``attention`` stays, the model's own. Unchanged without a hybrid."""
+    hybrid = model.get("hybrid") if isinstance(model, DictConfig) else None
+    if hybrid is None:
+        return model
+    dirs = run_config_dirs() if dirs is None else dirs
+    cache: dict[str, Any] = {}
+
+    def resolve(choice: Any) -> Any:
+        if not isinstance(choice, str) or choice == "attention":
+            return choice
+        if choice not in cache:
+            cache[choice] = layer_config(choice, dirs)
+        return cache[choice]
+
+    plain = OmegaConf.to_container(hybrid, resolve=True)
+    if isinstance(plain, dict):
+        expanded: Any = {k: resolve(v) for k, v in plain.items()}
+    elif isinstance(plain, list):
+        expanded = [resolve(v) for v in plain]
+    else:
+        raise ConfigError(
+            f"model.hybrid must be a list of layer choices ([base_conv,based]) or a mapping "
+            f"{{layer: choice}} ({{2: softmax}}), got {plain!r}"
+        )
+    plain_model = OmegaConf.to_container(model, resolve=True)
+    plain_model["hybrid"] = expanded
+    return OmegaConf.create(plain_model)
+
+
 def searchpath_override(dirs: Sequence[Path]) -> list[str]:
     """The override that puts the user's config dirs among ``dirs`` on Hydra's search
     path (none if there are none)."""

@@ -11,6 +11,7 @@ contents when it is loaded.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import UnionType
@@ -22,10 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.checkpoints import checkpoint_file
 from transformers_lab.cli import unknown_option
-from transformers_lab.config import call, target_class
+from transformers_lab.config import call, expand_hybrid, target_class
 from transformers_lab.errors import ConfigError
-from transformers_lab.models.common import check_sampling
-from transformers_lab.nn.attention import as_kernel_factory, head_size
+from transformers_lab.models.common import check_sampling, layer_choices, layer_name
+from transformers_lab.nn.attention import MultiHeadAttention, as_kernel_factory, head_size
+from transformers_lab.nn.layers import is_mixer
 
 
 @dataclass(frozen=True)
@@ -226,18 +228,16 @@ def check_attention(model: DictConfig, data_context: int | None = None) -> None:
         kernel = model.get(key)
         if kernel is None:
             continue
-        try:  # a kernel config (a partial) or a kernel's name
+        try:  # a kernel config (a partial) or a kernel's name, built into its layer(s)
             factory = as_kernel_factory(kernel if isinstance(kernel, str) else call(kernel, key))
-            built = factory(head_dim=head_dim, num_heads=model.n_head)
-            if key == "attention" and model.get("pos_encoding") == "alibi":
-                built.use_alibi()
+            alibi = key == "attention" and model.get("pos_encoding") == "alibi"
             crossing = key == "cross_attention" or (key == "attention" and cross_shares(model))
-            if crossing and getattr(built, "positional", False):
-                raise ValueError(
-                    f"{built.name} weighs keys by their positions in one sequence, which a "
-                    "cross-attention's queries and keys do not share; set "
-                    "model.cross_attention to another kernel"
+            layers = [] if key == "cross_attention" else [False]
+            for cross in [*layers, True] if crossing else layers:
+                layer = MultiHeadAttention(
+                    model.d_model, model.n_head, factory, cross=cross, alibi=alibi and not cross
                 )
+            built = layer.kernel
         except ConfigError:  # built by ``call``, which names the key already
             raise
         except (ValueError, TypeError) as exc:
@@ -253,6 +253,38 @@ def check_attention(model: DictConfig, data_context: int | None = None) -> None:
         causal = key == "attention" and getattr(model_class, "causal_self_attention", False)
         if causal and (why := built.causal_refusal()):
             raise ConfigError(f"{key}: {model_class.__name__} attends causally: {why}")
+    check_hybrid(model)
+
+
+def check_hybrid(model: DictConfig) -> None:
+    """``model.hybrid``: its layers exist and fit the stack, and each one builds as its
+    layer will (ALiBi, for one, needs a kernel that forms scores in every layer)."""
+    if model.get("hybrid") is None:
+        return
+    expanded = expand_hybrid(model)
+    try:
+        choices = layer_choices(model.n_layer, "attention", expanded.hybrid)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    built: set[str] = set()
+    for i, choice in enumerate(choices):
+        key = json.dumps(OmegaConf.to_container(choice) if OmegaConf.is_config(choice) else choice)
+        if choice == "attention" or key in built:
+            continue
+        built.add(key)
+        try:
+            factory = call(choice, f"model.hybrid layer {i}")
+            if is_mixer(factory):
+                factory(d_model=model.d_model, num_heads=model.n_head)
+            else:
+                MultiHeadAttention(
+                    model.d_model, model.n_head, factory,
+                    alibi=model.get("pos_encoding") == "alibi",
+                )  # fmt: skip
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"model.hybrid, layer {i} ({layer_name(choice)}): {exc}") from None
 
 
 # ---------------------------------------------------------------- from the signatures

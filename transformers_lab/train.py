@@ -36,6 +36,7 @@ from transformers_lab.config import CONF_DIR, resolved_sections
 from transformers_lab.config_checks import check_config
 from transformers_lab.errors import ConfigError, Interrupted, RunStopped
 from transformers_lab.models import GPT
+from transformers_lab.models.common import layer_names
 from transformers_lab.runs import (
     best_score,
     checkpoint_path,
@@ -122,7 +123,8 @@ def fit_and_test(cfg: DictConfig) -> Outcome:
         finish_wandb(trainer)
     report(metrics, checkpoints)
     state = model.state_size() if isinstance(model, GPT) else None
-    return Outcome(metrics, best, task.num_params, checkpoints, state, pruned_at, start)
+    layers = layer_names(model)
+    return Outcome(metrics, best, task.num_params, checkpoints, state, pruned_at, start, layers)
 
 
 def pruned_step(trainer: L.Trainer) -> int | None:

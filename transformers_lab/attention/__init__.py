@@ -34,7 +34,8 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 from transformers_lab.attention.additive import AdditiveAttention  # noqa: E402
-from transformers_lab.attention.fastmax import FastmaxAttention, FeatureKernel  # noqa: E402
+from transformers_lab.attention.fastmax import FastmaxAttention  # noqa: E402
+from transformers_lab.attention.linear import FeatureKernel  # noqa: E402
 from transformers_lab.attention.softmax import (  # noqa: E402
     CosineAttention,
     DotAttention,

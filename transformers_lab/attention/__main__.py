@@ -41,13 +41,30 @@ def user_kernels(config_dirs: Sequence[Path]) -> list[type[AttentionKernel]]:
     return [kernel_class(config["_target_"]) for config in configs.values()]
 
 
+def presets(config_dirs: Sequence[Path] = ()) -> dict[str, list[str]]:
+    """The attention options (``attention=<name>``) of each kernel class, by its class
+    path, each with the layer parts it switches on: ``gated (short_conv=4, qk_norm=True)``."""
+    from transformers_lab.attention.parts import PART_KEYS, LayerParts
+    from transformers_lab.attention.resolve import config_dirs as with_conf
+    from transformers_lab.config import attention_configs
+
+    out: dict[str, list[str]] = {}
+    for name, config in attention_configs(with_conf(config_dirs)).items():
+        on = LayerParts(**{k: v for k, v in config.items() if k in PART_KEYS}).switched_on()
+        cell = f"`{name}`" + (f" ({', '.join(on)})" if on else "")
+        out.setdefault(config["_target_"], []).append(cell)
+    return out
+
+
 def kernel_table(config_dirs: Sequence[Path] = ()) -> str:
     """One row per kernel of this package, and of the attention options in the user's
-    ``config_dirs``: name, weights, what it is, rows, decode state."""
+    ``config_dirs``: name, weights, what it is, rows, decode state, and its options with
+    the layer parts each switches on (``attention.parts``)."""
     lines = [
-        "| name | weights | what | rows sum to 1 | decode state |",
-        "|---|---|---|---|---|",
+        "| name | weights | what | rows sum to 1 | decode state | options (layer parts on) |",
+        "|---|---|---|---|---|---|",
     ]
+    by_class = presets(config_dirs)
     theirs = set(user_kernels(config_dirs)) if config_dirs else set()
     for name in sorted(KERNELS):
         cls = KERNELS[name]
@@ -55,7 +72,8 @@ def kernel_table(config_dirs: Sequence[Path] = ()) -> str:
             continue
         summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".").replace("``", "`")
         rows = "yes" if cls.normalized else "no"
-        cells = [f"`{name}`", cls.formula, summary, rows, state(cls)]
+        options = ", ".join(by_class.get(f"{cls.__module__}.{cls.__qualname__}", [])) or "—"
+        cells = [f"`{name}`", cls.formula, summary, rows, state(cls), options]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ the fast paths. A new kernel is one file and one yaml.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from transformers_lab.attention import naive
+from transformers_lab.attention.parts import PART_KEYS, LayerParts
 
 
 def attention_mask(
@@ -112,6 +114,56 @@ class Memory:
     state: Tensor | None = None
 
 
+GATE_ACTIVATIONS = ("sigmoid", "logsigmoid", "silu", "identity")
+
+
+@dataclass(frozen=True)
+class GateInput:
+    """A per-token, per-head input a kernel declares (``AttentionKernel.gate_inputs``):
+    multi-head attention projects it from the layer's input x, as fla's layers compute the
+    delta rule's beta or a decay from x rather than from q or k, and passes it to
+    ``forward`` and ``decode`` as a keyword argument of the gate's name.
+
+    Args:
+        activation: applied to the projection: ``sigmoid`` (a rate in (0, 1)),
+            ``logsigmoid`` (a log-decay below 0), ``silu`` or ``identity``.
+        per_channel: one value per head channel, (B, H, N, D), rather than one per head
+            and token, (B, H, N).
+        rank: project through a bottleneck of this width (GLA's low-rank gate); None: one
+            linear map.
+    """
+
+    activation: str = "sigmoid"
+    per_channel: bool = False
+    rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.activation not in GATE_ACTIVATIONS:
+            raise ValueError(
+                f"unknown gate activation {self.activation!r}; valid ones are: "
+                f"{', '.join(GATE_ACTIVATIONS)}"
+            )
+        if self.rank is not None and self.rank < 1:
+            raise ValueError(f"a gate's rank must be >= 1 (or None), got {self.rank}")
+
+
+def takes_layer_parts(init: Any) -> Any:
+    """A kernel class's ``__init__`` that also takes the layer's switches
+    (``attention.parts``: ``short_conv=4``, ...), as an attention config carries them beside
+    the kernel's own options, and keeps them on the kernel as ``parts`` for the multi-head
+    layer to build; the kernel's own code never sees them."""
+
+    @functools.wraps(init)
+    def init_with_parts(self: Any, *args: Any, **kwargs: Any) -> None:
+        given = {key: kwargs.pop(key) for key in PART_KEYS if key in kwargs}
+        parts = LayerParts(**given) if given else None  # refused before anything is built
+        init(self, *args, **kwargs)
+        if parts is not None:
+            self.parts = parts
+
+    return init_with_parts
+
+
 REGISTRY: dict[str, type[AttentionKernel]] = {}  # name -> class, filled as classes are defined
 
 
@@ -139,9 +191,14 @@ class AttentionKernel(nn.Module):
     normalized: ClassVar[bool] = True  # every row of weights() sums to 1 (or is all zero)
     linear: ClassVar[bool] = False  # decode keeps a state whose size does not grow with n
     forms_scores: ClassVar[bool] = False  # adds score_bias to its q-k scores (ALiBi): opt in
+    # per-token, per-head inputs projected from the layer's input (``GateInput``), passed to
+    # ``forward`` and ``decode`` as keyword arguments of these names
+    gate_inputs: ClassVar[dict[str, GateInput]] = {}
 
     def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = takes_layer_parts(cls.__dict__["__init__"])  # type: ignore[method-assign]
         name = cls.__dict__.get("name")
         if not register or name is None:
             return
@@ -165,6 +222,8 @@ class AttentionKernel(nn.Module):
         self.num_heads = num_heads
         self.dropout = dropout
         self.alibi = False
+        if not hasattr(self, "parts"):
+            self.parts = LayerParts()  # the layer's switches, which the layer builds
 
     def use_alibi(self) -> None:
         """Add ALiBi's head-sloped distance bias to the scores (``pos_encoding=alibi``);
@@ -241,6 +300,16 @@ class AttentionKernel(nn.Module):
         ``attention.naive``), with the kernel's own parameters: the reference that
         ``forward`` and ``weights`` are checked against. Not for speed."""
         raise NotImplementedError(f"{type(self).__name__} has no reference_weights")
+
+    def visible(
+        self, nq: int, nk: int, *, causal: bool, key_padding_mask: Tensor | None, device: Any
+    ) -> Tensor | None:
+        """The (query, key) pairs the kernel may weigh, as ``attention_mask`` gives them
+        (None: all); a kernel that sees fewer (a sliding window) narrows it. A query with
+        no pair here gives an all-zero row."""
+        return attention_mask(
+            nq, nk, causal=causal, key_padding_mask=key_padding_mask, device=device
+        )
 
     def causal_refusal(self) -> str | None:
         """Why this kernel, as configured, cannot attend causally (None: it can). A
@@ -333,6 +402,9 @@ class AttentionKernel(nn.Module):
                     f"{self.name}: key_padding_mask must have shape (batch, keys) = {expected}, "
                     f"got {tuple(key_padding_mask.shape)}"
                 )
+
+
+AttentionKernel.__init__ = takes_layer_parts(AttentionKernel.__init__)  # type: ignore[method-assign]
 
 
 def _or_zeros(mask: Tensor | None, k: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from transformers_lab.attention import naive
-from transformers_lab.attention.fastmax import FeatureKernel
+from transformers_lab.attention.linear import FeatureKernel
 
 
 class BasedAttention(FeatureKernel):

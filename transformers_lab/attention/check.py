@@ -36,6 +36,19 @@ learned parameters moved off their initial values:
   checked without a causal mask, in place of ``alignment``, ``future``, ``decode`` and
   ``state``.
 
+A kernel that declares gate inputs (``AttentionKernel.gate_inputs``) gets them, in the
+checks above, as a fixed function of each token's key, so that every call sees the same
+gates for the same token. With the layer's parts switched on (``short_conv=4``,
+``output_gate=true``, ...; ``nn.parts``) or gate inputs declared, the multi-head layer
+built around the kernel is checked too:
+
+- ``layer decode``: the layer's ``decode``, token by token and in chunks, padded or not,
+  equals its causal forward (the short convolution's window carried between calls);
+- ``layer future``: a causal output does not change when later tokens do;
+- ``layer padding``: padded tokens change no other token's output;
+- ``layer state``: the decode state holds the layer's ``state_size(n)`` numbers;
+- ``layer gradcheck``: float64 gradients of the input and every parameter.
+
 One line per failure, and exit status 1 if any; ``ok`` and exit status 0 otherwise.
 """
 
@@ -50,7 +63,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from transformers_lab.attention.base import AttentionKernel, attention_mask, visible_keys
+from transformers_lab.attention.base import AttentionKernel, visible_keys
+from transformers_lab.attention.parts import LayerParts
 from transformers_lab.attention.resolve import UnknownKernel, config_dirs, kernel_config
 from transformers_lab.config import CONF_DIR
 
@@ -70,7 +84,8 @@ def kernel_factory(
     target: str, options: dict[str, Any] | None = None, dirs: Sequence[Path] = (CONF_DIR,)
 ) -> Factory:
     """A factory ``f(head_dim=, num_heads=)`` for TARGET (a kernel yaml, an option of the
-    attention group in ``dirs``, a registered name or a class path) with ``options``."""
+    attention group in ``dirs``, a registered name or a class path) with ``options``; the
+    layer's switches (``short_conv=4``) ride in it, as in an attention config."""
     from hydra.utils import instantiate
 
     try:
@@ -90,14 +105,67 @@ def with_alibi(factory: Factory) -> Factory:
     return build_with_alibi
 
 
-def build(factory: Factory) -> AttentionKernel:
-    """The float64 kernel under test, its parameters moved off their initial values (so
-    that a reference that ignored one would be caught), in eval mode."""
-    kernel = factory(head_dim=D, num_heads=H).double()
+def perturbed(module: torch.nn.Module) -> torch.nn.Module:
+    """The module in float64 and eval mode, its parameters moved off their initial values
+    (so that a reference that ignored one would be caught)."""
+    module = module.double()
     with torch.no_grad():
-        for p in kernel.parameters():
+        for p in module.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    return kernel.eval()
+    return module.eval()
+
+
+def build(factory: Factory) -> AttentionKernel:
+    """The float64 kernel under test (the layer's parts it carries are the layer checks');
+    a kernel with gate inputs gets them from its keys (``gated``)."""
+    kernel = perturbed(factory(head_dim=D, num_heads=H))
+    return gated(kernel) if kernel.gate_inputs else kernel
+
+
+def gated(kernel: AttentionKernel) -> AttentionKernel:
+    """The kernel, its gate inputs supplied at every call as a fixed function of each
+    token's key (its activation of ``k @ W`` for a fixed W), so that forward, decode and
+    the checks' changed keys all see the gates their tokens would have."""
+    gates = kernel.gate_inputs
+    weights = {
+        name: torch.randn(D, D if g.per_channel else 1, dtype=torch.float64, generator=None)
+        for name, g in gates.items()
+    }
+
+    def values(k: Tensor) -> dict[str, Tensor]:
+        out = {}
+        for name, gate in gates.items():
+            g = k @ weights[name].to(k.dtype)
+            g = g if gate.per_channel else g.squeeze(-1)
+            if gate.activation == "sigmoid":
+                g = g.sigmoid()
+            elif gate.activation == "logsigmoid":
+                g = torch.nn.functional.logsigmoid(g)
+            elif gate.activation == "silu":
+                g = torch.nn.functional.silu(g)
+            out[name] = g
+        return out
+
+    base = type(kernel)
+
+    class Gated(base, register=False):  # type: ignore[valid-type, misc]
+        def forward(self, q, k, v, **kw):  # type: ignore[no-untyped-def, override]
+            return super().forward(q, k, v, **{**values(k), **kw})
+
+        def weights(self, q, k, **kw):  # type: ignore[no-untyped-def, override]
+            return super().weights(q, k, **{**values(k), **kw})
+
+        def reference_weights(self, q, k, **kw):  # type: ignore[no-untyped-def, override]
+            return super().reference_weights(q, k, **{**values(k), **kw})
+
+        def decode(self, q, k, v, state=None, **kw):  # type: ignore[no-untyped-def, override]
+            return super().decode(q, k, v, state, **{**values(k), **kw})
+
+    Gated.__name__ = Gated.__qualname__ = base.__name__
+    if base.reference_weights is AttentionKernel.reference_weights:
+        Gated.reference_weights = AttentionKernel.reference_weights  # type: ignore[method-assign]
+    kernel.__class__ = Gated
+    return kernel
 
 
 # ---------------------------------------------------------------- the checks
@@ -207,7 +275,7 @@ def check_rows(kernel: AttentionKernel) -> list[str]:
         q, k, _ = qkv(nq, nk)
         mask = padding(nk) if padded else None
         w = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
-        allowed = attention_mask(nq, nk, causal=causal, key_padding_mask=mask, device=w.device)
+        allowed = kernel.visible(nq, nk, causal=causal, key_padding_mask=mask, device=w.device)
         sees = (visible_keys(allowed, nq, nk, w.device) > 0).squeeze(-1).expand(w.shape[:-1])
         sums = w.sum(-1)[sees]  # the rows of queries with a key to see; the others are zero
         if not torch.allclose(sums, torch.ones_like(sums), atol=1e-10):
@@ -409,6 +477,130 @@ def check_kernel(factory: Factory, checks: Sequence[str] | None = None, seed: in
     return failures
 
 
+# ---------------------------------------------------------------- the layer around it
+
+
+def layer_failures(
+    factory: Factory, seed: int = 0, alibi: bool = False
+) -> tuple[list[str], list[str]]:
+    """The layer checks (module docstring) where the factory switches on a part of the
+    layer or the kernel declares gate inputs: (the failures, the checks run)."""
+    probe = build(factory)
+    if probe.parts == LayerParts() and not probe.gate_inputs:
+        return [], []
+    # the multi-head layer sits a floor above the kernels (nn/); only this check needs it
+    from transformers_lab.nn.attention import MultiHeadAttention  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    layer = perturbed(MultiHeadAttention(H * D, H, factory, alibi=alibi))
+    causal = layer.kernel.causal_refusal() is None
+    checks: dict[str, Callable[[], list[str]]] = {
+        "layer padding": lambda: layer_padding(layer, causal),
+        "layer gradcheck": lambda: layer_gradients(layer, causal),
+    }
+    if causal:
+        checks = {
+            "layer decode": lambda: layer_decode(layer),
+            "layer future": lambda: layer_future(layer),
+            "layer state": lambda: layer_state(layer),
+            **checks,
+        }
+    failures = []
+    for name, check in checks.items():
+        try:
+            found = check()
+        except Exception as exc:  # a check that raises is a failure, said in one line
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            found = [f"raised {type(exc).__name__}: {message}"]
+        failures += [f"{name}: {line}" for line in found]
+    return failures, list(checks)
+
+
+def tokens(n: int) -> Tensor:
+    return torch.randn(B, n, H * D, dtype=torch.float64)
+
+
+def layer_decode(layer: torch.nn.Module) -> list[str]:
+    failures = []
+    for padded in (False, True):
+        x = tokens(9)
+        mask = padding(9) if padded else None
+        want = layer(x, causal=True, key_padding_mask=mask)
+        tag = "padded, " if padded else ""
+        for name, edges in (("token by token", list(range(10))), ("chunks of 4", [0, 4, 8, 9])):
+            state, outs = None, []
+            for a, b in zip(edges[:-1], edges[1:], strict=True):
+                step_mask = None if mask is None else mask[:, a:b]
+                out, state = layer.decode(x[:, a:b], state, key_padding_mask=step_mask)
+                outs.append(out)
+            got = torch.cat(outs, dim=1)
+            if padded:  # a padded token's own output is don't-care
+                keep = ~mask[..., None]
+                got, want_ = got * keep, want * keep
+            else:
+                want_ = want
+            if (why := gap(got, want_, 1e-10, 1e-12)) is not None:
+                failures.append(f"{tag}{name}: decode != causal forward, {why}")
+    return failures
+
+
+def layer_future(layer: torch.nn.Module) -> list[str]:
+    x = tokens(9)
+    out = layer(x, causal=True)
+    x2 = x.clone()
+    x2[:, 5:] += torch.randn_like(x2[:, 5:])
+    why = gap(layer(x2, causal=True)[:, :5], out[:, :5], 1e-10, 1e-12)
+    return [] if why is None else [f"outputs 0..4 change with tokens 5..8 (a leak), {why}"]
+
+
+def layer_padding(layer: torch.nn.Module, causal: bool) -> list[str]:
+    failures = []
+    for mode in (False, True) if causal else (False,):
+        x = tokens(7)
+        mask = torch.zeros(B, 7, dtype=torch.bool)
+        mask[1, 2] = mask[1, -1] = True  # a padded token inside the sequence too
+        out = layer(x, causal=mode, key_padding_mask=mask)
+        x2 = x.clone()
+        x2[1, 2] = x2[1, -1] = 100 * torch.randn_like(x2[1, 2])
+        changed = layer(x2, causal=mode, key_padding_mask=mask)
+        keep = ~mask[..., None]
+        if (why := gap(changed * keep, out * keep, 1e-10, 1e-12)) is not None:
+            failures.append(
+                f"{'causal: ' if mode else ''}padded tokens change the others' outputs, {why}"
+            )
+    return failures
+
+
+def layer_state(layer: torch.nn.Module) -> list[str]:
+    failures = []
+    for n in (4, 12):
+        _, state = layer.decode(tokens(n))
+        held, declared = state_numbers(state) // B, layer.state_size(n)
+        if held != declared:
+            failures.append(
+                f"after {n} tokens the layer's state holds {held} numbers, its state_size "
+                f"says {declared}"
+            )
+    return failures
+
+
+def layer_gradients(layer: torch.nn.Module, causal: bool) -> list[str]:
+    failures = []
+    params = [p for p in layer.parameters() if p.requires_grad]
+    for mode in (False, True) if causal else (False,):
+        x = tokens(4)[:1].requires_grad_()
+
+        def fn(x: Tensor, *_: Tensor, mode: bool = mode) -> Tensor:
+            return layer(x, causal=mode)
+
+        try:
+            torch.autograd.gradcheck(fn, (x, *params), eps=1e-6, atol=1e-5, rtol=1e-4)
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0]
+            failures.append(f"{'causal' if mode else 'non-causal'}: {first}")
+    return failures
+
+
 def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
     """``key=value`` kernel options, the values read as yaml (``hydra.searchpath`` aside:
     it names config dirs, not an option)."""
@@ -452,11 +644,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         dirs = config_dirs(args.config_dir, args.options)
-        factory = kernel_factory(args.target, parse_options(args.options), dirs)
-        if args.alibi:
-            factory = with_alibi(factory)
+        full = kernel_factory(args.target, parse_options(args.options), dirs)
+        factory = with_alibi(full) if args.alibi else full
         failures = check_kernel(factory)
         ran = checks_for(build(factory))
+        layer, layer_ran = layer_failures(full, alibi=args.alibi)
+        failures, ran = failures + layer, ran + layer_ran
     except (CheckError, UnknownKernel, TypeError, ValueError) as exc:  # it cannot be built
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -2,12 +2,71 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from transformers_lab.nn import Block, KernelFactory
+
+Hybrid = Sequence[Any] | Mapping[int, Any] | None
+
+
+def layer_choices(n_layer: int, attention: Any, hybrid: Hybrid) -> list[Any]:
+    """Each layer's attention config (a kernel factory or name, or a mixer's factory).
+
+    ``hybrid`` (``model.hybrid``): None: ``attention`` everywhere; a list: a pattern that
+    repeats over the layers, whose length divides n_layer (``[base_conv, based]``:
+    Zoology's alternation); a mapping {layer: choice}: those layers changed, the others
+    ``attention``. The choice ``"attention"`` is the model's ``attention``."""
+    if hybrid is None:
+        return [attention] * n_layer
+    if isinstance(hybrid, Mapping):
+        for index in hybrid:
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n_layer:
+                raise ValueError(
+                    f"model.hybrid names layer {index!r}, but the model's layers are 0.."
+                    f"{n_layer - 1} (n_layer={n_layer})"
+                )
+        chosen = [hybrid.get(i, "attention") for i in range(n_layer)]
+    else:
+        pattern = list(hybrid)
+        if not pattern or n_layer % len(pattern):
+            raise ValueError(
+                f"model.hybrid has {len(pattern)} entries, which does not divide "
+                f"n_layer={n_layer}: give one per layer, or a pattern whose length divides "
+                "n_layer (it repeats), or {layer: choice} for some layers"
+            )
+        chosen = [pattern[i % len(pattern)] for i in range(n_layer)]
+    return [attention if c == "attention" else c for c in chosen]
+
+
+def layer_name(choice: Any) -> str:
+    """A layer's choice, named for messages and records: its kernel or mixer name."""
+    if isinstance(choice, str):
+        return choice
+    func = getattr(choice, "func", choice)
+    return getattr(func, "name", getattr(func, "__name__", type(choice).__name__))
+
+
+def layer_names(model: nn.Module) -> list[str] | None:
+    """Each layer's mixer as built, in order: its kernel's name and the parts switched on
+    (``fastmax(short_conv=4)``), or a mixer's name (``base_conv``); None for a model
+    without blocks."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        return None
+    names = []
+    for block in blocks:
+        mixer = block.attn
+        kernel = getattr(mixer, "kernel", None)
+        if kernel is None:
+            names.append(getattr(mixer, "name", type(mixer).__name__))
+            continue
+        parts = mixer.parts.switched_on()
+        names.append(f"{kernel.name}({', '.join(parts)})" if parts else kernel.name)
+    return names
 
 
 def block_stack(
@@ -16,14 +75,22 @@ def block_stack(
     n_head: int,
     attention: KernelFactory | str,
     cross_attention: KernelFactory | str | None = None,
+    hybrid: Hybrid = None,
     **block_options: Any,
 ) -> nn.ModuleList:
-    """``n_layer`` Blocks with the same options."""
+    """``n_layer`` Blocks with the same options; ``hybrid`` chooses each one's attention
+    (``layer_choices``)."""
     if n_layer < 1:
         raise ValueError(f"n_layer must be at least 1, got {n_layer}")
-    return nn.ModuleList(
-        Block(d_model, n_head, attention, cross_attention, **block_options) for _ in range(n_layer)
-    )
+    blocks = []
+    for i, choice in enumerate(layer_choices(n_layer, attention, hybrid)):
+        try:
+            blocks.append(Block(d_model, n_head, choice, cross_attention, **block_options))
+        except (ValueError, TypeError) as exc:
+            if hybrid is None:
+                raise
+            raise type(exc)(f"model.hybrid, layer {i} ({layer_name(choice)}): {exc}") from None
+    return nn.ModuleList(blocks)
 
 
 def final_norm(d_model: int, bias: bool, norm_first: bool) -> nn.Module:
@@ -39,7 +106,8 @@ def reorder_cache(state: Any, index: Tensor) -> Any:
         return state.index_select(0, index)
     if not isinstance(state, (tuple, list)):  # a count (RoPE's position), the same for all
         return state
-    return type(state)(reorder_cache(s, index) for s in state)
+    items = (reorder_cache(s, index) for s in state)
+    return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from transformers_lab.models.common import block_stack, final_norm, sample_next
+from transformers_lab.models.common import Hybrid, block_stack, final_norm, sample_next
 from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
 from transformers_lab.nn.attention import refuse_causal
 from transformers_lab.nn.layers import sinusoidal_table
@@ -33,6 +33,10 @@ class GPT(nn.Module):
         rope_theta: the base of RoPE's frequencies (``pos_encoding=rope``).
         tie_weights: share the LM head with the token embedding.
         attention: kernel factory (``${attention}`` in the configs) or kernel name.
+        hybrid: each layer's attention, where they differ (``models.common.layer_choices``):
+            a pattern that repeats over the layers (``[base_conv, based]``), or {layer:
+            choice}; ``"attention"`` stands for ``attention``. None: ``attention`` in every
+            layer.
         bottleneck: MAD's encoder-bottleneck for its compression task (Poli et al., 2024):
             the blocks read the sequence, the last position's state is all that is kept,
             and a small decoder (``Bottleneck``) reads every token back from it. The
@@ -59,6 +63,7 @@ class GPT(nn.Module):
         tie_weights: bool = True,
         attention: KernelFactory | str = "softmax",
         bottleneck: bool | None = False,
+        hybrid: Hybrid = None,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
@@ -73,6 +78,7 @@ class GPT(nn.Module):
             d_model,
             n_head,
             attention,
+            hybrid=hybrid,
             mlp_ratio=mlp_ratio,
             act=act,
             dropout=dropout,
@@ -115,7 +121,7 @@ class GPT(nn.Module):
         ``block_size``), all layers and heads: a KV cache grows with n, a linear kernel's
         state does not. Zoology and Based plot recall against it."""
         n = self.block_size if n is None else n
-        return sum(block.attn.kernel.state_size(n) for block in self.blocks)
+        return sum(block.attn.state_size(n) for block in self.blocks)
 
     def embed(self, idx: Tensor, offset: int = 0) -> Tensor:
         """Token + position embeddings of ids (B, T) starting at position ``offset``."""

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformers_lab.attention import AttentionKernel, Memory, kernel_class
+from transformers_lab.attention.base import GateInput
+from transformers_lab.nn.parts import HeadNorm, ShortConvolution, l2_normalize, qk_activation
 from transformers_lab.nn.rotary import Rotary
 
 KernelFactory = Callable[..., AttentionKernel]
@@ -41,9 +44,56 @@ def refuse_causal(modules: Iterable[nn.Module], model: str) -> None:
                 raise ValueError(f"{model} attends causally: {why}")
 
 
+class LayerState(NamedTuple):
+    """What a self-attention layer keeps between decoding calls: the kernel's state (a KV
+    cache, a recurrent state), the short convolution's last K - 1 inputs, and the tokens
+    seen (where the new ones' positions start, for RoPE)."""
+
+    kernel: Any = None
+    conv: Tensor | None = None
+    seen: int = 0
+
+
+class GateProjection(nn.Module):
+    """The gate inputs a kernel declares (``GateInput``), projected from the layer's input
+    x (B, N, d_model): each to (B, H, N), or (B, H, N, D) per channel."""
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, gates: dict[str, GateInput]):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.gates = dict(gates)
+        self.proj = nn.ModuleDict()
+        for name, gate in self.gates.items():
+            width = num_heads * (head_dim if gate.per_channel else 1)
+            if gate.rank is None:
+                self.proj[name] = nn.Linear(d_model, width)
+            else:
+                self.proj[name] = nn.Sequential(
+                    nn.Linear(d_model, gate.rank, bias=False), nn.Linear(gate.rank, width)
+                )
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        b, n, _ = x.shape
+        out = {}
+        for name, gate in self.gates.items():
+            g = self.proj[name](x).view(b, n, self.num_heads, -1).transpose(1, 2)
+            g = g if gate.per_channel else g.squeeze(-1)  # (B, H, N, D) or (B, H, N)
+            if gate.activation == "sigmoid":
+                g = g.sigmoid()
+            elif gate.activation == "logsigmoid":
+                g = F.logsigmoid(g)
+            elif gate.activation == "silu":
+                g = F.silu(g)
+            out[name] = g
+        return out
+
+
 class MultiHeadAttention(nn.Module):
     """Projects tokens to per-head q, k, v, runs the kernel on all heads at once, and
-    projects the heads back.
+    projects the heads back; the layer's parts (``nn.parts``) around the kernel::
+
+        projections -> (short convolution) -> (activation, L2 norm of q, k) -> positions
+        -> kernel (with its gate inputs) -> (per-head norm, output gate) -> output projection
 
     Self-attention uses one fused ``d_model -> 3 d_model`` projection. Cross-attention
     (``cross=True``) projects queries from ``x`` and keys/values from ``context``.
@@ -53,6 +103,10 @@ class MultiHeadAttention(nn.Module):
         num_heads: H.
         kernel: ``factory(head_dim=..., num_heads=...)`` returning an ``AttentionKernel``
             (Hydra's ``_partial_: true`` gives one), or a kernel name such as ``"fastmax"``.
+            Its config may carry the layer's switches (``attention.parts.LayerParts``:
+            ``short_conv``, ``qk_activation``, ``qk_norm``, ``output_norm``,
+            ``output_gate``): the kernel keeps them as ``kernel.parts``, and this module
+            builds them.
         cross: attend from ``x`` to a separate ``context``.
         context_dim: width of ``context`` (cross-attention only); ``None`` means d_model.
         bias: bias in the projections.
@@ -101,21 +155,52 @@ class MultiHeadAttention(nn.Module):
                 f"the kernel factory returned {type(self.kernel).__name__}, expected an "
                 "AttentionKernel; pass a kernel name or a partial of a kernel class"
             )
+        self.parts = self.kernel.parts  # the layer's switches ride in the kernel's config
         if cross and getattr(self.kernel, "positional", False):
             raise ValueError(
                 f"attention={self.kernel.name} weighs keys by their positions in one sequence, "
                 "which a cross-attention's queries and keys do not share; give the model "
                 "another cross_attention kernel (model.cross_attention=...)"
             )
+        if cross and self.parts.short_conv:
+            raise ValueError(
+                f"attention.short_conv={self.parts.short_conv} convolves along one sequence, "
+                "but a cross-attention's keys come from another; give the model a "
+                "cross_attention without it (model.cross_attention=softmax, or a config "
+                "with short_conv: 0)"
+            )
+        if cross and self.kernel.gate_inputs:
+            raise ValueError(
+                f"attention={self.kernel.name} takes inputs projected from each token "
+                f"({', '.join(self.kernel.gate_inputs)}), which a cross-attention's keys, "
+                "from another sequence, do not have; give the model another cross_attention "
+                "kernel (model.cross_attention=...)"
+            )
         if alibi:
             if cross:
                 raise ValueError("alibi is for self-attention: a context is another sequence")
             self.kernel.use_alibi()
+        parts = self.parts
+        self.conv = (
+            None if not parts.short_conv else ShortConvolution(3 * d_model, parts.short_conv)
+        )
+        self.gates = (
+            GateProjection(d_model, num_heads, self.head_dim, self.kernel.gate_inputs)
+            if self.kernel.gate_inputs
+            else None
+        )
+        self.head_norm = HeadNorm(self.head_dim) if parts.output_norm else None
+        self.gate_proj = nn.Linear(d_model, d_model, bias=bias) if parts.output_gate else None
 
     def split_heads(self, x: Tensor) -> Tensor:
         """(B, N, d_model) -> (B, H, N, head_dim)."""
         b, n, _ = x.shape
         return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def shape_qk(self, x: Tensor) -> Tensor:
+        """Per-head queries or keys through the layer's activation and L2 norm."""
+        x = qk_activation(x, self.parts.qk_activation)
+        return l2_normalize(x) if self.parts.qk_norm else x
 
     def project_context(self, context: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
         """Keys and values of a cross-attention context (B, Nk, dim), prepared by the kernel
@@ -128,29 +213,64 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"expected a context of shape (batch, tokens, dim), got {tuple(context.shape)}"
             )
-        k, v = self.kv_proj(context).split(self.d_model, dim=-1)
-        return self.kernel.memory(self.split_heads(k), self.split_heads(v), key_padding_mask)
+        k, v = self.context_kv(context)
+        return self.kernel.memory(k, v, key_padding_mask)
 
-    def project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    def context_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
+        """A cross-attention's per-head keys and values of ``context``."""
+        k, v = self.kv_proj(context).split(self.d_model, dim=-1)
+        return self.shape_qk(self.split_heads(k)), self.split_heads(v)
+
+    def project(
+        self,
+        x: Tensor,
+        context: Tensor | None,
+        state: LayerState | None = None,
+        key_padding_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Per-head queries, keys and values, each (B, H, N, head_dim)."""
+        q, k, v, _ = self.project_with_state(x, context, state, key_padding_mask)
+        return q, k, v
+
+    def project_with_state(
+        self,
+        x: Tensor,
+        context: Tensor | None,
+        state: LayerState | None = None,
+        key_padding_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """``project``, and the short convolution's state after x (None without one).
+        ``state`` holds the tokens before x when decoding: the convolution's inputs and
+        the count that RoPE's positions start from."""
         self._check_x(x)
         if self.cross:
             if context is None:
                 raise ValueError("cross-attention needs a context tensor (batch, tokens, dim)")
-            k, v = self.kv_proj(context).split(self.d_model, dim=-1)
-            return self.split_heads(self.q_proj(x)), self.split_heads(k), self.split_heads(v)
+            k, v = self.context_kv(context)
+            return self.shape_qk(self.split_heads(self.q_proj(x))), k, v, None
         if context is not None:
             raise ValueError("a self-attention layer takes no context; build it with cross=True")
-        q, k, v = self.qkv_proj(x).split(self.d_model, dim=-1)
-        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        state = state or LayerState()
+        qkv = self.qkv_proj(x)
+        conv_state = None
+        if self.conv is not None:
+            if key_padding_mask is not None:  # a padded token feeds no later token's window
+                qkv = qkv.masked_fill(key_padding_mask[..., None], 0.0)
+            qkv, conv_state = self.conv(qkv, state.conv)
+        q, k, v = (self.split_heads(t) for t in qkv.split(self.d_model, dim=-1))
+        q, k = self.shape_qk(q), self.shape_qk(k)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
-        return q, k, v
+            q, k = self.rotary(q, state.seen), self.rotary(k, state.seen)
+        return q, k, v, conv_state
 
     def queries(self, x: Tensor) -> Tensor:
         """A cross-attention's per-head queries of x (B, Nq, d_model): (B, H, Nq, head_dim)."""
         self._check_x(x)
-        return self.split_heads(self.q_proj(x))
+        return self.shape_qk(self.split_heads(self.q_proj(x)))
+
+    def gate_values(self, x: Tensor) -> dict[str, Tensor]:
+        """The kernel's gate inputs of the tokens x (none when it declares none)."""
+        return {} if self.gates is None else self.gates(x)
 
     def _check_x(self, x: Tensor) -> None:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
@@ -158,11 +278,24 @@ class MultiHeadAttention(nn.Module):
                 f"expected x of shape (batch, tokens, d_model={self.d_model}), got {tuple(x.shape)}"
             )
 
-    def merge_heads(self, out: Tensor) -> Tensor:
-        """(B, H, N, head_dim) -> output projection of (B, N, d_model)."""
+    def merge_heads(self, out: Tensor, x: Tensor | None = None) -> Tensor:
+        """(B, H, N, head_dim) -> (B, N, d_model): the per-head norm, the output gate of x
+        (the layer's input), and the output projection."""
+        if self.head_norm is not None:
+            out = self.head_norm(out)
         b, _, n, _ = out.shape
         out = out.transpose(1, 2).reshape(b, n, self.d_model)
+        if self.gate_proj is not None:
+            if x is None:
+                raise ValueError("the output gate needs the layer's input x")
+            out = out * F.silu(self.gate_proj(x))
         return self.resid_dropout(self.out_proj(out))
+
+    def state_size(self, n: int) -> int:
+        """Numbers ``decode`` keeps per sequence after n tokens: the kernel's state and the
+        short convolution's last K - 1 inputs."""
+        conv = 0 if self.conv is None else (self.conv.width - 1) * 3 * self.d_model
+        return self.kernel.state_size(n) + conv
 
     def forward(
         self,
@@ -176,10 +309,12 @@ class MultiHeadAttention(nn.Module):
         -> (B, Nq, d_model)."""
         if isinstance(context, Memory):  # the mask travels inside the memory
             out = self.kernel.read_memory(self.queries(x), context)
-            return self.merge_heads(out)
-        q, k, v = self.project(x, context)
-        out = self.kernel(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
-        return self.merge_heads(out)
+            return self.merge_heads(out, x)
+        q, k, v = self.project(x, context, key_padding_mask=key_padding_mask)
+        out = self.kernel(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, **self.gate_values(x)
+        )
+        return self.merge_heads(out, x)
 
     def attention_weights(
         self,
@@ -201,25 +336,21 @@ class MultiHeadAttention(nn.Module):
             if key_padding_mask is None:
                 key_padding_mask = context.key_padding_mask
         else:
-            q, k, _ = self.project(x, context)
-        return self.kernel.weights(q, k, causal=causal, key_padding_mask=key_padding_mask)
+            q, k, _ = self.project(x, context, key_padding_mask=key_padding_mask)
+        return self.kernel.weights(
+            q, k, causal=causal, key_padding_mask=key_padding_mask, **self.gate_values(x)
+        )
 
     def decode(
-        self, x: Tensor, state: Any = None, *, key_padding_mask: Tensor | None = None
-    ) -> tuple[Tensor, Any]:
-        """Causal self-attention of new tokens x (B, T, d_model) over the cached past."""
+        self, x: Tensor, state: LayerState | None = None, *, key_padding_mask: Tensor | None = None
+    ) -> tuple[Tensor, LayerState]:
+        """Causal self-attention of new tokens x (B, T, d_model) over the cached past;
+        ``state`` is what the previous call returned (None at the start)."""
         if self.cross:
             raise ValueError("decode() is for self-attention; cross-attention keys are fixed")
-        if self.rotary is None:
-            q, k, v = self.project(x, None)
-            out, state = self.kernel.decode(q, k, v, state, key_padding_mask=key_padding_mask)
-            return self.merge_heads(out), state
-        # with RoPE the state also counts the tokens seen: the new ones' positions follow
-        kernel_state, seen = (None, 0) if state is None else state
-        self._check_x(x)
-        q, k, v = (self.split_heads(t) for t in self.qkv_proj(x).split(self.d_model, dim=-1))
-        q, k = self.rotary(q, seen), self.rotary(k, seen)
+        state = state or LayerState()
+        q, k, v, conv = self.project_with_state(x, None, state, key_padding_mask)
         out, kernel_state = self.kernel.decode(
-            q, k, v, kernel_state, key_padding_mask=key_padding_mask
+            q, k, v, state.kernel, key_padding_mask=key_padding_mask, **self.gate_values(x)
         )
-        return self.merge_heads(out), (kernel_state, seen + x.shape[1])
+        return self.merge_heads(out, x), LayerState(kernel_state, conv, state.seen + x.shape[1])

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from transformers_lab.attention import AttentionKernel
 from transformers_lab.nn.attention import Context, KernelFactory, MultiHeadAttention
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -209,6 +210,17 @@ class PatchEmbedding(nn.Module):
         return self.proj(images).flatten(2).transpose(1, 2)  # (B, num_patches, d_model)
 
 
+def is_mixer(factory: Any) -> bool:
+    """Whether a layer's choice builds a whole mixer (``nn.mixers``: it takes d_model, and
+    projects for itself) rather than a kernel for multi-head attention."""
+    cls = getattr(factory, "func", factory)
+    return (
+        isinstance(cls, type)
+        and issubclass(cls, nn.Module)
+        and not issubclass(cls, AttentionKernel)
+    )
+
+
 def _sublayer(
     x: Tensor, norm: nn.Module, fn: Callable[[Tensor], Tensor], norm_first: bool
 ) -> Tensor:
@@ -251,10 +263,13 @@ class Block(nn.Module):
     ) -> None:
         super().__init__()
         self.norm_first = norm_first
-        self.attn = MultiHeadAttention(
-            d_model, num_heads, attention, bias=bias, dropout=dropout, rope_theta=rope_theta,
-            alibi=alibi,
-        )  # fmt: skip
+        if is_mixer(attention):  # a mixer that is not attention (BaseConv): no positions
+            self.attn = attention(d_model=d_model, num_heads=num_heads)
+        else:
+            self.attn = MultiHeadAttention(
+                d_model, num_heads, attention, bias=bias, dropout=dropout, rope_theta=rope_theta,
+                alibi=alibi,
+            )  # fmt: skip
         self.norm_attn = nn.LayerNorm(d_model, bias=bias)
         self.cross = None
         if cross_attention is not None:

@@ -44,6 +44,7 @@ class Outcome:
     state_size: int | None = None  # a GPT's decoding state after block_size tokens
     pruned_at: int | None = None  # the global step an Optuna pruner stopped it at
     seeded: dict[str, Any] | None = None  # what the seed fixed (``seeded``)
+    layers: list[str] | None = None  # each layer's mixer: kernel and parts (``layer_names``)
 
 
 def digest(data: bytes) -> str:
@@ -89,6 +90,7 @@ class JobRecord:
     trial: int | None = None  # its Optuna trial's number (a study sweeper's job)
     pruned_at: int | None = None  # the global step its trial was pruned at
     seeded: dict[str, Any] | None = None  # what its seed fixed: data, rng, initial params
+    layers: list[str] | None = None  # each layer's mixer, as built (a hybrid's schedule)
 
     def finished(self, outcome: Outcome) -> None:
         """Fill in a fit's outcome: status ``ok``, or ``pruned`` if its trial was."""
@@ -96,7 +98,7 @@ class JobRecord:
         self.pruned_at = outcome.pruned_at
         self.metrics, self.params = dict(outcome.metrics), outcome.params
         self.state_size, self.checkpoints = outcome.state_size, dict(outcome.checkpoints)
-        self.seeded = outcome.seeded
+        self.seeded, self.layers = outcome.seeded, outcome.layers
         self.monitor.best = outcome.best
         self.objective = self.metrics.get(self.monitor.metric or "")
 

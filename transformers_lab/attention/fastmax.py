@@ -1,5 +1,15 @@
-"""The fastmax kernel: its features (each token by its own norm, queries scaled) and its
-reference; the paths are those of every linear kernel (``feature_kernel``)."""
+"""Fastmax: factorizable polynomial attention (Gerami et al., "FAST: Factorizable Attention
+for Speeding up Transformers", arXiv 2402.07901, 2024).
+
+The softmax's exponential is replaced by its Taylor polynomial of order p (1 or 2)::
+
+    a_ij = f(x_ij) / sum_j f(x_ij),   x_ij = s * q_i . k_j,   f(x) = sum_{m<=p} x^m / m!
+
+f factorises over features of q and k (1 + D + D(D+1)/2 of them for p=2, the symmetric
+half of q~ (x) q~), so time and memory grow linearly with the sequence: the paths are
+those of every linear kernel (``attention.linear``). This file holds fastmax's own part,
+its features (each token by its own norm, queries scaled) and its float64 reference.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformers_lab.attention import naive
-from transformers_lab.attention.fastmax.feature_kernel import FeatureKernel
-from transformers_lab.attention.fastmax.features import SUPPORTED_P
+from transformers_lab.attention.linear.feature_kernel import FeatureKernel
+from transformers_lab.attention.linear.features import SUPPORTED_P
 
 
 class FastmaxAttention(FeatureKernel):
