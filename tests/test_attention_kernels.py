@@ -501,7 +501,7 @@ def test_unsupported_p_and_negative_p1_are_refused():
 
 @pytest.mark.parametrize("p", [1, 2])
 def test_fastmax_auto_takes_the_cheaper_exact_path(p, monkeypatch):
-    from transformers_lab.attention import fastmax as fm
+    from transformers_lab.attention import linear as fm
     from transformers_lab.attention.linear import feature_kernel as fm_kernel
 
     kernel = make("fastmax", p=p)  # impl=auto

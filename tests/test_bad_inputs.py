@@ -78,6 +78,32 @@ CASES = [
     ),
     case("train", ["attention=cosine", "attention.init_tau=0"], "cosine: need 0 < init_tau"),
     case("train", ["attention=additive", "attention.attn_dim=0"], "attn_dim must be positive"),
+    # the layer around the kernel (attention/parts.py), the window, hybrid stacks
+    case("train", ["attention.short_conv=-1"], "attention.short_conv must be an integer >= 0"),
+    case("train", ["attention.short_conv=1.5"], "attention.short_conv must be an integer >= 0"),
+    case("train", ["attention=sliding_window", "attention.window=0"], "window must be a positive"),
+    case(
+        "train",
+        ["model=gpt", *MQAR, "model.n_layer=2", "model.hybrid=[softmax,relu3]"],
+        "model.hybrid: unknown layer 'relu3'; valid ones are: attention, additive",
+    ),
+    case(
+        "train",
+        ["model=gpt", *MQAR, "model.n_layer=2", "model.hybrid=[softmax,dot,softmax]"],
+        "model.hybrid has 3 entries, which does not divide n_layer=2",
+    ),
+    case(
+        "train",
+        [
+            "model=gpt",
+            *MQAR,
+            "model.n_layer=2",
+            "model.pos_encoding=alibi",
+            "model.hybrid=[softmax,fastmax]",
+        ],
+        "model.hybrid, layer 1 (fastmax): pos_encoding=alibi adds a bias",
+    ),
+    case("check", ["softmax", "short_conv=-2"], "attention.short_conv must be an integer >= 0"),
     # the model against its data
     case(
         "train",

@@ -89,9 +89,19 @@ def test_a_short_conv_that_is_not_a_width_is_refused_in_one_line(bad):
         MultiHeadAttention(8, 2, factory("softmax", short_conv=bad))
 
 
-def test_a_short_convolution_on_a_cross_attention_is_refused():
+def test_a_short_convolution_on_a_cross_attention_is_refused(tmp_path):
     with pytest.raises(ValueError, match="short_conv=4 convolves along one sequence"):
         MultiHeadAttention(8, 2, factory("softmax", short_conv=4), cross=True)
+    # the Transformer's cross-attention shares its attention config unless given its own
+    from transformers_lab.config import compose_config
+    from transformers_lab.config_checks import check_config
+    from transformers_lab.errors import ConfigError
+
+    shared = ["experiment=transformer_multi30k", "attention.short_conv=4"]
+    with pytest.raises(ConfigError, match="attention: attention.short_conv=4 convolves along"):
+        check_config(compose_config("train", shared, tmp_path / "a"))
+    own = [*shared, "model.cross_attention=softmax"]
+    check_config(compose_config("train", own, tmp_path / "b"))  # its own kernel: accepted
 
 
 # ---------------------------------------------------------------- the other parts

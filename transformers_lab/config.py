@@ -116,38 +116,49 @@ def attention_configs(
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for name in names:
             cfg = compose("train", overrides=[f"attention={name}", *searchpath])
-            configs[name] = OmegaConf.to_container(cfg.attention, resolve=True)
+            configs[name] = without_default_parts(
+                OmegaConf.to_container(cfg.attention, resolve=True)
+            )
     return configs
 
 
-def run_config_dirs() -> list[Path]:
-    """The config dirs of the Hydra run in progress (``conf/`` and the user's on
-    ``hydra.searchpath``); ``conf/`` alone outside a run."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return [CONF_DIR]
-    sources = HydraConfig.get().runtime.get("config_sources") or []
-    dirs = [Path(s.path) for s in sources if s.get("schema") == "file" and Path(s.path).is_dir()]
-    return dirs or [CONF_DIR]
+def without_default_parts(config: dict[str, Any]) -> dict[str, Any]:
+    """An attention config without the layer switches left at their defaults (off), which
+    every option composes with (``conf/layer/parts.yaml``): the config its yaml gives."""
+    default = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "layer" / "parts.yaml"))
+    return {k: v for k, v in config.items() if k not in default or v != default[k]}
 
 
-def layer_config(name: str, dirs: Sequence[Path] = (CONF_DIR,)) -> dict[str, Any]:
+def layer_config(name: str, dirs: Sequence[Path] | None = None) -> dict[str, Any]:
     """The config of a hybrid stack's layer ``name`` (``model.hybrid``): an option of the
     attention group, composed as ``attention=<name>`` would be, or of the mixer group
-    (``base_conv``)."""
-    if name in group_options("attention", dirs):
-        return attention_configs(dirs, [name])[name]
-    for d in reversed(list(dirs)):  # the user's dirs before conf/
-        path = d / "mixer" / f"{name}.yaml"
-        if path.is_file():
-            return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    valid = ["attention", *group_options("attention", dirs), *group_options("mixer", dirs)]
-    raise ConfigError(
-        f"model.hybrid: unknown layer {name!r}; valid ones are: {', '.join(valid)} "
-        "(attention: the model's own attention config; a kernel of your own config dir needs "
-        "hydra.searchpath=[file://DIR])"
-    )
+    (``base_conv``). Inside a Hydra run it is composed with the run's own search path (the
+    user's config dirs included); outside one, from ``dirs`` (default: ``conf/``)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    running = GlobalHydra.instance().is_initialized()
+    if running:
+        loader = GlobalHydra.instance().config_loader()
+        options = {g: loader.get_group_options(g) for g in ("attention", "mixer")}
+    else:
+        dirs = [CONF_DIR] if dirs is None else list(dirs)
+        options = {g: group_options(g, dirs) for g in ("attention", "mixer")}
+    if name not in options["attention"] and name not in options["mixer"]:
+        valid = ["attention", *options["attention"], *options["mixer"]]
+        raise ConfigError(
+            f"model.hybrid: unknown layer {name!r}; valid ones are: {', '.join(valid)} "
+            "(attention: the model's own attention config; a kernel of your own config dir "
+            "needs hydra.searchpath=[file://DIR])"
+        )
+    group = "attention" if name in options["attention"] else "mixer"
+    override = f"attention={name}" if group == "attention" else f"+mixer={name}"
+    if running:
+        cfg = compose("train", overrides=[override])
+    else:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=[override, *searchpath_override(dirs)])
+    return without_default_parts(OmegaConf.to_container(cfg[group], resolve=True))
 
 
 def expand_hybrid(model: DictConfig, dirs: Sequence[Path] | None = None) -> DictConfig:
@@ -156,7 +167,6 @@ def expand_hybrid(model: DictConfig, dirs: Sequence[Path] | None = None) -> Dict
     hybrid = model.get("hybrid") if isinstance(model, DictConfig) else None
     if hybrid is None:
         return model
-    dirs = run_config_dirs() if dirs is None else dirs
     cache: dict[str, Any] = {}
 
     def resolve(choice: Any) -> Any:

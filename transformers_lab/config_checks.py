@@ -25,7 +25,7 @@ from transformers_lab.checkpoints import checkpoint_file
 from transformers_lab.cli import unknown_option
 from transformers_lab.config import call, expand_hybrid, target_class
 from transformers_lab.errors import ConfigError
-from transformers_lab.models.common import check_sampling, layer_choices, layer_name
+from transformers_lab.models.common import check_sampling, layer_choices
 from transformers_lab.nn.attention import MultiHeadAttention, as_kernel_factory, head_size
 from transformers_lab.nn.layers import is_mixer
 
@@ -264,6 +264,7 @@ def check_hybrid(model: DictConfig) -> None:
     expanded = expand_hybrid(model)
     try:
         choices = layer_choices(model.n_layer, "attention", expanded.hybrid)
+        names = layer_choices(model.n_layer, "attention", model.hybrid)  # as given
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     built: set[str] = set()
@@ -284,7 +285,7 @@ def check_hybrid(model: DictConfig) -> None:
         except ConfigError:
             raise
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"model.hybrid, layer {i} ({layer_name(choice)}): {exc}") from None
+            raise ConfigError(f"model.hybrid, layer {i} ({names[i]}): {exc}") from None
 
 
 # ---------------------------------------------------------------- from the signatures

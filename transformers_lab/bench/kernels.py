@@ -70,11 +70,14 @@ from transformers_lab.attention import AttentionKernel
 from transformers_lab.attention.resolve import UnknownKernel, config_dirs, kernel_config
 from transformers_lab.cli import fail
 from transformers_lab.config import CONF_DIR, attention_configs
+from transformers_lab.nn.parts import ShortConvolution
 
 BASELINE = "softmax"  # the variant the others' time and memory are divided by
 # Variants beyond the attention options: another code path of one option, for comparison.
 PATH_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fastmax_p2_quadratic": ("fastmax_p2", {"impl": "quadratic"}),  # the N x N reference
+    # the layer's short convolution of width 4 before the kernel (attention.short_conv)
+    "fastmax_p2_short_conv": ("fastmax_p2", {"short_conv": 4}),
 }
 # ... and ``<option>_compiled`` for every option with a ``compiled`` option (the linear
 # kernels): its chunk steps through torch.compile, compiled in the warm-up pass (not
@@ -277,6 +280,21 @@ def fwd_bwd(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, causal: bo
     out.float().sum().backward()
 
 
+def fwd_bwd_conv(kernel: AttentionKernel, conv: Any, x: Tensor, spec: Spec) -> None:
+    """``fwd_bwd`` with the layer's short convolution before the kernel: x (B, N, 3 H D),
+    the fused projection, through the convolution, split into per-head q, k and v."""
+    x.grad = None
+    kernel.zero_grad(set_to_none=True)
+    conv.zero_grad(set_to_none=True)
+    b, n, _ = x.shape
+    mixed, _ = conv(x)
+    q, k, v = (
+        t.view(b, n, spec.heads, spec.head_dim).transpose(1, 2) for t in mixed.chunk(3, dim=-1)
+    )
+    out = kernel(q, k, v, causal=spec.causal)
+    out.float().sum().backward()
+
+
 def synchronize(device: str) -> None:
     """Wait for queued device work, so that wall time covers it."""
     if device.startswith("cuda"):
@@ -365,8 +383,18 @@ def measure_once(spec: Spec) -> Row:
     kernel = build_variant(spec)
 
     def run_at(n: int) -> Callable[[], None]:
+        if kernel.parts.short_conv:  # the convolution's input is the fused projection
+            x = make_inputs(spec, n)[0].transpose(1, 2).reshape(spec.batch, n, -1)
+            x = torch.cat([x, x, x], dim=-1).detach().requires_grad_()  # (B, N, 3 H D)
+            return lambda: fwd_bwd_conv(kernel, conv, x, spec)
         q, k, v = make_inputs(spec, n)
         return lambda: fwd_bwd(kernel, q, k, v, spec.causal)
+
+    conv = None
+    if kernel.parts.short_conv:
+        width = 3 * spec.heads * spec.head_dim
+        conv = ShortConvolution(width, kernel.parts.short_conv)
+        conv = conv.to(device=spec.device, dtype=DTYPES[spec.dtype])
 
     run_at(min(WARMUP_N, spec.n))()  # load libraries, start threads; inputs freed after
     run = run_at(spec.n)
