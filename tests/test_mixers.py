@@ -392,3 +392,18 @@ def test_a_bad_hybrid_is_refused_before_anything_is_built(tmp_path, hybrid, erro
     cfg = compose_config("train", ["experiment=mqar", f"model.hybrid={hybrid}"], tmp_path / "r")
     with pytest.raises(ConfigError, match=error.replace("[", "\\[")):
         check_config(cfg)
+
+
+def test_the_summary_names_each_layer_where_a_stack_is_hybrid():
+    from transformers_lab.sweeps.record import JobRecord
+    from transformers_lab.sweeps.summary import Run, job_rows
+
+    def run(job, layers):
+        record = JobRecord(status="ok", metrics={"val/acc": 0.5}, layers=layers)
+        return Run(job=job, source="", record=record)
+
+    hybrid = [run("0", ["base_conv", "based"]), run("1", ["based", "based"])]
+    rows = job_rows(hybrid, "val/acc")
+    assert [r["layers"] for r in rows] == ["base_conv, based", "based, based"]
+    alike = [run("0", ["softmax", "softmax"]), run("1", ["fastmax", "fastmax"])]
+    assert "layers" not in job_rows(alike, "val/acc")[0]  # the attention choice says it

@@ -72,6 +72,23 @@ def test_the_check_takes_every_name_the_attention_group_takes(argv, user_path, c
     assert capsys.readouterr().out.startswith(f"ok: {argv[0]} passes the 12 checks")
 
 
+def test_the_users_kernel_takes_the_layers_parts(user_path, capsys, tmp_path):
+    """attention.short_conv=4 works with a kernel of the user's, which declares nothing for
+    it: the check runs the layer checks, and a run trains with it."""
+    assert check_main(["relu2", "short_conv=4", "--config-dir", str(MY_CONF)]) == 0
+    out = capsys.readouterr().out
+    assert "passes the 17 checks" in out and "layer decode" in out
+    from transformers_lab.config import compose_config
+    from transformers_lab.train import fit_and_test
+
+    overrides = [
+        "experiment=mqar", "attention=relu2", "attention.short_conv=4", "debug=fdr",
+        "logger=csv", *searchpath_override([MY_CONF]),
+    ]  # fmt: skip
+    outcome = fit_and_test(compose_config("train", overrides, tmp_path / "run"))
+    assert outcome.layers == ["relu2(short_conv=4)"] * 2
+
+
 class FormulaOnly(AttentionKernel, register=False):
     """A kernel that writes its weights from the formula and has no reference."""
 

@@ -179,9 +179,12 @@ def job_rows(runs: Sequence[Run], metric: str) -> list[dict[str, Any]]:
     """The per-job table: job, overrides, status, final and best ``metric``, the other
     final metrics, parameters, decoding state, wall time, error."""
     names = sorted({k for r in runs for k in r.record.metrics if k != metric})
+    # each layer's mixer, where a run's layers are not all alike (a hybrid stack)
+    hybrid = any(len(set(r.record.layers or ())) > 1 for r in runs)
     rows = []
     for run in runs:
         r = run.record
+        layers = {"layers": ", ".join(r.layers or ())} if hybrid else {}
         rows.append(
             {
                 "job": run.job,
@@ -192,6 +195,7 @@ def job_rows(runs: Sequence[Run], metric: str) -> list[dict[str, Any]]:
                 **{name: r.metrics.get(name) for name in names},
                 "params": r.params,
                 "state_size": r.state_size,
+                **layers,
                 "time_s": r.time_s,
                 "error": r.error or "",
             }
