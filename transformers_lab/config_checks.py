@@ -27,7 +27,7 @@ from transformers_lab.config import call, expand_hybrid, target_class
 from transformers_lab.errors import ConfigError
 from transformers_lab.models.common import check_sampling, layer_choices
 from transformers_lab.nn.attention import MultiHeadAttention, as_kernel_factory, head_size
-from transformers_lab.nn.layers import is_mixer
+from transformers_lab.nn.layers import sequence_mixer
 
 
 @dataclass(frozen=True)
@@ -275,13 +275,8 @@ def check_hybrid(model: DictConfig) -> None:
         built.add(key)
         try:
             factory = call(choice, f"model.hybrid layer {i}")
-            if is_mixer(factory):
-                factory(d_model=model.d_model, num_heads=model.n_head)
-            else:
-                MultiHeadAttention(
-                    model.d_model, model.n_head, factory,
-                    alibi=model.get("pos_encoding") == "alibi",
-                )  # fmt: skip
+            alibi = model.get("pos_encoding") == "alibi"
+            sequence_mixer(model.d_model, model.n_head, factory, alibi=alibi)
         except ConfigError:
             raise
         except (ValueError, TypeError) as exc:

@@ -146,6 +146,16 @@ class GateInput:
         if self.rank is not None and self.rank < 1:
             raise ValueError(f"a gate's rank must be >= 1 (or None), got {self.rank}")
 
+    def activate(self, g: Tensor) -> Tensor:
+        """The gate's values from its projection: ``activation`` of g."""
+        if self.activation == "sigmoid":
+            return g.sigmoid()
+        if self.activation == "logsigmoid":
+            return nn.functional.logsigmoid(g)
+        if self.activation == "silu":
+            return nn.functional.silu(g)
+        return g
+
 
 def takes_layer_parts(init: Any) -> Any:
     """A kernel class's ``__init__`` that also takes the layer's switches

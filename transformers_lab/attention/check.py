@@ -55,6 +55,7 @@ One line per failure, and exit status 1 if any; ``ok`` and exit status 0 otherwi
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -136,14 +137,7 @@ def gated(kernel: AttentionKernel) -> AttentionKernel:
         out = {}
         for name, gate in gates.items():
             g = k @ weights[name].to(k.dtype)
-            g = g if gate.per_channel else g.squeeze(-1)
-            if gate.activation == "sigmoid":
-                g = g.sigmoid()
-            elif gate.activation == "logsigmoid":
-                g = torch.nn.functional.logsigmoid(g)
-            elif gate.activation == "silu":
-                g = torch.nn.functional.silu(g)
-            out[name] = g
+            out[name] = gate.activate(g if gate.per_channel else g.squeeze(-1))
         return out
 
     base = type(kernel)
@@ -465,12 +459,18 @@ def check_kernel(factory: Factory, checks: Sequence[str] | None = None, seed: in
     """Run the contract on the kernel ``factory`` builds; one line per failure."""
     torch.manual_seed(seed)
     kernel = build(factory)
-    failures = []
     checks = checks_for(kernel) if checks is None else checks
-    for name in checks:
+    return run_checks({name: functools.partial(CHECKS[name], kernel) for name in checks})
+
+
+def run_checks(checks: dict[str, Callable[[], list[str]]]) -> list[str]:
+    """Run each named check; one line per failure, ``name: what``. A check that raises is
+    a failure, said in one line."""
+    failures = []
+    for name, check in checks.items():
         try:
-            found = CHECKS[name](kernel)
-        except Exception as exc:  # a check that raises is a failure, said in one line
+            found = check()
+        except Exception as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             found = [f"raised {type(exc).__name__}: {message}"]
         failures += [f"{name}: {line}" for line in found]
@@ -505,15 +505,7 @@ def layer_failures(
             "layer state": lambda: layer_state(layer),
             **checks,
         }
-    failures = []
-    for name, check in checks.items():
-        try:
-            found = check()
-        except Exception as exc:  # a check that raises is a failure, said in one line
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            found = [f"raised {type(exc).__name__}: {message}"]
-        failures += [f"{name}: {line}" for line in found]
-    return failures, list(checks)
+    return run_checks(checks), list(checks)
 
 
 def tokens(n: int) -> Tensor:

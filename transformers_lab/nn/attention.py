@@ -78,13 +78,7 @@ class GateProjection(nn.Module):
         for name, gate in self.gates.items():
             g = self.proj[name](x).view(b, n, self.num_heads, -1).transpose(1, 2)
             g = g if gate.per_channel else g.squeeze(-1)  # (B, H, N, D) or (B, H, N)
-            if gate.activation == "sigmoid":
-                g = g.sigmoid()
-            elif gate.activation == "logsigmoid":
-                g = F.logsigmoid(g)
-            elif gate.activation == "silu":
-                g = F.silu(g)
-            out[name] = g
+            out[name] = gate.activate(g)
         return out
 
 

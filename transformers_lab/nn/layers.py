@@ -221,6 +221,15 @@ def is_mixer(factory: Any) -> bool:
     )
 
 
+def sequence_mixer(d_model: int, num_heads: int, choice: Any, **attention: Any) -> nn.Module:
+    """A layer's sequence mixer: the mixer ``choice`` builds (BaseConv: no positions), or
+    multi-head attention around the kernel it names, with ``attention``'s options (bias,
+    dropout, rope_theta, alibi)."""
+    if is_mixer(choice):
+        return choice(d_model=d_model, num_heads=num_heads)
+    return MultiHeadAttention(d_model, num_heads, choice, **attention)
+
+
 def _sublayer(
     x: Tensor, norm: nn.Module, fn: Callable[[Tensor], Tensor], norm_first: bool
 ) -> Tensor:
@@ -263,13 +272,10 @@ class Block(nn.Module):
     ) -> None:
         super().__init__()
         self.norm_first = norm_first
-        if is_mixer(attention):  # a mixer that is not attention (BaseConv): no positions
-            self.attn = attention(d_model=d_model, num_heads=num_heads)
-        else:
-            self.attn = MultiHeadAttention(
-                d_model, num_heads, attention, bias=bias, dropout=dropout, rope_theta=rope_theta,
-                alibi=alibi,
-            )  # fmt: skip
+        self.attn = sequence_mixer(
+            d_model, num_heads, attention, bias=bias, dropout=dropout, rope_theta=rope_theta,
+            alibi=alibi,
+        )  # fmt: skip
         self.norm_attn = nn.LayerNorm(d_model, bias=bias)
         self.cross = None
         if cross_attention is not None:
