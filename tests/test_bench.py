@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -55,7 +57,7 @@ def test_end_to_end_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert float(row["time_ms"]) > 0
         peak = float(row["peak_mib"])
         assert math.isfinite(peak) and peak >= 0
-        assert row["mem_method"]
+        assert row["mem_method"] and row["timing"] == bench.OWN_PROCESS
         assert float(row["matmul_ms"]) >= 0  # on cpu, always measured (0 where SDPA has none)
 
     md = tmp_path / "kernels.md"
@@ -110,6 +112,61 @@ def test_measure_once_in_process() -> None:
     row = bench.measure_once(bench.Spec("fastmax_p1", causal=False, n=32, repeats=1))
     assert row["status"] == "ok" and row["time_ms"] > 0 and row["peak_mib"] >= 0
     assert row["matmul_ms"] > 0  # its state and its reads are matrix products
+
+
+@pytest.mark.parametrize("variant", ["fastmax_p2_fused", "fastmax_p2_short_conv"])
+def test_the_layer_variants_take_q_k_v_from_one_fused_projection(variant, monkeypatch) -> None:
+    seen = []
+    real = bench.fwd_bwd_fused
+
+    def spy(kernel, conv, x, spec):
+        seen.append((x.shape, conv))
+        real(kernel, conv, x, spec)
+
+    monkeypatch.setattr(bench, "fwd_bwd_fused", spy)
+    row = bench.measure_once(bench.Spec(variant, causal=True, n=32, repeats=1))
+    assert row["status"] == "ok" and row["time_ms"] > 0
+    assert seen and seen[-1][0] == (1, 32, 3 * 4 * 32)  # (B, N, 3 H D)
+    conv = seen[-1][1]
+    assert (conv is None) == (variant == "fastmax_p2_fused")
+    assert conv is None or conv.width == 4
+
+
+def test_rounds_are_interleaved_and_each_row_is_the_median_round(monkeypatch) -> None:
+    times = iter([5.0, 50.0, 1.0, 30.0, 3.0, 10.0])  # a, b, a, b, a, b
+    order = []
+
+    def fake(spec, timeout):
+        order.append(spec.variant)
+        return spec.row(time_ms=next(times), peak_mib=1.0)
+
+    monkeypatch.setattr(bench, "run_worker", fake)
+    args = bench.parse_args(["--n", "64", "--causal", "causal", "--kernels", "softmax",
+                             "fastmax_p2", "--rounds", "3"])  # fmt: skip
+    rows = bench.run_bench(args)
+    assert order == ["softmax", "fastmax_p2"] * 3
+    assert [(r["variant"], r["time_ms"]) for r in rows] == [("softmax", 3.0), ("fastmax_p2", 30.0)]
+
+
+def test_paired_times_alternate_the_variants_in_one_process(monkeypatch, capsys) -> None:
+    specs = [bench.Spec(v, causal=True, n=32, repeats=3) for v in ("fastmax_p2", "softmax")]
+    calls = []
+    real = bench.timed
+    monkeypatch.setattr(bench, "timed", lambda run, device: calls.append(run) or real(run, device))
+    assert bench.worker_main(json.dumps([asdict(s) for s in specs])) == 0
+    times = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sorted(times) == ["fastmax_p2", "softmax"] and all(t > 0 for t in times.values())
+    assert len(calls) == 6 and calls[0] is not calls[1] and calls[0] is calls[2]  # a, b, a, ...
+
+
+def test_a_paired_run_reports_paired_times(tmp_path: Path) -> None:
+    argv = ["--n", "32", "--causal", "causal", "--kernels", "softmax", "fastmax_p2",
+            "--repeats", "1", "--paired", "--out", str(tmp_path)]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = read_csv(tmp_path / "kernels.csv")
+    assert [r["timing"] for r in rows] == [bench.PAIRED, bench.PAIRED]
+    assert all(float(r["time_ms"]) > 0 and float(r["peak_mib"]) >= 0 for r in rows)
+    assert "timed in one process, their passes alternated" in (tmp_path / "kernels.md").read_text()
 
 
 def test_the_matmul_time_counts_matrix_products_only() -> None:

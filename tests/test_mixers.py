@@ -53,6 +53,34 @@ def test_the_short_convolution_reads_its_own_channel_over_the_last_k_inputs():
     torch.testing.assert_close(torch.cat(steps, 1), out)
 
 
+@pytest.mark.parametrize("width", [1, 2, 4])
+@pytest.mark.parametrize("with_past", [False, True])
+def test_the_short_convolution_matches_conv1d_and_its_gradients_check(width, with_past):
+    torch.manual_seed(0)
+    conv = ShortConvolution(5, width, silu=False).double()
+    x = torch.randn(2, 7, 5, dtype=torch.float64, requires_grad=True)
+    past = torch.randn(2, width - 1, 5, dtype=torch.float64, requires_grad=True)
+    full = torch.cat([past if with_past else torch.zeros_like(past), x], 1)
+    want = torch.nn.functional.conv1d(full.transpose(1, 2), conv.weight, groups=5).transpose(1, 2)
+    out, state = conv(x, past if with_past else None)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(state, full[:, full.shape[1] - (width - 1) :])
+    inputs = (x, conv.weight) + ((past,) if with_past else ())
+
+    def f(*args):
+        return conv(args[0], args[2] if with_past else None)[0]
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+def test_a_prompt_shorter_than_the_convolution_keeps_zeros_in_its_state():
+    conv = ShortConvolution(3, 4)
+    x = torch.randn(1, 2, 3)
+    _, state = conv(x)
+    assert state.shape == (1, 3, 3)
+    torch.testing.assert_close(state, torch.cat([torch.zeros(1, 1, 3), x], 1))
+
+
 @pytest.mark.parametrize("kernel", ["softmax", "fastmax", "linear", "based", "sliding_window"])
 def test_a_layer_with_a_short_convolution_decodes_as_it_runs(kernel):
     options = {"window": 3} if kernel == "sliding_window" else {}

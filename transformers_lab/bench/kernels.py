@@ -76,9 +76,15 @@ BASELINE = "softmax"  # the variant the others' time and memory are divided by
 # Variants beyond the attention options: another code path of one option, for comparison.
 PATH_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fastmax_p2_quadratic": ("fastmax_p2", {"impl": "quadratic"}),  # the N x N reference
-    # the layer's short convolution of width 4 before the kernel (attention.short_conv)
+    # q, k and v as a layer hands them over: views of one fused (B, N, 3 H D) projection
+    "fastmax_p2_fused": ("fastmax_p2", {}),
+    # the same, through the layer's short convolution of width 4 (attention.short_conv):
+    # its cost is its time over fastmax_p2_fused's
     "fastmax_p2_short_conv": ("fastmax_p2", {"short_conv": 4}),
 }
+OWN_PROCESS = "own process"  # the row's time: ``timing`` says how it was measured
+PAIRED = "paired"  # ... in one process with the other variants, passes alternated
+FUSED_VARIANTS = frozenset({"fastmax_p2_fused"})  # and every variant with a short_conv
 # ... and ``<option>_compiled`` for every option with a ``compiled`` option (the linear
 # kernels): its chunk steps through torch.compile, compiled in the warm-up pass (not
 # timed). Run only when named: the default run leaves them out.
@@ -137,6 +143,7 @@ COLUMNS = (
     "matmul_ms",
     "status",
     "mem_method",
+    "timing",
 )
 CAUSAL_MODES: dict[str, tuple[bool, ...]] = {
     "both": (True, False),
@@ -191,6 +198,7 @@ class Spec:
             status=status,
             mem_method=mem_method,
             matmul_ms=matmul_ms,
+            timing=OWN_PROCESS if time_ms is not None else "",
         )
         config = json.dumps(self.kernel_config, sort_keys=True)
         row["state_numbers"] = state_numbers(config, self.n, self.heads, self.head_dim)
@@ -280,14 +288,17 @@ def fwd_bwd(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, causal: bo
     out.float().sum().backward()
 
 
-def fwd_bwd_conv(kernel: AttentionKernel, conv: Any, x: Tensor, spec: Spec) -> None:
-    """``fwd_bwd`` with the layer's short convolution before the kernel: x (B, N, 3 H D),
-    the fused projection, through the convolution, split into per-head q, k and v."""
+def fwd_bwd_fused(kernel: AttentionKernel, conv: Any, x: Tensor, spec: Spec) -> None:
+    """``fwd_bwd`` on q, k and v as a layer hands them over: x (B, N, 3 H D), the fused
+    projection, through the layer's short convolution (``conv``; None: none), split into
+    per-head views."""
     x.grad = None
     kernel.zero_grad(set_to_none=True)
-    conv.zero_grad(set_to_none=True)
     b, n, _ = x.shape
-    mixed, _ = conv(x)
+    mixed = x
+    if conv is not None:
+        conv.zero_grad(set_to_none=True)
+        mixed, _ = conv(x)
     q, k, v = (
         t.view(b, n, spec.heads, spec.head_dim).transpose(1, 2) for t in mixed.chunk(3, dim=-1)
     )
@@ -374,32 +385,42 @@ def reuse_freed_memory() -> bool:
     return bool(mmap_ok and trim_ok)
 
 
-def measure_once(spec: Spec) -> Row:
-    """Measure ``spec`` in this process: extra peak memory of one pass, then median time.
-
-    On CPU the memory figure is only meaningful in a fresh process (see the module doc).
-    """
+def prepare(spec: Spec) -> Callable[[], None]:
+    """One fwd+bwd pass of ``spec``'s kernel at ``spec.n``, ready to call: the kernel
+    built, the libraries loaded by a tiny pass, a compiled kernel compiled for this N."""
     torch.manual_seed(0)
     kernel = build_variant(spec)
-
-    def run_at(n: int) -> Callable[[], None]:
-        if kernel.parts.short_conv:  # the convolution's input is the fused projection
-            x = make_inputs(spec, n)[0].transpose(1, 2).reshape(spec.batch, n, -1)
-            x = torch.cat([x, x, x], dim=-1).detach().requires_grad_()  # (B, N, 3 H D)
-            return lambda: fwd_bwd_conv(kernel, conv, x, spec)
-        q, k, v = make_inputs(spec, n)
-        return lambda: fwd_bwd(kernel, q, k, v, spec.causal)
-
+    fused = bool(kernel.parts.short_conv) or spec.variant in FUSED_VARIANTS
     conv = None
     if kernel.parts.short_conv:
         width = 3 * spec.heads * spec.head_dim
         conv = ShortConvolution(width, kernel.parts.short_conv)
         conv = conv.to(device=spec.device, dtype=DTYPES[spec.dtype])
 
+    def run_at(n: int) -> Callable[[], None]:
+        if fused:  # q, k, v as views of the layer's fused projection
+            x = torch.cat(
+                [t.transpose(1, 2).reshape(spec.batch, n, -1) for t in make_inputs(spec, n)],
+                dim=-1,
+            ).detach()
+            x.requires_grad_()  # (B, N, 3 H D)
+            return lambda: fwd_bwd_fused(kernel, conv, x, spec)
+        q, k, v = make_inputs(spec, n)
+        return lambda: fwd_bwd(kernel, q, k, v, spec.causal)
+
     run_at(min(WARMUP_N, spec.n))()  # load libraries, start threads; inputs freed after
     run = run_at(spec.n)
     if getattr(kernel, "compiled", False):
         run()  # compiled for this N before the peak: the compiler's memory is not the kernel's
+    return run
+
+
+def measure_once(spec: Spec) -> Row:
+    """Measure ``spec`` in this process: extra peak memory of one pass, then median time.
+
+    On CPU the memory figure is only meaningful in a fresh process (see the module doc).
+    """
+    run = prepare(spec)
     if spec.device.startswith("cuda"):
         peak, method = peak_cuda(run, spec.device)
     else:
@@ -413,6 +434,21 @@ def measure_once(spec: Spec) -> Row:
         mem_method=method,
         matmul_ms=None if spec.device.startswith("cuda") else matmul_time_ms(run),
     )
+
+
+def paired_times(specs: Sequence[Spec]) -> dict[str, float]:
+    """Variant -> median milliseconds of its fwd+bwd, all of ``specs`` (one causal mode and
+    N) timed in this process with their passes alternated, each repeat one pass of every
+    variant: what the process's and the machine's speed does to one does to the others."""
+    reuse_freed_memory()
+    runs = {spec.variant: prepare(spec) for spec in specs}
+    for run in runs.values():
+        run()  # warm-up
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(max(spec.repeats for spec in specs)):
+        for name, run in runs.items():
+            seconds[name].append(timed(run, specs[0].device))
+    return {name: 1e3 * statistics.median(times) for name, times in seconds.items()}
 
 
 # the ATen operators of matrix products, as the CPU profiler names them (Inductor's
@@ -434,8 +470,17 @@ def matmul_time_ms(run: Callable[[], None]) -> float:
 
 
 def worker_main(spec_json: str) -> int:
-    """Entry point of a worker process: measure one spec and print its row as JSON."""
-    spec = Spec(**json.loads(spec_json))
+    """Entry point of a worker process: measure one spec and print its row as JSON; given
+    a list of specs, time them paired (``paired_times``) and print the times as JSON."""
+    given = json.loads(spec_json)
+    if isinstance(given, list):
+        try:
+            result: Any = paired_times([Spec(**s) for s in given])
+        except Exception as exc:  # reported, and the caller keeps the unpaired times
+            result = {"error": error_status(f"{type(exc).__name__}: {exc}")}
+        print(json.dumps(result), flush=True)
+        return 0
+    spec = Spec(**given)
     try:
         row = measure_once(spec)
     except Exception as exc:  # any failure becomes an error row, never a crash
@@ -489,6 +534,45 @@ def run_worker(spec: Spec, timeout: float) -> Row:
     return spec.row(status=error_status(": ".join([reason, *tail])))
 
 
+def run_paired(rows: list[Row], specs: Sequence[Spec], timeout: float) -> list[Row]:
+    """``rows`` with the time of every ok row replaced by its paired time: the ok variants
+    of each (causal mode, N) timed in one fresh worker, their passes alternated
+    (``paired_times``). Where that worker fails, the rows keep their own times, and a line
+    on stderr says why."""
+    groups: dict[tuple[bool, int], list[int]] = {}
+    for i, row in enumerate(rows):
+        if is_ok(row):
+            groups.setdefault((row["causal"], row["n"]), []).append(i)
+    rows = list(rows)
+    for (causal, n), index in groups.items():
+        if len(index) < 2:
+            continue
+        group = [asdict(specs[i]) for i in index]
+        command = [sys.executable, "-m", MODULE, "--worker", json.dumps(group)]
+        mode = "causal" if causal else "noncausal"
+        try:
+            proc = subprocess.run(
+                command,
+                capture_output=True,
+                text=True,
+                timeout=timeout * len(index),
+                env=worker_env(),
+            )
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            times = json.loads(lines[-1]) if lines else {"error": proc.stderr.strip()[-200:]}
+        except subprocess.TimeoutExpired:
+            times = {"error": "timed out"}
+        if "error" in times:
+            print(f"paired timing of {mode} n={n} failed, own times kept: {times['error']}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            continue
+        for i in index:
+            rows[i] = {**rows[i], "time_ms": times[rows[i]["variant"]], "timing": PAIRED}
+        print(f"paired {mode} n={n}: " + ", ".join(f"{v} {t:.2f} ms" for v, t in times.items()),
+              file=sys.stderr, flush=True)  # fmt: skip
+    return rows
+
+
 def plan(args: argparse.Namespace) -> list[Spec]:
     """Every measurement the arguments ask for: causal mode, then variant, then N."""
     return [
@@ -523,18 +607,33 @@ def skip_reason(
 
 
 def run_bench(args: argparse.Namespace) -> list[Row]:
-    """Run every measurement of ``args`` (progress on stderr) and return the rows."""
+    """Run every measurement of ``args`` (progress on stderr) and return the rows: with
+    ``--rounds R``, each measurement R times in fresh workers, the rounds interleaved
+    (every variant, then every variant again), and each row the round of median time."""
     specs = plan(args)
     timed_out_at: dict[tuple[str, bool], int] = {}
-    rows = []
-    for i, spec in enumerate(specs, 1):
-        reason = skip_reason(spec, args.quadratic_max_n, timed_out_at)
-        row = spec.row(status=reason) if reason else run_worker(spec, args.timeout)
-        if row["status"] == "timeout":
-            timed_out_at[(spec.variant, spec.causal)] = spec.n
-        rows.append(row)
-        print(f"[{i}/{len(specs)}] {describe(row)}", file=sys.stderr, flush=True)
-    return rows
+    runs: list[list[Row]] = [[] for _ in specs]
+    total = len(specs) * args.rounds
+    for r in range(args.rounds):
+        for i, spec in enumerate(specs):
+            reason = skip_reason(spec, args.quadratic_max_n, timed_out_at)
+            row = spec.row(status=reason) if reason else run_worker(spec, args.timeout)
+            if row["status"] == "timeout":
+                timed_out_at[(spec.variant, spec.causal)] = spec.n
+            runs[i].append(row)
+            done = r * len(specs) + i + 1
+            print(f"[{done}/{total}] {describe(row)}", file=sys.stderr, flush=True)
+    rows = [median_round(rows) for rows in runs]
+    return run_paired(rows, specs, args.timeout) if args.paired else rows
+
+
+def median_round(rows: list[Row]) -> Row:
+    """Of one measurement's rounds, the ok round of median time (the lower of the two
+    middle ones); the first round where none is ok."""
+    ok = sorted((row for row in rows if is_ok(row)), key=lambda row: row["time_ms"])
+    if not ok:
+        return rows[0]
+    return ok[(len(ok) - 1) // 2]
 
 
 def describe(row: Row) -> str:
@@ -649,6 +748,16 @@ def ratio_table(rows: Sequence[Row], causal: bool) -> list[str]:
     return markdown_table(header, body)
 
 
+def timing_note(rows: Sequence[Row]) -> str:
+    """How the rows' times were taken, for the report's first line."""
+    timings = {r["timing"] for r in rows if is_ok(r)}
+    if timings == {PAIRED}:
+        return "the variants of each mode and N timed in one process, their passes alternated"
+    if PAIRED in timings:
+        return "timed as the csv's `timing` says (paired: with the other variants in one process)"
+    return "each variant in its own process"
+
+
 def markdown_report(rows: Sequence[Row], rate: float | None = None) -> str:
     """The whole ``kernels.md``: set-up, results, and a ratio table per causal mode;
     ``rate``: the machine's matmul GFLOP/s, for the linear kernels' FLOP bound."""
@@ -661,7 +770,7 @@ def markdown_report(rows: Sequence[Row], rate: float | None = None) -> str:
         "",
         f"batch={first['batch']}, heads={first['heads']}, head_dim={first['head_dim']}, "
         f"dtype={first['dtype']}, device={first['device']}; time is the median over the "
-        f"timed repeats; extra peak memory by {', '.join(methods)}.",
+        f"timed repeats, {timing_note(rows)}; extra peak memory by {', '.join(methods)}.",
         "",
         *(
             [
@@ -763,6 +872,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=3,
         help="timed passes after the warm-up; the median is reported",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="measure each variant this many times, in fresh workers, the rounds "
+        "interleaved, and report the round of median time: ratios between variants that "
+        "one process's speed on a shared machine does not sway",
+    )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="time the variants of each mode and N once more in one process, their passes "
+        "alternated, and report those times: the ratios to read where variants differ by "
+        "a few percent (memory stays each variant's own worker's)",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("bench_out/kernels"), help="output directory"
