@@ -371,6 +371,28 @@ def test_fastmax_everywhere_but_one_layer():
     assert layer_names(gpt) == ["fastmax", "softmax", "fastmax"]
 
 
+@pytest.mark.parametrize("model", ["vit", "encoder"])
+def test_an_encoder_takes_a_hybrid_stack_too(model):
+    from transformers_lab.models import EncoderClassifier, ViT
+    from transformers_lab.models.common import layer_names
+
+    torch.manual_seed(0)
+    options = dict(num_classes=3, n_layer=4, n_head=2, d_model=16, attention="softmax")
+    if model == "vit":
+        net = ViT(image_size=8, patch_size=4, hybrid={1: "fastmax", 3: "linear"}, **options)
+        x = torch.randn(2, 1, 8, 8)
+    else:
+        net = EncoderClassifier(vocab_size=20, hybrid=["fastmax", "attention"], **options)
+        x = torch.randint(0, 20, (2, 7))
+    want = (
+        ["softmax", "fastmax", "softmax", "linear"]
+        if model == "vit"
+        else ["fastmax", "softmax"] * 2
+    )
+    assert layer_names(net) == want
+    assert net(x).shape == (2, 3)
+
+
 def test_alibi_with_a_linear_kernel_inside_a_hybrid_is_refused_naming_the_layer():
     with pytest.raises(ValueError, match=r"model.hybrid, layer 1 \(fastmax\): pos_encoding=alibi"):
         GPT(50, 16, n_layer=2, n_head=2, d_model=16, pos_encoding="alibi",

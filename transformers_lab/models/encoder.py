@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from transformers_lab.models.common import block_stack, final_norm
+from transformers_lab.models.common import Hybrid, block_stack, final_norm
 from transformers_lab.nn import (
     KernelFactory,
     PatchEmbedding,
@@ -42,6 +42,8 @@ class EncoderClassifier(nn.Module):
         head: ``linear``, or ``mlp`` (Linear, activation, Linear).
         pad_id: token id to mask out of attention and of mean pooling.
         attention: kernel factory or kernel name.
+        hybrid: each layer's attention, where they differ, as in GPT
+            (``models.common.layer_choices``).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class EncoderClassifier(nn.Module):
         head: str = "linear",
         pad_id: int | None = None,
         attention: KernelFactory | str = "softmax",
+        hybrid: Hybrid = None,
     ) -> None:
         super().__init__()
         patches = (image_size is not None, patch_size is not None)
@@ -101,6 +104,7 @@ class EncoderClassifier(nn.Module):
             d_model,
             n_head,
             attention,
+            hybrid=hybrid,
             mlp_ratio=mlp_ratio,
             act=act,
             dropout=dropout,
