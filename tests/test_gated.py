@@ -1,0 +1,143 @@
+"""The gated recurrence (attention/linear/gated.py): decay and the delta rule, chunked,
+against the token-by-token recurrence in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformers_lab.attention.linear.gated import (
+    chunked_recurrence,
+    naive_recurrence,
+    unit_lower_inverse,
+)
+
+B, H, DK, DV = 2, 3, 5, 4
+CASES = {
+    "plain": dict(decay=None, delta=False),
+    "scalar decay": dict(decay="scalar", delta=False),  # RetNet, simple_gla
+    "channel decay": dict(decay="channel", delta=False),  # GLA
+    "delta": dict(decay=None, delta=True),  # DeltaNet
+    "gated delta": dict(decay="scalar", delta=True),  # Gated DeltaNet
+}
+
+
+def inputs(n, decay, delta, dtype=torch.float64, seed=0, strength=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, H, n, DK, generator=g, dtype=dtype) for _ in range(2))
+    v = torch.randn(B, H, n, DV, generator=g, dtype=dtype)
+    log_decay = beta = None
+    if decay == "scalar":
+        log_decay = -strength * torch.rand(B, H, n, generator=g, dtype=dtype)
+    elif decay == "channel":
+        log_decay = -strength * torch.rand(B, H, n, DK, generator=g, dtype=dtype)
+    if delta:
+        k = F.normalize(k, dim=-1)  # as DeltaNet's layer does: keeps the recurrence stable
+        beta = torch.rand(B, H, n, generator=g, dtype=dtype)
+    return q, k, v, log_decay, beta
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("chunk", [1, 4, 7, 16, 64])
+def test_the_chunked_path_equals_the_recurrence_outputs_gradients_and_state(case, chunk):
+    n = 37  # a remainder chunk for every chunk size but 1
+    tensors = [t for t in inputs(n, **CASES[case])]
+    for t in tensors:
+        if t is not None:
+            t.requires_grad_()
+    state0 = torch.randn(B, H, DK, DV, dtype=torch.float64, requires_grad=True)
+    q, k, v, log_decay, beta = tensors
+    want, want_s = naive_recurrence(q, k, v, log_decay, beta, state=state0)
+    got, got_s = chunked_recurrence(q, k, v, log_decay, beta, state=state0, chunk_size=chunk)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_s, want_s)
+    leaves = [t for t in (*tensors, state0) if t is not None]
+    probe = torch.randn_like(want)
+    want_g = torch.autograd.grad((want * probe).sum() + want_s.sum(), leaves)
+    got_g = torch.autograd.grad((got * probe).sum() + got_s.sum(), leaves)
+    for a, b in zip(got_g, want_g, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gradcheck(case):
+    q, k, v, log_decay, beta = inputs(6, **CASES[case])
+    leaves = [t.requires_grad_() for t in (q, k, v, log_decay, beta) if t is not None]
+
+    def f(*args):
+        it = iter(args)
+        q_, k_, v_ = next(it), next(it), next(it)
+        ld = next(it) if log_decay is not None else None
+        bt = next(it) if beta is not None else None
+        return chunked_recurrence(q_, k_, v_, ld, bt, chunk_size=4)[0]
+
+    assert torch.autograd.gradcheck(f, leaves)
+
+
+@pytest.mark.parametrize("case", ["scalar decay", "channel decay", "gated delta"])
+def test_a_strong_decay_does_not_overflow_in_float32(case):
+    """Log decays of -30 a token: the cumulative decay over a chunk of 64 is e^-1920, whose
+    inverse overflows float32 (and float64) in the naive factorisation q e^b, k e^-b."""
+    n = 128
+    q, k, v, log_decay, beta = inputs(n, **CASES[case], strength=30.0)
+    want, _ = naive_recurrence(q, k, v, log_decay, beta)
+    got, _ = chunked_recurrence(
+        *(None if t is None else t.float() for t in (q, k, v, log_decay, beta)), chunk_size=64
+    )
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_decoding_token_by_token_from_a_chunked_prefix_equals_the_whole():
+    q, k, v, log_decay, beta = inputs(20, decay="scalar", delta=True)
+    whole, _ = chunked_recurrence(q, k, v, log_decay, beta, chunk_size=8)
+    prefix, state = chunked_recurrence(*(t[:, :, :13] for t in (q, k, v, log_decay, beta)))
+    steps = [prefix]
+    for t in range(13, 20):
+        o, state = naive_recurrence(
+            *(x[:, :, t : t + 1] for x in (q, k, v, log_decay, beta)), state=state
+        )
+        steps.append(o)
+    torch.testing.assert_close(torch.cat(steps, 2), whole)
+
+
+def test_the_recurrences_are_the_published_formulas():
+    """RetNet's retention as its parallel form: o = (Q K^T * D) V, D[t, s] = gamma^(t-s);
+    the delta rule's state moves its prediction for k towards v by beta."""
+    q, k, v, _, _ = inputs(9, None, False)
+    gamma = 1 - 2.0 ** (-5 - torch.arange(H, dtype=torch.float64))
+    t = torch.arange(9, dtype=torch.float64)
+    d = gamma[:, None, None] ** (t[:, None] - t[None, :]).clamp(min=0) * (t[:, None] >= t)
+    want = ((q * DK**-0.5) @ k.mT * d) @ v
+    log_decay = gamma.log()[None, :, None].expand(B, H, 9)
+    torch.testing.assert_close(chunked_recurrence(q, k, v, log_decay, chunk_size=4)[0], want)
+
+    k1 = F.normalize(torch.randn(1, 1, 1, DK, dtype=torch.float64), dim=-1)
+    v1 = torch.randn(1, 1, 1, DV, dtype=torch.float64)
+    s0 = torch.randn(1, 1, DK, DV, dtype=torch.float64)
+    _, s1 = naive_recurrence(k1, k1, v1, beta=torch.full((1, 1, 1), 0.25), state=s0)
+    before, after = k1[0, 0, 0] @ s0[0, 0], k1[0, 0, 0] @ s1[0, 0]
+    torch.testing.assert_close(after - before, 0.25 * (v1[0, 0, 0] - before))
+
+
+def test_the_unit_lower_inverse_is_the_inverse():
+    a = torch.randn(3, 19, 19, dtype=torch.float64).tril(-1)
+    eye = torch.eye(19, dtype=torch.float64)
+    torch.testing.assert_close(unit_lower_inverse(a), torch.linalg.inv(eye + a))
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (dict(v=torch.zeros(B, H, 5, DV)), "q and k must be \\(B, H, N, Dk\\)"),
+        (dict(log_decay=torch.zeros(B, H, 5)), "the log-decay must be \\(B, H, N\\)"),
+        (dict(beta=torch.zeros(B, H, 6, 1)), "beta must be \\(B, H, N\\)"),
+        (dict(beta=torch.zeros(B, H, 6), log_decay=torch.zeros(B, H, 6, DK)), "one number per"),
+    ],
+)
+def test_bad_shapes_are_refused_in_one_line(change, error):
+    args = dict(q=torch.zeros(B, H, 6, DK), k=torch.zeros(B, H, 6, DK), v=torch.zeros(B, H, 6, DV))
+    args.update(change)
+    with pytest.raises(ValueError, match=error):
+        chunked_recurrence(**args)

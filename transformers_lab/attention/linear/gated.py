@@ -1,0 +1,215 @@
+"""The gated recurrence: linear attention with a decay and the delta rule, chunked.
+
+One state S (B, H, Dk, Dv) per sequence, and per token t, with a_t = exp(g_t):
+
+    S_t = a_t * S_{t-1} + k_t u_t^T,   o_t = S_t^T (scale * q_t)
+
+- the decay g_t (a log, <= 0) is none (a_t = 1), one number per head and token (B, H, N):
+  RetNet's fixed gamma, Mamba2's and fla's ``simple_gla``, or one per key channel
+  (B, H, N, Dk): GLA's, which multiplies row d of S by a_t[d];
+- without the delta rule u_t = v_t; with it (DeltaNet), u_t = beta_t (v_t - S'^T k_t), the
+  value written minus what the decayed state S' = a_t S_{t-1} already gives for k_t: the
+  state's prediction for k_t moves towards v_t by beta_t.
+
+Two paths, equal to rounding:
+
+- ``naive_recurrence``: token by token, the reference (run in float64 by the tests), and
+  the decode step (``recurrent_step``): O(1) work per token;
+- ``chunked_recurrence``: chunks of C tokens. Inside a chunk, with b_t the cumulative log
+  decay since the chunk's start, a query reads the state of the chunk's start through
+  q_t * exp(b_t) and the chunk's own keys through the decayed scores
+  (q_t . k_s) exp(b_t - b_s), s <= t; the state moves to the chunk's end through
+  exp(b_C) and keys weighed by exp(b_C - b_s). Every factor exponentiates a difference
+  that is <= 0, so nothing overflows whatever the decay. A decay per key channel has no
+  (C x C) score matrix of that form; its scores are taken block by block (sub-chunks of
+  16): between blocks through a reference point that keeps both factors <= 1, inside a
+  diagonal block as the explicit (16 x 16 x Dk) sum.
+  The delta rule is chunked through the WY representation: the pseudo-values U of a
+  chunk solve (I + A) U = diag(beta) (V - diag(exp(b)) K S0), with A the strictly lower
+  beta_t exp(b_t - b_s) (k_t . k_s); T = (I + A)^-1 diag(beta) is computed with log2(C)
+  matrix products (A is nilpotent: (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...), and
+  U = T V - (T diag(exp(b)) K) S0 for each chunk's start state S0.
+
+Gradients come from autograd through the chunk loop (the states of the chunk starts are
+kept: N / C x Dk x Dv numbers a head).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUB_CHUNK = 16  # the blocks of a per-channel decay's scores inside a chunk
+
+
+def check_shapes(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, beta: Tensor | None):
+    """One line naming the tensor whose shape does not fit q, k and v's (B, H, N, D)."""
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"q and k must be (B, H, N, Dk) and v (B, H, N, Dv), got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if log_decay is not None and log_decay.shape not in (q.shape[:3], q.shape):
+        raise ValueError(
+            f"the log-decay must be (B, H, N) or (B, H, N, Dk) = {tuple(q.shape[:3])} or "
+            f"{tuple(q.shape)}, got {tuple(log_decay.shape)}"
+        )
+    if beta is not None:
+        if beta.shape != q.shape[:3]:
+            raise ValueError(
+                f"beta must be (B, H, N) = {tuple(q.shape[:3])}, got {tuple(beta.shape)}"
+            )
+        if log_decay is not None and log_decay.dim() == 4:
+            raise ValueError(
+                "the delta rule takes a decay of one number per head and token (B, H, N), "
+                "not one per key channel"
+            )
+
+
+def decay_state(state: Tensor, a: Tensor) -> Tensor:
+    """a * S: a is (B, H) (a number a head) or (B, H, Dk) (a row of S each)."""
+    return state * (a[..., None, None] if a.dim() == 2 else a[..., None])
+
+
+def naive_recurrence(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None = None,
+    beta: Tensor | None = None,
+    *,
+    scale: float | None = None,
+    state: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The recurrence token by token: (o (B, H, N, Dv), the state after the last token
+    (B, H, Dk, Dv)). ``scale``: what q is multiplied by (None: Dk ** -0.5)."""
+    check_shapes(q, k, v, log_decay, beta)
+    b, h, n, dk = q.shape
+    scale = dk**-0.5 if scale is None else scale
+    s = q.new_zeros(b, h, dk, v.shape[-1]) if state is None else state
+    out = []
+    for t in range(n):
+        if log_decay is not None:
+            s = decay_state(s, log_decay[:, :, t].exp())
+        kt, ut = k[:, :, t], v[:, :, t]
+        if beta is not None:  # write beta (v - what the state reads for k)
+            ut = beta[:, :, t, None] * (ut - (kt[..., None] * s).sum(-2))
+        s = s + kt[..., None] * ut[..., None, :]
+        out.append(((scale * q[:, :, t])[..., None] * s).sum(-2))
+    return torch.stack(out, 2), s
+
+
+recurrent_step = naive_recurrence  # decoding: a few new tokens against the state
+
+
+def chunked_recurrence(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor | None = None,
+    beta: Tensor | None = None,
+    *,
+    scale: float | None = None,
+    state: Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """``naive_recurrence`` in chunks of ``chunk_size`` tokens (see the module doc); the
+    same (o, state)."""
+    check_shapes(q, k, v, log_decay, beta)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    b, h, n, dk = q.shape
+    dv = v.shape[-1]
+    scale = dk**-0.5 if scale is None else scale
+    c = min(chunk_size, n)
+    pad = -n % c  # padded tokens: no key, no value, no decay; their outputs are dropped
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        if log_decay is not None:
+            log_decay = F.pad(log_decay, (0, 0, 0, pad) if log_decay.dim() == 4 else (0, pad))
+        if beta is not None:
+            beta = F.pad(beta, (0, pad))
+    nc = (n + pad) // c
+    qc, kc, vc = (t.reshape(b, h, nc, c, t.shape[-1]) for t in (scale * q, k, v))
+    mask = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    per_channel = log_decay is not None and log_decay.dim() == 4
+    if log_decay is None:
+        scores = (qc @ kc.mT).masked_fill(~mask, 0.0)
+        q_in, k_out, a_end = qc, kc, None
+    else:
+        cum = log_decay.reshape(b, h, nc, c, *log_decay.shape[3:]).cumsum(3)  # b_t
+        last = cum[:, :, :, -1:]  # b_C
+        if per_channel:
+            scores = channel_decayed_scores(qc, kc, cum)
+            q_in, k_out = qc * cum.exp(), kc * (last - cum).exp()
+        else:
+            scores = (qc @ kc.mT) * pair_decay(cum, mask)
+            q_in, k_out = qc * cum[..., None].exp(), kc * (last - cum)[..., None].exp()
+        a_end = last.squeeze(3).exp()  # (B, H, nc) or (B, H, nc, Dk)
+    if beta is not None:  # the WY form: U = t_v - t_k S0 for each chunk's start state S0
+        betac = beta.reshape(b, h, nc, c)
+        kk = kc @ kc.mT
+        if log_decay is not None:
+            kk = kk * pair_decay(cum, mask)
+        a = (betac[..., None] * kk).tril(-1)  # strictly lower
+        t = unit_lower_inverse(a) * betac[..., None, :]  # (I + A)^-1 diag(beta)
+        t_v = t @ vc
+        t_k = t @ (kc if log_decay is None else kc * cum[..., None].exp())
+    s = q.new_zeros(b, h, dk, dv) if state is None else state
+    out = []
+    for i in range(nc):
+        u = vc[:, :, i] if beta is None else t_v[:, :, i] - t_k[:, :, i] @ s
+        out.append(q_in[:, :, i] @ s + scores[:, :, i] @ u)
+        if a_end is not None:
+            s = decay_state(s, a_end[:, :, i])
+        s = s + k_out[:, :, i].mT @ u
+    o = torch.stack(out, 2).reshape(b, h, nc * c, dv)
+    return o[:, :, :n], s
+
+
+def pair_decay(cum: Tensor, mask: Tensor) -> Tensor:
+    """exp(b_t - b_s) for s <= t (zeros above the diagonal), of the cumulative log decay
+    ``cum`` (..., C): differences that are <= 0, exponentiated after masking."""
+    diff = cum[..., :, None] - cum[..., None, :]
+    return diff.masked_fill(~mask, -math.inf).exp()
+
+
+def channel_decayed_scores(qc: Tensor, kc: Tensor, cum: Tensor) -> Tensor:
+    """(q_t . (k_s * exp(b_t - b_s))) for s <= t, zeros above: a decay per key channel,
+    q, k and cum (..., C, Dk). Between sub-chunks through a reference point r, the
+    cumulative decay at the end of the key block: q_t exp(b_t - r) and k_s exp(r - b_s),
+    both <= 1 since the cumulative log decay only falls; inside a diagonal block the
+    explicit (S x S x Dk) sum."""
+    c = qc.shape[-2]
+    sub = SUB_CHUNK if c % SUB_CHUNK == 0 else c
+    scores = qc.new_zeros(*qc.shape[:-1], c)
+    diag = torch.ones(sub, sub, dtype=torch.bool, device=qc.device).tril()
+    for j in range(0, c, sub):
+        keys = slice(j, j + sub)
+        diff = cum[..., keys, None, :] - cum[..., None, keys, :]  # (..., S, S, Dk)
+        decay = diff.masked_fill(~diag[..., None], -math.inf).exp()
+        scores[..., keys, keys] = (qc[..., keys, None, :] * kc[..., None, keys, :] * decay).sum(-1)
+        if j + sub < c:
+            ref = cum[..., j + sub - 1 : j + sub, :]  # (..., 1, Dk)
+            later = slice(j + sub, c)
+            q_r = qc[..., later, :] * (cum[..., later, :] - ref).exp()
+            k_r = kc[..., keys, :] * (ref - cum[..., keys, :]).exp()
+            scores[..., later, keys] = q_r @ k_r.mT
+    return scores
+
+
+def unit_lower_inverse(a: Tensor) -> Tensor:
+    """(I + A)^-1 for strictly lower triangular A (..., C, C), by matrix products: A is
+    nilpotent, so (I + A)^-1 = sum_j (-A)^j = (I - A)(I + A^2)(I + A^4)... up to A^C."""
+    c = a.shape[-1]
+    power = -a
+    inverse = torch.eye(c, dtype=a.dtype, device=a.device) + power
+    reach = 2  # the inverse holds the powers below ``reach``
+    while reach < c:
+        power = power @ power
+        inverse = inverse + inverse @ power
+        reach *= 2
+    return inverse
