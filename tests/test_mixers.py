@@ -427,6 +427,17 @@ def test_a_hybrid_from_the_command_line_trains_and_its_layers_are_recorded(tmp_p
     assert all(torch.isfinite(torch.tensor(v)) for v in outcome.metrics.values())
 
 
+def test_a_hybrid_on_a_model_without_one_is_refused_in_one_line(tmp_path):
+    from transformers_lab.config import compose_config
+    from transformers_lab.config_checks import check_config
+    from transformers_lab.errors import ConfigError
+
+    overrides = ["experiment=transformer_multi30k", "+model.hybrid=[softmax,fastmax]"]
+    cfg = compose_config("train", overrides, tmp_path / "r")
+    with pytest.raises(ConfigError, match="model.hybrid: the Transformer has no per-layer"):
+        check_config(cfg)
+
+
 @pytest.mark.parametrize(
     ("hybrid", "error"),
     [

@@ -11,6 +11,7 @@ contents when it is loaded.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -261,6 +262,12 @@ def check_hybrid(model: DictConfig) -> None:
     layer will (ALiBi, for one, needs a kernel that forms scores in every layer)."""
     if model.get("hybrid") is None:
         return
+    model_class = target_class(model)
+    if model_class is not None and "hybrid" not in inspect.signature(model_class).parameters:
+        raise ConfigError(
+            f"model.hybrid: the {model_class.__name__} has no per-layer attention choice "
+            "(GPT, ViT and the encoder classifier do); remove model.hybrid"
+        )
     expanded = expand_hybrid(model)
     try:
         choices = layer_choices(model.n_layer, "attention", expanded.hybrid)
