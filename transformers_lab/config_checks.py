@@ -263,7 +263,7 @@ def check_hybrid(model: DictConfig) -> None:
     if model.get("hybrid") is None:
         return
     model_class = target_class(model)
-    if model_class is not None and "hybrid" not in inspect.signature(model_class).parameters:
+    if "hybrid" not in inspect.signature(model_class).parameters:
         raise ConfigError(
             f"model.hybrid: the {model_class.__name__} has no per-layer attention choice "
             "(GPT, ViT and the encoder classifier do); remove model.hybrid"

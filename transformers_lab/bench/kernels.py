@@ -509,21 +509,32 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_worker(spec: Spec, timeout: float) -> Row:
-    """Measure ``spec`` in a fresh process; timeouts and crashes become status rows."""
-    command = [sys.executable, "-m", MODULE, "--worker", json.dumps(asdict(spec))]
+def call_worker(payload: Any, timeout: float) -> tuple[Any, subprocess.CompletedProcess | None]:
+    """Run a worker process on ``payload`` (a spec's fields, or a list of them): the last
+    JSON object it printed (None if none), and the process (None if it timed out)."""
+    command = [sys.executable, "-m", MODULE, "--worker", json.dumps(payload)]
     try:
         proc = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout, env=worker_env()
         )
     except subprocess.TimeoutExpired:
-        return spec.row(status="timeout")
+        return None, None
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             try:
-                return json.loads(line)
+                return json.loads(line), proc
             except json.JSONDecodeError:
                 break
+    return None, proc
+
+
+def run_worker(spec: Spec, timeout: float) -> Row:
+    """Measure ``spec`` in a fresh process; timeouts and crashes become status rows."""
+    row, proc = call_worker(asdict(spec), timeout)
+    if proc is None:
+        return spec.row(status="timeout")
+    if row is not None:
+        return row
     if proc.returncode < 0:
         reason = f"worker killed by signal {-proc.returncode}"
         if proc.returncode == -9:
@@ -547,21 +558,10 @@ def run_paired(rows: list[Row], specs: Sequence[Spec], timeout: float) -> list[R
     for (causal, n), index in groups.items():
         if len(index) < 2:
             continue
-        group = [asdict(specs[i]) for i in index]
-        command = [sys.executable, "-m", MODULE, "--worker", json.dumps(group)]
         mode = "causal" if causal else "noncausal"
-        try:
-            proc = subprocess.run(
-                command,
-                capture_output=True,
-                text=True,
-                timeout=timeout * len(index),
-                env=worker_env(),
-            )
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            times = json.loads(lines[-1]) if lines else {"error": proc.stderr.strip()[-200:]}
-        except subprocess.TimeoutExpired:
-            times = {"error": "timed out"}
+        times, proc = call_worker([asdict(specs[i]) for i in index], timeout * len(index))
+        if times is None:
+            times = {"error": "timed out" if proc is None else proc.stderr.strip()[-200:]}
         if "error" in times:
             print(f"paired timing of {mode} n={n} failed, own times kept: {times['error']}",
                   file=sys.stderr, flush=True)  # fmt: skip

@@ -146,14 +146,15 @@ def chunked_recurrence(
             scores = channel_decayed_scores(qc, kc, cum)
             q_in, k_out = qc * cum.exp(), kc * (last - cum).exp()
         else:
-            scores = (qc @ kc.mT) * pair_decay(cum, mask)
+            decay = pair_decay(cum, mask)  # (B, H, nc, C, C): the scores' and the WY form's
+            scores = (qc @ kc.mT) * decay
             q_in, k_out = qc * cum[..., None].exp(), kc * (last - cum)[..., None].exp()
         a_end = last.squeeze(3).exp()  # (B, H, nc) or (B, H, nc, Dk)
     if beta is not None:  # the WY form: U = t_v - t_k S0 for each chunk's start state S0
         betac = beta.reshape(b, h, nc, c)
         kk = kc @ kc.mT
-        if log_decay is not None:
-            kk = kk * pair_decay(cum, mask)
+        if log_decay is not None:  # one per head and token: the delta rule takes no other
+            kk = kk * decay
         a = (betac[..., None] * kk).tril(-1)  # strictly lower
         t = unit_lower_inverse(a) * betac[..., None, :]  # (I + A)^-1 diag(beta)
         t_v = t @ vc
