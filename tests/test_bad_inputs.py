@@ -294,6 +294,27 @@ CASES = [
         "attention: pos_encoding=alibi adds a bias to the attention scores, which "
         "attention=performer never forms",
     ),
+    case(  # a decay kernel: the decay is its distance bias
+        "train",
+        ["experiment=mqar", "model.pos_encoding=alibi", "attention=retnet"],
+        "attention: pos_encoding=alibi adds a bias to the attention scores, which "
+        "attention=retnet never forms",
+    ),
+    case(
+        "train",
+        ["experiment=mqar", "model.pos_encoding=alibi", "attention=gla"],
+        "which attention=gla never forms",
+    ),
+    case(
+        "train",
+        ["experiment=mqar", "attention=retnet", "attention.gamma=[0.9,1.5]"],
+        "retnet: gamma must hold one decay in (0, 1] per head (2), got [0.9, 1.5]",
+    ),
+    case(
+        "train",
+        ["model=vit", "data=digits", "attention=deltanet"],
+        "the ViT attends both ways: attention=deltanet reads the sequence in order",
+    ),
     case(  # the authors' normalisation reads the whole sequence: no causal model takes it
         "train",
         ["experiment=mqar", "attention=fastmax", "attention.normalize=sequence_max"],

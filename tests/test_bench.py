@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformers_lab.attention import KERNELS
 from transformers_lab.bench import kernels as bench
 
 
@@ -119,9 +120,9 @@ def test_the_layer_variants_take_q_k_v_from_one_fused_projection(variant, monkey
     seen = []
     real = bench.fwd_bwd_fused
 
-    def spy(kernel, conv, x, spec):
+    def spy(kernel, conv, x, spec, gates=None):
         seen.append((x.shape, conv))
-        real(kernel, conv, x, spec)
+        real(kernel, conv, x, spec, gates)
 
     monkeypatch.setattr(bench, "fwd_bwd_fused", spy)
     row = bench.measure_once(bench.Spec(variant, causal=True, n=32, repeats=1))
@@ -130,6 +131,30 @@ def test_the_layer_variants_take_q_k_v_from_one_fused_projection(variant, monkey
     conv = seen[-1][1]
     assert (conv is None) == (variant == "fastmax_p2_fused")
     assert conv is None or conv.width == 4
+
+
+@pytest.mark.parametrize("variant", ["gla", "gated_deltanet"])
+def test_a_gated_kernel_is_timed_with_its_gate_inputs(variant, monkeypatch) -> None:
+    """The gates its layer would project from x are drawn, passed and given gradients
+    (gla: bare q, k, v; gated_deltanet's preset: through its short convolution)."""
+    seen = []
+    real_plain, real_fused = bench.fwd_bwd, bench.fwd_bwd_fused
+
+    def plain(kernel, q, k, v, causal, gates=None):
+        real_plain(kernel, q, k, v, causal, gates)
+        seen.append(gates)
+
+    def fused(kernel, conv, x, spec, gates=None):
+        real_fused(kernel, conv, x, spec, gates)
+        seen.append(gates)
+
+    monkeypatch.setattr(bench, "fwd_bwd", plain)
+    monkeypatch.setattr(bench, "fwd_bwd_fused", fused)
+    row = bench.measure_once(bench.Spec(variant, causal=True, n=40, repeats=1))
+    assert row["status"] == "ok" and row["time_ms"] > 0
+    names = set(KERNELS[variant].gate_inputs)
+    assert seen and set(seen[-1]) == names
+    assert all(g.grad is not None and g.shape[:3] == (1, 4, 40) for g in seen[-1].values())
 
 
 def test_rounds_are_interleaved_and_each_row_is_the_median_round(monkeypatch) -> None:

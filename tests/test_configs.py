@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from transformers_lab.attention import KERNELS, AttentionKernel
+from transformers_lab.attention.parts import PART_KEYS
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -44,7 +45,8 @@ def test_kernel_config_instantiates_a_factory(name):
     kernel = factory(head_dim=8, num_heads=2)
     assert isinstance(kernel, AttentionKernel) and isinstance(kernel, KERNELS[name])
     q = torch.randn(1, 2, 5, 8)
-    assert kernel(q, q, q, causal=True).shape == (1, 2, 5, 8)
+    gates = kernel.sample_gates(1, 5)  # a gated kernel's inputs, which its layer projects
+    assert kernel(q, q, q, causal=True, **gates).shape == (1, 2, 5, 8)
 
 
 def test_config_keys_match_the_kernel_signature():
@@ -54,7 +56,7 @@ def test_config_keys_match_the_kernel_signature():
     for name, cls in KERNELS.items():
         cfg = OmegaConf.load(CONF / "attention" / f"{name}.yaml")
         params = inspect.signature(cls).parameters
-        options = {k for k in cfg if not k.startswith("_")}
+        options = {k for k in cfg if not k.startswith("_") and k not in PART_KEYS}  # the layer's
         assert options <= set(params), f"{name}.yaml has options {options - set(params)}"
 
 

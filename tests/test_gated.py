@@ -134,6 +134,9 @@ def test_the_unit_lower_inverse_is_the_inverse():
         (dict(log_decay=torch.zeros(B, H, 5)), "the log-decay must be \\(B, H, N\\)"),
         (dict(beta=torch.zeros(B, H, 6, 1)), "beta must be \\(B, H, N\\)"),
         (dict(beta=torch.zeros(B, H, 6), log_decay=torch.zeros(B, H, 6, DK)), "one number per"),
+        # a decay outside (0, 1]: alpha passed where log(alpha) belongs, or a log of 0
+        (dict(log_decay=torch.full((B, H, 6), 0.5)), "must be finite and <= 0 .*got 0.5"),
+        (dict(log_decay=torch.full((B, H, 6), -float("inf"))), "must be finite and <= 0"),
     ],
 )
 def test_bad_shapes_are_refused_in_one_line(change, error):

@@ -14,6 +14,9 @@ from transformers_lab.models import GPT, EncoderClassifier, Transformer, ViT
 from transformers_lab.nn import ACTIVATIONS, POSITIONAL_ENCODINGS, weight_decay_groups
 
 KERNEL_NAMES = sorted(KERNELS)
+# the kernels an encoder and a cross-attention take: not those that read tokens in order
+BOTH_WAYS = [name for name in KERNEL_NAMES if not KERNELS[name].causal_only]
+CAUSAL_ONLY = [name for name in KERNEL_NAMES if KERNELS[name].causal_only]
 V = 23
 
 
@@ -213,7 +216,7 @@ def test_gpt_state_size_counts_what_the_cache_holds(name):
 # ---------------------------------------------------------------- encoder-decoder
 
 
-@pytest.mark.parametrize("name", KERNEL_NAMES)
+@pytest.mark.parametrize("name", BOTH_WAYS)
 def test_decoder_step_ignores_later_targets_and_padded_source(name):
     model = tiny_transformer(name)
     src, tgt = source_batch(), torch.randint(3, V, (3, 8))
@@ -226,7 +229,7 @@ def test_decoder_step_ignores_later_targets_and_padded_source(name):
     torch.testing.assert_close(model(longer, tgt), out, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", KERNEL_NAMES)
+@pytest.mark.parametrize("name", BOTH_WAYS)
 def test_padded_source_tokens_change_nothing(name):
     model = tiny_transformer(name)
     src, tgt = source_batch(), torch.randint(3, V, (3, 6))
@@ -351,6 +354,9 @@ def test_every_model_overfits_one_batch(name):
     gpt_loss = fit(
         gpt, lambda: F.cross_entropy(gpt(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
     )
+    if name in CAUSAL_ONLY:  # a GPT only: the other models attend both ways
+        assert gpt_loss < 0.05, gpt_loss
+        return
 
     src, tgt = torch.randint(3, V, (4, 8)), torch.randint(3, V, (4, 8))
     tr = tiny_transformer(name, d_model=32, norm_first=True)
@@ -368,6 +374,23 @@ def test_every_model_overfits_one_batch(name):
 
     losses = {"gpt": gpt_loss, "transformer": tr_loss, "vit": vit_loss, "encoder": enc_loss}
     assert max(losses.values()) < 0.05, losses
+
+
+@pytest.mark.parametrize("name", CAUSAL_ONLY)
+def test_models_that_attend_both_ways_refuse_a_causal_only_kernel(name):
+    """A kernel that reads the sequence in order (a decaying state) is refused, in one line
+    that names it, by every model with an encoder or a cross-attention."""
+    builds = {
+        "transformer": lambda: tiny_transformer(name),
+        "vit": lambda: ViT(image_size=8, patch_size=4, d_model=16, n_layer=1, n_head=2,
+                           attention=name),
+        "encoder": lambda: EncoderClassifier(3, vocab_size=V, d_model=16, n_layer=1, n_head=2,
+                                             attention=name),
+    }  # fmt: skip
+    for model, build in builds.items():
+        with pytest.raises(ValueError, match=f"attention={name} .*causal only") as caught:
+            build()
+        assert "\n" not in str(caught.value), model
 
 
 def test_weight_decay_groups():

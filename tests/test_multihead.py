@@ -64,11 +64,17 @@ def test_every_kernel_runs_in_self_and_cross_attention(name):
         with pytest.raises(ValueError, match="weighs keys by their positions"):
             MultiHeadAttention(D_MODEL, HEADS, name, cross=True, context_dim=12)
         return
-    cross = MultiHeadAttention(D_MODEL, HEADS, name, cross=True, context_dim=12)
     x, mem = torch.randn(2, 7, D_MODEL), torch.randn(2, 3, 12)
     out = layer(x, causal=True)
     out.sum().backward()
     assert out.shape == x.shape
+    if KERNELS[name].causal_only:  # a state read in order: no cross-attention, no both ways
+        with pytest.raises(ValueError, match="causal only"):
+            MultiHeadAttention(D_MODEL, HEADS, name, cross=True, context_dim=12)
+        with pytest.raises(ValueError, match="causal only"):
+            layer(x, causal=False)
+        return
+    cross = MultiHeadAttention(D_MODEL, HEADS, name, cross=True, context_dim=12)
     assert cross(x, mem).shape == x.shape
     assert layer.kernel.head_dim == D_MODEL // HEADS and layer.kernel.num_heads == HEADS
 
@@ -125,6 +131,10 @@ def test_bad_inputs_are_refused():
 def test_prepared_memory_equals_cross_attention(name):
     if getattr(KERNELS[name], "positional", False):
         pytest.skip(f"{name} takes no cross-attention (test_every_kernel_runs_in_self_and_cross)")
+    if KERNELS[name](head_dim=8, num_heads=2).noncausal_refusal():
+        with pytest.raises(ValueError, match=f"attention={name} .* causal only"):
+            MultiHeadAttention(D_MODEL, HEADS, name, cross=True)
+        return
     layer = MultiHeadAttention(D_MODEL, HEADS, name, cross=True).double().eval()
     x, mem = torch.randn(2, 4, D_MODEL).double(), torch.randn(2, 9, D_MODEL).double()
     pad = torch.zeros(2, 9, dtype=torch.bool)

@@ -140,9 +140,12 @@ def test_attention_override_changes_the_kernel_in_the_built_model(
     kernel, model, tmp_path, data_root
 ):
     data = {"gpt": "mqar", "vit": "digits", "encoder": "digits", "transformer": "multi30k"}
-    cfg = compose_run(
-        "train", [f"model={model}", f"attention={kernel}", f"data={data[model]}"], tmp_path / "r"
-    )
+    overrides = [f"model={model}", f"attention={kernel}", f"data={data[model]}"]
+    cfg = compose_run("train", overrides, tmp_path / "r")
+    if model != "gpt" and KERNELS[kernel].causal_only:  # refused, in one line
+        with pytest.raises(ConfigError, match=f"attends .*attention={kernel} .*causal only"):
+            build_model(cfg.model, build_datamodule(cfg.data))
+        return
     if model == "transformer" and getattr(KERNELS[kernel], "positional", False):
         with pytest.raises(ValueError, match="another cross_attention kernel"):
             build_model(cfg.model, build_datamodule(cfg.data))  # cosformer: not across

@@ -91,11 +91,13 @@ class AttentionCapture:
             q, k = args[0], args[1]
             mask = kwargs.get("key_padding_mask")
             causal = bool(kwargs.get("causal", False))
+            gates = {name: kwargs[name] for name in kernel.gate_inputs if name in kwargs}
             if self.max_batch is not None:
                 q, k = q[: self.max_batch], k[: self.max_batch]
                 mask = None if mask is None else mask[: self.max_batch]
+                gates = {name: g[: self.max_batch] for name, g in gates.items()}
             with torch.no_grad():
-                weights = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
+                weights = kernel.weights(q, k, causal=causal, key_padding_mask=mask, **gates)
             self.records.append(AttentionRecord(layer, weights.detach().float().cpu(), causal))
 
         return hook

@@ -201,6 +201,7 @@ class AttentionKernel(nn.Module):
     normalized: ClassVar[bool] = True  # every row of weights() sums to 1 (or is all zero)
     linear: ClassVar[bool] = False  # decode keeps a state whose size does not grow with n
     forms_scores: ClassVar[bool] = False  # adds score_bias to its q-k scores (ALiBi): opt in
+    causal_only: ClassVar[bool] = False  # reads the sequence in order: no encoder, no cross
     # per-token, per-head inputs projected from the layer's input (``GateInput``), passed to
     # ``forward`` and ``decode`` as keyword arguments of these names
     gate_inputs: ClassVar[dict[str, GateInput]] = {}
@@ -326,6 +327,30 @@ class AttentionKernel(nn.Module):
         kernel that reads the whole sequence (a max over it) must say so: the models
         refuse it where they mask causally, and the check tests it without a mask."""
         return None
+
+    def sample_gates(
+        self, batch: int, tokens: int, dtype: torch.dtype = torch.float32
+    ) -> dict[str, Tensor]:
+        """Gate inputs of the shapes the kernel declares (``gate_inputs``), for a call of
+        the bare kernel outside its layer: each gate's activation of N(0, 1) draws."""
+        return {
+            name: gate.activate(
+                torch.randn(batch, self.num_heads, tokens, *([self.head_dim] * gate.per_channel))
+            ).to(dtype)
+            for name, gate in self.gate_inputs.items()
+        }
+
+    def noncausal_refusal(self) -> str | None:
+        """Why this kernel cannot attend non-causally (None: it can). A ``causal_only``
+        kernel reads the sequence in order (a state it decays or rewrites), and the models
+        refuse it where they attend both ways (an encoder, a cross-attention)."""
+        if not self.causal_only:
+            return None
+        return (
+            f"attention={self.name} reads the sequence in order (a recurrent state it decays "
+            "or rewrites), so it is causal only: use it in a GPT, or choose another kernel "
+            "for an encoder or a cross-attention"
+        )
 
     def state_size(self, n: int, value_dim: int | None = None) -> int:
         """Numbers ``decode`` keeps per sequence after ``n`` tokens, all heads together:

@@ -180,13 +180,21 @@ def padding(nk: int) -> Tensor:
     return mask
 
 
+def modes(kernel: AttentionKernel) -> tuple[bool, ...]:
+    """The values of ``causal`` a kernel takes: both, or the one it does not refuse."""
+    if kernel.causal_refusal():
+        return (False,)
+    if kernel.noncausal_refusal():
+        return (True,)
+    return (False, True)
+
+
 def cases(kernel: AttentionKernel) -> list[tuple[int, int, bool, bool]]:
-    """(Nq, Nk, causal, padded); causal ones only for a kernel that can be causal."""
-    modes = (False,) if kernel.causal_refusal() else (False, True)
+    """(Nq, Nk, causal, padded), in the modes the kernel takes (``modes``)."""
     return [
         (nq, nk, causal, padded)
         for nq, nk in SHAPES
-        for causal in modes
+        for causal in modes(kernel)
         for padded in (False, True)
     ]
 
@@ -302,7 +310,7 @@ def check_future(kernel: AttentionKernel) -> list[str]:
 
 def check_padding(kernel: AttentionKernel) -> list[str]:
     failures = []
-    for causal in (False,) if kernel.causal_refusal() else (False, True):
+    for causal in modes(kernel):
         q, k, v = qkv(7, 7)
         mask = padding(7)
         out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
@@ -327,7 +335,7 @@ def check_masked(kernel: AttentionKernel) -> list[str]:
     q, k, v = (t.requires_grad_() for t in qkv(4, 6))
     mask = torch.zeros(B, 6, dtype=torch.bool)
     mask[1] = True  # batch 1: every key is padding
-    out = kernel(q, k, v, key_padding_mask=mask)
+    out = kernel(q, k, v, causal=modes(kernel)[0], key_padding_mask=mask)
     failures = []
     if not (torch.isfinite(out).all() and (out[1] == 0).all()):
         failures.append("a query with every key masked does not give zeros (or is not finite)")
@@ -398,7 +406,7 @@ def check_gradients(kernel: AttentionKernel) -> list[str]:
     failures = []
     small = copy.deepcopy(kernel)
     params = [p for p in small.parameters() if p.requires_grad]
-    for causal in (False,) if kernel.causal_refusal() else (False, True):
+    for causal in modes(kernel):
         q, k, v = (t[:1, :, :4].clone().requires_grad_() for t in qkv(4, 4))
 
         def fn(q: Tensor, k: Tensor, v: Tensor, *_: Tensor, causal: bool = causal) -> Tensor:
@@ -413,25 +421,35 @@ def check_gradients(kernel: AttentionKernel) -> list[str]:
 
 
 def check_refusal(kernel: AttentionKernel) -> list[str]:
-    """A kernel that cannot be causal refuses a causal call and decoding with its reason."""
-    why = kernel.causal_refusal()
+    """A kernel that cannot be causal refuses a causal call and decoding with its reason;
+    one that can only be causal refuses a non-causal call and a memory with its reason."""
     q, k, v = qkv(4, 4)
+    if kernel.causal_refusal():
+        why, said_by = kernel.causal_refusal(), "causal_refusal()"
+        calls = (
+            ("forward(causal=True)", lambda: kernel(q, k, v, causal=True)),
+            ("decode", lambda: kernel.decode(q, k, v, None)),
+        )
+    else:
+        why, said_by = kernel.noncausal_refusal(), "noncausal_refusal()"
+        calls = (
+            ("forward(causal=False)", lambda: kernel(q, k, v, causal=False)),
+            ("memory", lambda: kernel.memory(k, v)),
+        )
     failures = []
-    for name, call in (
-        ("forward(causal=True)", lambda: kernel(q, k, v, causal=True)),
-        ("decode", lambda: kernel.decode(q, k, v, None)),
-    ):
+    for name, call in calls:
         try:
             call()
         except ValueError as exc:
             if str(exc) != why:
-                failures.append(f"{name} refused with {str(exc)!r}, not its causal_refusal()")
+                failures.append(f"{name} refused with {str(exc)!r}, not its {said_by}")
         else:
-            failures.append(f"{name} ran although causal_refusal() says: {why}")
+            failures.append(f"{name} ran although {said_by} says: {why}")
     return failures
 
 
 CAUSAL_ONLY = ("alignment", "future", "decode", "state")  # replaced by "refusal" where refused
+NONCAUSAL_ONLY = ("memory",)  # a causal-only kernel's: replaced by "refusal"
 CHECKS: dict[str, Callable[[AttentionKernel], list[str]]] = {
     "shapes": check_shapes,
     "reference": check_reference,
@@ -451,7 +469,12 @@ CHECKS: dict[str, Callable[[AttentionKernel], list[str]]] = {
 
 def checks_for(kernel: AttentionKernel) -> list[str]:
     """The checks a kernel gets: the causal ones, or, if it cannot be causal, its refusal."""
-    skip = CAUSAL_ONLY if kernel.causal_refusal() is not None else ("refusal",)
+    if kernel.causal_refusal() is not None:
+        skip = CAUSAL_ONLY
+    elif kernel.noncausal_refusal() is not None:
+        skip = NONCAUSAL_ONLY
+    else:
+        skip = ("refusal",)
     return [name for name in CHECKS if name not in skip]
 
 
@@ -493,10 +516,11 @@ def layer_failures(
 
     torch.manual_seed(seed)
     layer = perturbed(MultiHeadAttention(H * D, H, factory, alibi=alibi))
-    causal = layer.kernel.causal_refusal() is None
+    both = modes(layer.kernel)
+    causal = True in both
     checks: dict[str, Callable[[], list[str]]] = {
-        "layer padding": lambda: layer_padding(layer, causal),
-        "layer gradcheck": lambda: layer_gradients(layer, causal),
+        "layer padding": lambda: layer_padding(layer, both),
+        "layer gradcheck": lambda: layer_gradients(layer, both),
     }
     if causal:
         checks = {
@@ -545,9 +569,9 @@ def layer_future(layer: torch.nn.Module) -> list[str]:
     return [] if why is None else [f"outputs 0..4 change with tokens 5..8 (a leak), {why}"]
 
 
-def layer_padding(layer: torch.nn.Module, causal: bool) -> list[str]:
+def layer_padding(layer: torch.nn.Module, both: tuple[bool, ...]) -> list[str]:
     failures = []
-    for mode in (False, True) if causal else (False,):
+    for mode in both:
         x = tokens(7)
         mask = torch.zeros(B, 7, dtype=torch.bool)
         mask[1, 2] = mask[1, -1] = True  # a padded token inside the sequence too
@@ -576,10 +600,10 @@ def layer_state(layer: torch.nn.Module) -> list[str]:
     return failures
 
 
-def layer_gradients(layer: torch.nn.Module, causal: bool) -> list[str]:
+def layer_gradients(layer: torch.nn.Module, both: tuple[bool, ...]) -> list[str]:
     failures = []
     params = [p for p in layer.parameters() if p.requires_grad]
-    for mode in (False, True) if causal else (False,):
+    for mode in both:
         x = tokens(4)[:1].requires_grad_()
 
         def fn(x: Tensor, *_: Tensor, mode: bool = mode) -> Tensor:

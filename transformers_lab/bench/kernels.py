@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch import Tensor
 
@@ -279,16 +280,37 @@ def make_inputs(spec: Spec, n: int) -> tuple[Tensor, Tensor, Tensor]:
     )
 
 
-def fwd_bwd(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
+def make_gates(kernel: AttentionKernel, spec: Spec, n: int) -> dict[str, Tensor]:
+    """The kernel's gate inputs (a gated kernel's decay, the delta rule's beta) as its layer
+    would pass them, drawn and requiring grad; none for the other kernels."""
+    gates = kernel.sample_gates(spec.batch, n, DTYPES[spec.dtype])
+    return {name: g.to(spec.device).requires_grad_() for name, g in gates.items()}
+
+
+def fwd_bwd(
+    kernel: AttentionKernel,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    gates: dict[str, Tensor] | None = None,
+) -> None:
     """One forward and backward pass; gradients start from None so every pass allocates."""
-    for t in (q, k, v):
+    gates = gates or {}
+    for t in (q, k, v, *gates.values()):
         t.grad = None
     kernel.zero_grad(set_to_none=True)
-    out = kernel(q, k, v, causal=causal)
+    out = kernel(q, k, v, causal=causal, **gates)
     out.float().sum().backward()
 
 
-def fwd_bwd_fused(kernel: AttentionKernel, conv: Any, x: Tensor, spec: Spec) -> None:
+def fwd_bwd_fused(
+    kernel: AttentionKernel,
+    conv: Any,
+    x: Tensor,
+    spec: Spec,
+    gates: dict[str, Tensor] | None = None,
+) -> None:
     """``fwd_bwd`` on q, k and v as a layer hands them over: x (B, N, 3 H D), the fused
     projection, through the layer's short convolution (``conv``; None: none), split into
     per-head views."""
@@ -302,7 +324,12 @@ def fwd_bwd_fused(kernel: AttentionKernel, conv: Any, x: Tensor, spec: Spec) -> 
     q, k, v = (
         t.view(b, n, spec.heads, spec.head_dim).transpose(1, 2) for t in mixed.chunk(3, dim=-1)
     )
-    out = kernel(q, k, v, causal=spec.causal)
+    gates = gates or {}
+    for t in gates.values():
+        t.grad = None
+    if "beta" in kernel.gate_inputs:  # the delta rule takes unit keys, as its layer gives
+        k = F.normalize(k, dim=-1)
+    out = kernel(q, k, v, causal=spec.causal, **gates)
     out.float().sum().backward()
 
 
@@ -404,9 +431,13 @@ def prepare(spec: Spec) -> Callable[[], None]:
                 dim=-1,
             ).detach()
             x.requires_grad_()  # (B, N, 3 H D)
-            return lambda: fwd_bwd_fused(kernel, conv, x, spec)
+            gates = make_gates(kernel, spec, n)
+            return lambda: fwd_bwd_fused(kernel, conv, x, spec, gates)
         q, k, v = make_inputs(spec, n)
-        return lambda: fwd_bwd(kernel, q, k, v, spec.causal)
+        if "beta" in kernel.gate_inputs:  # the delta rule takes unit keys, as its layer gives
+            k = F.normalize(k.detach(), dim=-1).requires_grad_()
+        gates = make_gates(kernel, spec, n)
+        return lambda: fwd_bwd(kernel, q, k, v, spec.causal, gates)
 
     run_at(min(WARMUP_N, spec.n))()  # load libraries, start threads; inputs freed after
     run = run_at(spec.n)

@@ -17,6 +17,7 @@ from transformers_lab.nn import (
     TokenEmbedding,
     activation,
 )
+from transformers_lab.nn.attention import refuse_noncausal
 
 POOLINGS = ("cls", "mean", "none")
 HEADS = ("linear", "mlp")
@@ -113,6 +114,7 @@ class EncoderClassifier(nn.Module):
             rope_theta=rope_theta if pos_encoding == "rope" else None,
             alibi=pos_encoding == "alibi",
         )
+        refuse_noncausal(self.blocks, f"the {type(self).__name__}")
         self.norm = final_norm(d_model, bias, norm_first)
         if head == "linear":
             self.head: nn.Module = nn.Linear(d_model, num_classes)

@@ -44,6 +44,15 @@ def refuse_causal(modules: Iterable[nn.Module], model: str) -> None:
                 raise ValueError(f"{model} attends causally: {why}")
 
 
+def refuse_noncausal(modules: Iterable[nn.Module], model: str) -> None:
+    """Raise a ValueError if a kernel of ``modules``, which ``model`` calls non-causally,
+    can only attend causally (its ``noncausal_refusal``)."""
+    for module in modules:
+        for kernel in module.modules():
+            if isinstance(kernel, AttentionKernel) and (why := kernel.noncausal_refusal()):
+                raise ValueError(f"{model} attends both ways: {why}")
+
+
 class LayerState(NamedTuple):
     """What a self-attention layer keeps between decoding calls: the kernel's state (a KV
     cache, a recurrent state), the short convolution's last K - 1 inputs, and the tokens
@@ -150,6 +159,8 @@ class MultiHeadAttention(nn.Module):
                 "AttentionKernel; pass a kernel name or a partial of a kernel class"
             )
         self.parts = self.kernel.parts  # the layer's switches ride in the kernel's config
+        if cross and (why := self.kernel.noncausal_refusal()):
+            raise ValueError(f"a cross-attention attends to all of another sequence: {why}")
         if cross and getattr(self.kernel, "positional", False):
             raise ValueError(
                 f"attention={self.kernel.name} weighs keys by their positions in one sequence, "

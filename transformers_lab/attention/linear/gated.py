@@ -57,6 +57,12 @@ def check_shapes(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, beta
             f"the log-decay must be (B, H, N) or (B, H, N, Dk) = {tuple(q.shape[:3])} or "
             f"{tuple(q.shape)}, got {tuple(log_decay.shape)}"
         )
+    if log_decay is not None and not bool(((log_decay <= 0) & log_decay.isfinite()).all()):
+        bad = log_decay[~((log_decay <= 0) & log_decay.isfinite())].flatten()[0].item()
+        raise ValueError(
+            f"the log-decay must be finite and <= 0 (a decay in (0, 1]), got {bad}: pass "
+            "log(alpha), e.g. F.logsigmoid(x), not alpha itself"
+        )
     if beta is not None:
         if beta.shape != q.shape[:3]:
             raise ValueError(

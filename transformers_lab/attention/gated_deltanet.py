@@ -1,0 +1,48 @@
+"""Gated DeltaNet (Yang et al., "Gated Delta Networks", 2025): the delta rule with a
+scalar decay, S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T, the decay
+in Mamba2's form, log alpha_t = -exp(A_log) softplus(a . x_t + dt_bias), on the gated
+recurrence."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from transformers_lab.attention.base import GateInput
+from transformers_lab.attention.linear.gated_kernel import GatedKernel
+
+
+class GatedDeltaNetAttention(GatedKernel):
+    """The delta rule with a decay per head and token, both from x.
+
+    beta as DeltaNet's; the decay from the gate input ``a``: log alpha = -exp(A_log_h)
+    softplus(a + dt_bias_h), A_h drawn in [1, 16] and dt_bias_h the inverse softplus of a
+    step in [0.001, 0.1] (Mamba2's initialisation, as fla's Gated DeltaNet layer).
+
+    Args:
+        chunk_size: as for every gated kernel (``GatedKernel``).
+    """
+
+    name = "gated_deltanet"
+    formula = "S ← αS(I − βkkᵀ) + βvkᵀ, o = S q/√d, α, β from x, causal"
+    gate_inputs: ClassVar[dict[str, GateInput]] = {
+        "beta": GateInput("sigmoid"),
+        "a": GateInput("identity"),
+    }
+
+    def __init__(
+        self, head_dim: int, num_heads: int, dropout: float = 0.0, chunk_size: int = 64
+    ) -> None:
+        super().__init__(head_dim, num_heads, dropout, chunk_size)
+        a = torch.empty(num_heads).uniform_(1, 16)
+        self.A_log = nn.Parameter(a.log())
+        dt = torch.exp(torch.rand(num_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+    def decay_and_rate(self, gates: dict[str, Tensor], like: Tensor):  # type: ignore[override]
+        rate = F.softplus(gates["a"] + self.dt_bias[:, None].to(like))
+        return -self.A_log.exp()[:, None].to(like) * rate, gates["beta"]

@@ -1,0 +1,249 @@
+"""The module every gated kernel is: ``GatedKernel``, on the gated recurrence (``gated``).
+
+A gated kernel keeps one state S (B, H, Dk, Dv) a sequence and, token by token, decays it
+and writes its key and value (``gated``'s module doc): RetNet, GLA, Mamba2's scalar decay
+(``simple_gla``), DeltaNet and Gated DeltaNet. A subclass says how its decay and its
+delta-rule rate come from its gate inputs (``decay_and_rate``); training runs the chunked
+path, decoding the recurrence, O(1) a token.
+
+Such a kernel reads the sequence in order, so it is causal only: a non-causal call (an
+encoder, a cross-attention) is refused (``causal_only``). Its weights are not
+normalised over the keys (the layer's output norm, ``attention.output_norm``, scales the
+output instead), and are explicit: ``weights`` gives the (Nq, Nk) matrix with
+``forward == weights @ v``, and ``reference_weights`` reads it from the token-by-token
+recurrence in float64, fed one-hot values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from transformers_lab.attention.base import AttentionKernel
+from transformers_lab.attention.linear.gated import (
+    chunked_recurrence,
+    naive_recurrence,
+    pair_decay,
+    unit_lower_inverse,
+)
+
+
+class GatedKernel(AttentionKernel):
+    """Base of the gated kernels (see the module doc).
+
+    Args:
+        chunk_size: C, the tokens of a chunk of the chunked path.
+        dropout: not supported (0 only): a gated state has no weights to drop.
+    """
+
+    normalized = False
+    linear = True
+    causal_only = True
+
+    def __init__(
+        self, head_dim: int, num_heads: int, dropout: float = 0.0, chunk_size: int = 64
+    ) -> None:
+        super().__init__(head_dim, num_heads, dropout)
+        if dropout:
+            raise ValueError(
+                f"{self.name}: dropout={dropout} is not supported (its state has no attention "
+                "weights to drop); use the model's dropout"
+            )
+        if not (isinstance(chunk_size, int) and chunk_size >= 1):
+            raise ValueError(f"{self.name}: chunk_size must be an integer >= 1, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+        self.scale = head_dim**-0.5
+
+    # ------------------------------------------------------------ what a subclass gives
+
+    def decay_and_rate(
+        self, gates: dict[str, Tensor], like: Tensor
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The log decay, (B, H, N) or (B, H, N, Dk) (None: none), and the delta rule's rate
+        beta, (B, H, N) (None: no delta rule), of the keys ``like`` (B, H, N, Dk), from the
+        kernel's gate inputs."""
+        return None, None
+
+    # ------------------------------------------------------------ the contract
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}"
+
+    def inputs(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor | None,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        gates: dict[str, Tensor],
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, int]:
+        """q, k, v, log decay and rate as the recurrence takes them, one query a key: the
+        queries aligned to the last keys (missing ones zero, their outputs dropped), keys
+        before the first query (none: zeros) and padded keys writing nothing and decaying
+        nothing. Also how many leading outputs to drop."""
+        if not causal:
+            raise ValueError(self.noncausal_refusal())
+        missing = [name for name in self.gate_inputs if name not in gates]
+        if missing:
+            raise ValueError(
+                f"{self.name} needs its gate inputs {', '.join(missing)} (B, H, N) or (B, H, N, "
+                "D) as keyword arguments: its multi-head layer projects them from x "
+                "(nn.attention.MultiHeadAttention)"
+            )
+        log_decay, beta = self.decay_and_rate(gates, k)
+        nq, nk = q.shape[2], k.shape[2]
+        if nq > nk:  # queries before the first key: empty keys before them
+            front = nq - nk
+            k = F.pad(k, (0, 0, front, 0))
+            v = None if v is None else F.pad(v, (0, 0, front, 0))
+            log_decay = None if log_decay is None else pad_tokens(log_decay, front)
+            beta = None if beta is None else F.pad(beta, (front, 0))
+            if key_padding_mask is not None:
+                key_padding_mask = F.pad(key_padding_mask, (front, 0), value=True)
+        skip = max(0, nk - nq)  # keys before the first query: their outputs are dropped
+        q = F.pad(q, (0, 0, skip, 0))
+        if key_padding_mask is not None:
+            keep = ~key_padding_mask[:, None, :]  # (B, 1, N)
+            k = k * keep[..., None]
+            v = None if v is None else v * keep[..., None]
+            if log_decay is not None:
+                log_decay = log_decay * (keep if log_decay.dim() == 3 else keep[..., None])
+            if beta is not None:
+                beta = beta * keep
+        return q, k, v, log_decay, beta, skip
+
+    def forward(  # type: ignore[override]
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        **gates: Tensor,
+    ) -> Tensor:
+        self.check_inputs(q, k, v, key_padding_mask)
+        q, k, v, log_decay, beta, skip = self.inputs(q, k, v, causal, key_padding_mask, gates)
+        with torch.autocast(q.device.type, enabled=False):
+            dtype = v.dtype
+            q, k, v, log_decay, beta = (
+                None if t is None else t.float() if t.dtype in LOW else t
+                for t in (q, k, v, log_decay, beta)
+            )
+            out, _ = chunked_recurrence(
+                q, k, v, log_decay, beta, scale=self.scale, chunk_size=self.chunk_size
+            )
+        return out[:, :, skip:].to(dtype)
+
+    def weights(
+        self,
+        q: Tensor,
+        k: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        **gates: Tensor,
+    ) -> Tensor:
+        """The (B, H, Nq, Nk) matrix with ``forward == weights @ v``: the decayed scores
+        scale (q_t . k_s) exp(b_t - b_s), s <= t, times (I + A)^-1 diag(beta) under the
+        delta rule (``gated``'s WY form over the whole sequence)."""
+        self.check_inputs(q, k, None, key_padding_mask)
+        nk = k.shape[2]
+        q, k, _, log_decay, beta, skip = self.inputs(q, k, None, causal, key_padding_mask, gates)
+        n = k.shape[2]
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        if log_decay is None:
+            scores = (self.scale * q) @ k.mT
+        elif log_decay.dim() == 3:
+            cum = log_decay.cumsum(-1)
+            scores = ((self.scale * q) @ k.mT) * pair_decay(cum, lower)
+        else:
+            cum = log_decay.cumsum(2)
+            diff = cum[:, :, :, None] - cum[:, :, None, :]  # (B, H, N, N, Dk)
+            decay = diff.masked_fill(~lower[..., None], float("-inf")).exp()
+            scores = (self.scale * q[:, :, :, None] * k[:, :, None] * decay).sum(-1)
+        scores = scores.masked_fill(~lower, 0.0)
+        if beta is not None:
+            kk = k @ k.mT
+            if log_decay is not None:
+                kk = kk * pair_decay(log_decay.cumsum(-1), lower)
+            a = (beta[..., None] * kk).tril(-1)
+            scores = scores @ (unit_lower_inverse(a) * beta[..., None, :])
+        return scores[:, :, skip:, n - nk :]
+
+    def reference_weights(
+        self,
+        q: Tensor,
+        k: Tensor,
+        *,
+        causal: bool = False,
+        key_padding_mask: Tensor | None = None,
+        **gates: Tensor,
+    ) -> Tensor:
+        """The weights read from the token-by-token recurrence in float64: fed the one-hot
+        value of each key, it outputs each query's weight of each key."""
+        self.check_inputs(q, k, None, key_padding_mask)
+        q, k = q.double(), k.double()
+        gates = {name: g.double() for name, g in gates.items()}
+        nk = k.shape[2]
+        onehot = torch.eye(nk, dtype=torch.float64).expand(*k.shape[:2], nk, nk)
+        q, k, v, log_decay, beta, skip = self.inputs(q, k, onehot, causal, key_padding_mask, gates)
+        out, _ = naive_recurrence(q, k, v, log_decay, beta, scale=self.scale)
+        return out[:, :, skip:]
+
+    def decode(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        state: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+        **gates: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """T new tokens against the state (B, H, Dk, Dv) of the ones before: the recurrence
+        for one token, the chunked path for more; the state's size never grows."""
+        self.check_inputs(q, k, v, key_padding_mask)
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(
+                f"{self.name}.decode: q and k must hold the same new tokens, got "
+                f"{q.shape[2]} queries and {k.shape[2]} keys"
+            )
+        q, k, v, log_decay, beta, _ = self.inputs(q, k, v, True, key_padding_mask, gates)
+        with torch.autocast(q.device.type, enabled=False):
+            dtype = v.dtype
+            q, k, v, log_decay, beta = (
+                None if t is None else t.float() if t.dtype in LOW else t
+                for t in (q, k, v, log_decay, beta)
+            )
+            state = None if state is None else state.to(q.dtype)
+            if q.shape[2] == 1:
+                out, state = naive_recurrence(
+                    q, k, v, log_decay, beta, scale=self.scale, state=state
+                )
+            else:
+                out, state = chunked_recurrence(
+                    q, k, v, log_decay, beta, scale=self.scale, state=state,
+                    chunk_size=self.chunk_size,
+                )  # fmt: skip
+        return out.to(dtype), state
+
+    def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Any:
+        raise ValueError(self.noncausal_refusal())
+
+    def state_size(self, n: int, value_dim: int | None = None) -> int:
+        """The state S: H Dk Dv numbers, whatever n."""
+        value_dim = self.head_dim if value_dim is None else value_dim
+        return self.num_heads * self.head_dim * value_dim
+
+
+LOW = (torch.float16, torch.bfloat16)  # computed in float32, as the states accumulate
+
+
+def pad_tokens(t: Tensor, front: int) -> Tensor:
+    """(B, H, N) or (B, H, N, D) with ``front`` zero tokens before the first."""
+    return F.pad(t, (front, 0) if t.dim() == 3 else (0, 0, front, 0))
