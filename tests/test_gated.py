@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from transformers_lab.attention.linear import gated
 from transformers_lab.attention.linear.gated import (
     chunked_recurrence,
     naive_recurrence,
@@ -87,6 +88,22 @@ def test_a_strong_decay_does_not_overflow_in_float32(case):
     )
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("span", [0.0, 60.0])  # 0: every chunk by blocks; 60: one product
+def test_both_paths_of_a_channel_decay_match_the_recurrence(span, monkeypatch):
+    """A per-channel decay's scores come from one product a chunk where no chunk decays by
+    more than e^-SAFE_SPAN, by sub-chunk blocks otherwise: both are the recurrence, outputs
+    and gradients, in float64."""
+    monkeypatch.setattr(gated, "SAFE_SPAN", span)
+    q, k, v, log_decay, _ = inputs(45, decay="channel", delta=False)
+    leaves = [t.requires_grad_() for t in (q, k, v, log_decay)]
+    want, _ = naive_recurrence(q, k, v, log_decay)
+    got, _ = chunked_recurrence(q, k, v, log_decay, chunk_size=32)
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got.square().sum(), leaves)
+    for g, w in zip(grads, torch.autograd.grad(want.square().sum(), leaves), strict=True):
+        torch.testing.assert_close(g, w)
 
 
 def test_decoding_token_by_token_from_a_chunked_prefix_equals_the_whole():

@@ -21,13 +21,15 @@ Two paths, equal to rounding:
   (q_t . k_s) exp(b_t - b_s), s <= t; the state moves to the chunk's end through
   exp(b_C) and keys weighed by exp(b_C - b_s). Every factor exponentiates a difference
   that is <= 0, so nothing overflows whatever the decay. A decay per key channel has no
-  (C x C) score matrix of that form; its scores are taken block by block (sub-chunks of
+  (C x C) score matrix of that form: where no chunk decays by more than e^-60 (GLA's
+  decays are far from it) its scores are one product, (q_t exp(b_t)) . (k_s exp(-b_s)),
+  every factor within e^+-60; otherwise they are taken block by block (sub-chunks of
   16): between blocks through a reference point that keeps both factors <= 1, inside a
   diagonal block as the explicit (16 x 16 x Dk) sum.
   The delta rule is chunked through the WY representation: the pseudo-values U of a
   chunk solve (I + A) U = diag(beta) (V - diag(exp(b)) K S0), with A the strictly lower
-  beta_t exp(b_t - b_s) (k_t . k_s); T = (I + A)^-1 diag(beta) is computed with log2(C)
-  matrix products (A is nilpotent: (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...), and
+  beta_t exp(b_t - b_s) (k_t . k_s); with T = (I + A)^-1 diag(beta), T V and
+  T diag(exp(b)) K come from one unit-lower triangular solve a chunk, and
   U = T V - (T diag(exp(b)) K) S0 for each chunk's start state S0.
 
 Gradients come from autograd through the chunk loop (the states of the chunk starts are
@@ -43,6 +45,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 SUB_CHUNK = 16  # the blocks of a per-channel decay's scores inside a chunk
+# a per-channel decay whose chunks all decay by at most e^-SAFE_SPAN takes the one-product
+# path: q exp(b) and k exp(-b) stay inside [e^-60, e^60], far from float32's limits
+SAFE_SPAN = 60.0
 
 
 def check_shapes(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, beta: Tensor | None):
@@ -162,17 +167,26 @@ def chunked_recurrence(
         if log_decay is not None:  # one per head and token: the delta rule takes no other
             kk = kk * decay
         a = (betac[..., None] * kk).tril(-1)  # strictly lower
-        t = unit_lower_inverse(a) * betac[..., None, :]  # (I + A)^-1 diag(beta)
-        t_v = t @ vc
-        t_k = t @ (kc if log_decay is None else kc * cum[..., None].exp())
+        # T V and T K' with T = (I + A)^-1 diag(beta): one unit-lower triangular solve of
+        # both (C^2 (Dk + Dv) work a chunk, where forming T takes log2(C) C^3 products)
+        k_dec = kc if log_decay is None else kc * cum[..., None].exp()
+        rhs = betac[..., None] * torch.cat([vc, k_dec], -1)
+        solved = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+        t_v, t_k = solved.split([dv, dk], -1)
     s = q.new_zeros(b, h, dk, dv) if state is None else state
+    # each chunk's slices by one unbind: indexing chunk i would make autograd allocate a
+    # full-length gradient per chunk (select's backward), O(N^2 / C) in all
+    q_in, scores, k_out = q_in.unbind(2), scores.unbind(2), k_out.unbind(2)
+    us = vc.unbind(2) if beta is None else t_v.unbind(2)
+    t_k = t_k.unbind(2) if beta is not None else None
+    a_end = None if a_end is None else a_end.unbind(2)
     out = []
     for i in range(nc):
-        u = vc[:, :, i] if beta is None else t_v[:, :, i] - t_k[:, :, i] @ s
-        out.append(q_in[:, :, i] @ s + scores[:, :, i] @ u)
+        u = us[i] if t_k is None else us[i] - t_k[i] @ s
+        out.append(q_in[i] @ s + scores[i] @ u)
         if a_end is not None:
-            s = decay_state(s, a_end[:, :, i])
-        s = s + k_out[:, :, i].mT @ u
+            s = decay_state(s, a_end[i])
+        s = s + k_out[i].mT @ u
     o = torch.stack(out, 2).reshape(b, h, nc * c, dv)
     return o[:, :, :n], s
 
@@ -186,11 +200,19 @@ def pair_decay(cum: Tensor, mask: Tensor) -> Tensor:
 
 def channel_decayed_scores(qc: Tensor, kc: Tensor, cum: Tensor) -> Tensor:
     """(q_t . (k_s * exp(b_t - b_s))) for s <= t, zeros above: a decay per key channel,
-    q, k and cum (..., C, Dk). Between sub-chunks through a reference point r, the
-    cumulative decay at the end of the key block: q_t exp(b_t - r) and k_s exp(r - b_s),
-    both <= 1 since the cumulative log decay only falls; inside a diagonal block the
-    explicit (S x S x Dk) sum."""
+    q, k and cum (..., C, Dk).
+
+    Where every chunk decays by at most e^-SAFE_SPAN (``cum`` >= -SAFE_SPAN: GLA's decays,
+    alpha^(1/16), stay far above it), one product per chunk, (q_t exp(b_t)) . (k_s
+    exp(-b_s)): each factor within e^+-SAFE_SPAN, so nothing overflows and a product loses
+    no precision. Otherwise block by block (``SUB_CHUNK``): between blocks through a
+    reference point r, the cumulative decay at the end of the key block, q_t exp(b_t - r)
+    and k_s exp(r - b_s), both <= 1; inside a diagonal block the explicit (S x S x Dk)
+    sum. Both are exact."""
     c = qc.shape[-2]
+    lower = torch.ones(c, c, dtype=torch.bool, device=qc.device).tril()
+    if bool((cum.detach() >= -SAFE_SPAN).all()):
+        return ((qc * cum.exp()) @ (kc * (-cum).exp()).mT).masked_fill(~lower, 0.0)
     sub = SUB_CHUNK if c % SUB_CHUNK == 0 else c
     scores = qc.new_zeros(*qc.shape[:-1], c)
     diag = torch.ones(sub, sub, dtype=torch.bool, device=qc.device).tril()
