@@ -32,8 +32,10 @@ Two paths, equal to rounding:
   T diag(exp(b)) K come from one unit-lower triangular solve a chunk, and
   U = T V - (T diag(exp(b)) K) S0 for each chunk's start state S0.
 
-Gradients come from autograd through the chunk loop (the states of the chunk starts are
-kept: N / C x Dk x Dv numbers a head).
+The chunk loop only carries the state from chunk to chunk, S' = M S + W: what each chunk
+writes (W) and carries over (M: its decay, and under the delta rule a Dk x Dk matrix) and
+the outputs from the chunk-start states are batched over all chunks. Gradients come from
+autograd (the states of the chunk starts are kept: N / C x Dk x Dv numbers a head).
 """
 
 from __future__ import annotations
@@ -174,20 +176,34 @@ def chunked_recurrence(
         solved = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
         t_v, t_k = solved.split([dv, dk], -1)
     s = q.new_zeros(b, h, dk, dv) if state is None else state
-    # each chunk's slices by one unbind: indexing chunk i would make autograd allocate a
-    # full-length gradient per chunk (select's backward), O(N^2 / C) in all
-    q_in, scores, k_out = q_in.unbind(2), scores.unbind(2), k_out.unbind(2)
-    us = vc.unbind(2) if beta is None else t_v.unbind(2)
-    t_k = t_k.unbind(2) if beta is not None else None
-    a_end = None if a_end is None else a_end.unbind(2)
-    out = []
-    for i in range(nc):
-        u = us[i] if t_k is None else us[i] - t_k[i] @ s
-        out.append(q_in[i] @ s + scores[i] @ u)
-        if a_end is not None:
-            s = decay_state(s, a_end[i])
-        s = s + k_out[i].mT @ u
-    o = torch.stack(out, 2).reshape(b, h, nc * c, dv)
+    # the chunk-to-chunk recursion of the state, S' = M S + W, is all the loop does: what a
+    # chunk writes (W) and how it carries the state over (M) are batched over the chunks,
+    # and so are the outputs from the chunk-start states after it
+    written = k_out.mT @ (vc if beta is None else t_v)  # (B, H, nc, Dk, Dv)
+    if beta is None and a_end is None:  # S' = S + W: prefix sums
+        ends = s[:, :, None] + written.cumsum(2)
+        starts = torch.cat([s[:, :, None], ends[:, :, :-1]], 2)
+        s = ends[:, :, -1]
+    else:
+        if beta is not None:  # S' = a S - K'^T (T K'' S) + W: a (Dk x Dk) carry a chunk
+            carry = -(k_out.mT @ t_k)
+            if a_end is not None:
+                carry = carry + torch.diag_embed(a_end[..., None].expand(*a_end.shape, dk))
+            else:
+                carry = carry + torch.eye(dk, dtype=carry.dtype, device=carry.device)
+            factors = carry.unbind(2)
+        else:  # S' = a S + W, a number a head or a row of S each
+            factors = (a_end[..., None, None] if a_end.dim() == 3 else a_end[..., None]).unbind(2)
+        chain = [s]
+        for m, w in zip(factors, written.unbind(2), strict=True):
+            prev = chain[-1]
+            chain.append(
+                torch.matmul(m, prev) + w if beta is not None else torch.addcmul(w, m, prev)
+            )
+        starts = torch.stack(chain[:-1], 2)  # (B, H, nc, Dk, Dv): each chunk's start state
+        s = chain[-1]
+    u = vc if beta is None else t_v - t_k @ starts
+    o = (q_in @ starts + scores @ u).reshape(b, h, nc * c, dv)
     return o[:, :, :n], s
 
 
