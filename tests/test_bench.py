@@ -262,3 +262,10 @@ def test_every_linear_kernel_has_a_compiled_variant_left_out_by_default() -> Non
     assert found["linear"]["compiled"] is False
     assert not set(compiled) & set(bench.default_variants())
     assert "linear" in bench.default_variants()
+
+
+def test_a_causal_only_kernel_is_skipped_where_the_bench_times_noncausal() -> None:
+    reason = bench.skip_reason(bench.Spec("gla", causal=False, n=64), 1 << 30, {})
+    assert reason == "skipped (causal only)"
+    assert bench.skip_reason(bench.Spec("gla", causal=True, n=64), 1 << 30, {}) is None
+    assert bench.skip_reason(bench.Spec("linear", causal=False, n=64), 1 << 30, {}) is None

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from transformers_lab.attention import build_kernel
 from transformers_lab.attention.linear import gated
 from transformers_lab.attention.linear.gated import (
     chunked_recurrence,
@@ -96,6 +97,9 @@ def test_both_paths_of_a_channel_decay_match_the_recurrence(span, monkeypatch):
     more than e^-SAFE_SPAN, by sub-chunk blocks otherwise: both are the recurrence, outputs
     and gradients, in float64."""
     monkeypatch.setattr(gated, "SAFE_SPAN", span)
+    blocks = []
+    real = gated.scores_by_blocks
+    monkeypatch.setattr(gated, "scores_by_blocks", lambda *a: blocks.append(1) or real(*a))
     q, k, v, log_decay, _ = inputs(45, decay="channel", delta=False)
     leaves = [t.requires_grad_() for t in (q, k, v, log_decay)]
     want, _ = naive_recurrence(q, k, v, log_decay)
@@ -104,6 +108,7 @@ def test_both_paths_of_a_channel_decay_match_the_recurrence(span, monkeypatch):
     grads = torch.autograd.grad(got.square().sum(), leaves)
     for g, w in zip(grads, torch.autograd.grad(want.square().sum(), leaves), strict=True):
         torch.testing.assert_close(g, w)
+    assert bool(blocks) == (span == 0.0)  # the path the span asks for was taken
 
 
 def test_decoding_token_by_token_from_a_chunked_prefix_equals_the_whole():
@@ -161,3 +166,29 @@ def test_bad_shapes_are_refused_in_one_line(change, error):
     args.update(change)
     with pytest.raises(ValueError, match=error):
         chunked_recurrence(**args)
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "gla"])
+def test_the_explicit_weights_give_the_forward_at_a_real_length(name):
+    """``weights @ v == forward`` in float32 at N=320, where inverting (I + A) by a power
+    series over the whole sequence blew up (the analysis tools draw these maps)."""
+    kernel = build_kernel(name, head_dim=16, num_heads=2)
+    q, k, v = (torch.randn(1, 2, 320, 16) for _ in range(3))
+    k = F.normalize(F.silu(k), dim=-1)  # as the delta rule's layer gives its keys
+    gates = kernel.sample_gates(1, 320)
+    with torch.no_grad():
+        out = kernel(q, k, v, causal=True, **gates)
+        weights = kernel.weights(q, k, causal=True, **gates)
+    torch.testing.assert_close(weights @ v, out, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["channel decay", "gated delta"])
+def test_the_public_op_runs_in_half_precision(case):
+    """float16 in, float16 out, finite: the one-product path of a channel decay would
+    overflow there (e^60), and the triangular solve has no half-precision kernel."""
+    q, k, v, log_decay, beta = inputs(70, **CASES[case], dtype=torch.float32, strength=0.5)
+    want, _ = chunked_recurrence(q, k, v, log_decay, beta, chunk_size=32)
+    half = (None if t is None else t.half() for t in (q, k, v, log_decay, beta))
+    got, _ = chunked_recurrence(*half, chunk_size=32)
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from torch import Tensor
 
 from transformers_lab.attention import AttentionKernel
@@ -629,6 +629,9 @@ def skip_reason(
     spec: Spec, quadratic_max_n: int, timed_out_at: dict[tuple[str, bool], int]
 ) -> str | None:
     """Why ``spec`` is not measured, or None when it is."""
+    target = spec.kernel_config.get("_target_")
+    if not spec.causal and target and getattr(get_class(target), "causal_only", False):
+        return "skipped (causal only)"
     if spec.variant in QUADRATIC_VARIANTS and spec.n > quadratic_max_n:
         return f"skipped (n > quadratic-max-n={quadratic_max_n})"
     smaller = timed_out_at.get((spec.variant, spec.causal))

@@ -21,8 +21,9 @@ Two paths, equal to rounding:
   (q_t . k_s) exp(b_t - b_s), s <= t; the state moves to the chunk's end through
   exp(b_C) and keys weighed by exp(b_C - b_s). Every factor exponentiates a difference
   that is <= 0, so nothing overflows whatever the decay. A decay per key channel has no
-  (C x C) score matrix of that form: where no chunk decays by more than e^-60 (GLA's
-  decays are far from it) its scores are one product, (q_t exp(b_t)) . (k_s exp(-b_s)),
+  (C x C) score matrix of that form: in float32 or float64, where no chunk decays by more
+  than e^-60 (one such channel anywhere in the call sends it all to the blocks), its
+  scores are one product, (q_t exp(b_t)) . (k_s exp(-b_s)),
   every factor within e^+-60; otherwise they are taken block by block (sub-chunks of
   16): between blocks through a reference point that keeps both factors <= 1, inside a
   diagonal block as the explicit (16 x 16 x Dk) sum.
@@ -173,7 +174,10 @@ def chunked_recurrence(
         # both (C^2 (Dk + Dv) work a chunk, where forming T takes log2(C) C^3 products)
         k_dec = kc if log_decay is None else kc * cum[..., None].exp()
         rhs = betac[..., None] * torch.cat([vc, k_dec], -1)
-        solved = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+        low = a.dtype in (torch.float16, torch.bfloat16)  # no triangular solve in these
+        solved = torch.linalg.solve_triangular(
+            a.float() if low else a, rhs.float() if low else rhs, upper=False, unitriangular=True
+        ).to(rhs.dtype)
         t_v, t_k = solved.split([dv, dk], -1)
     s = q.new_zeros(b, h, dk, dv) if state is None else state
     # the chunk-to-chunk recursion of the state, S' = M S + W, is all the loop does: what a
@@ -218,17 +222,25 @@ def channel_decayed_scores(qc: Tensor, kc: Tensor, cum: Tensor) -> Tensor:
     """(q_t . (k_s * exp(b_t - b_s))) for s <= t, zeros above: a decay per key channel,
     q, k and cum (..., C, Dk).
 
-    Where every chunk decays by at most e^-SAFE_SPAN (``cum`` >= -SAFE_SPAN: GLA's decays,
-    alpha^(1/16), stay far above it), one product per chunk, (q_t exp(b_t)) . (k_s
+    In float32 or float64, where every chunk decays by at most e^-SAFE_SPAN (``cum`` >=
+    -SAFE_SPAN: GLA's decays, alpha^(1/16), are meant to stay above it), one product per
+    chunk, (q_t exp(b_t)) . (k_s
     exp(-b_s)): each factor within e^+-SAFE_SPAN, so nothing overflows and a product loses
     no precision. Otherwise block by block (``SUB_CHUNK``): between blocks through a
     reference point r, the cumulative decay at the end of the key block, q_t exp(b_t - r)
     and k_s exp(r - b_s), both <= 1; inside a diagonal block the explicit (S x S x Dk)
     sum. Both are exact."""
     c = qc.shape[-2]
-    lower = torch.ones(c, c, dtype=torch.bool, device=qc.device).tril()
-    if bool((cum.detach() >= -SAFE_SPAN).all()):
+    wide = cum.dtype in (torch.float32, torch.float64)  # e^+-60 overflows half precision
+    if wide and bool((cum.detach() >= -SAFE_SPAN).all()):
+        lower = torch.ones(c, c, dtype=torch.bool, device=qc.device).tril()
         return ((qc * cum.exp()) @ (kc * (-cum).exp()).mT).masked_fill(~lower, 0.0)
+    return scores_by_blocks(qc, kc, cum)
+
+
+def scores_by_blocks(qc: Tensor, kc: Tensor, cum: Tensor) -> Tensor:
+    """``channel_decayed_scores`` block by block, for any decay (see there)."""
+    c = qc.shape[-2]
     sub = SUB_CHUNK if c % SUB_CHUNK == 0 else c
     scores = qc.new_zeros(*qc.shape[:-1], c)
     diag = torch.ones(sub, sub, dtype=torch.bool, device=qc.device).tril()

@@ -27,7 +27,6 @@ from transformers_lab.attention.linear.gated import (
     chunked_recurrence,
     naive_recurrence,
     pair_decay,
-    unit_lower_inverse,
 )
 
 
@@ -154,6 +153,10 @@ class GatedKernel(AttentionKernel):
         self.check_inputs(q, k, None, key_padding_mask)
         nk = k.shape[2]
         q, k, _, log_decay, beta, skip = self.inputs(q, k, None, causal, key_padding_mask, gates)
+        q, k, log_decay, beta = (  # as forward: float32 at least, for the solve and decays
+            None if t is None else t.float() if t.dtype in LOW else t
+            for t in (q, k, log_decay, beta)
+        )
         n = k.shape[2]
         lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         if log_decay is None:
@@ -171,8 +174,13 @@ class GatedKernel(AttentionKernel):
             kk = k @ k.mT
             if log_decay is not None:
                 kk = kk * pair_decay(log_decay.cumsum(-1), lower)
-            a = (beta[..., None] * kk).tril(-1)
-            scores = scores @ (unit_lower_inverse(a) * beta[..., None, :])
+            a = (beta[..., None] * kk).tril(-1)  # scores (I + A)^-1 diag(beta), by a solve
+            scores = (
+                torch.linalg.solve_triangular(
+                    a, scores, upper=False, left=False, unitriangular=True
+                )
+                * beta[..., None, :]
+            )
         return scores[:, :, skip:, n - nk :]
 
     def reference_weights(
