@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from torch import Tensor
-
 from transformers_lab.attention.base import GateInput
-from transformers_lab.attention.linear.gated_kernel import GatedKernel
+from transformers_lab.attention.linear.gated_kernel import TemperedDecayKernel
 
 
-class GLAAttention(GatedKernel):
+class GLAAttention(TemperedDecayKernel):
     """GLA: a decay per key channel, from x through a rank-16 projection.
 
     S_t = diag(alpha_t) S_{t-1} + k_t v_t^T, o_t = S_t^T q_t / sqrt(D), with
@@ -21,7 +19,8 @@ class GLAAttention(GatedKernel):
 
     Args:
         gate_normalizer: tau (GLA: 16): a larger tau keeps alpha nearer 1, a longer memory.
-        chunk_size: as for every gated kernel (``GatedKernel``).
+        chunk_size: as for every gated kernel (``GatedKernel``); both as
+            ``TemperedDecayKernel``.
     """
 
     name = "gla"
@@ -29,19 +28,3 @@ class GLAAttention(GatedKernel):
     gate_inputs: ClassVar[dict[str, GateInput]] = {
         "gk": GateInput("logsigmoid", per_channel=True, rank=16)
     }
-
-    def __init__(
-        self,
-        head_dim: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        chunk_size: int = 64,
-        gate_normalizer: float = 16.0,
-    ) -> None:
-        super().__init__(head_dim, num_heads, dropout, chunk_size)
-        if not gate_normalizer > 0:
-            raise ValueError(f"gla: gate_normalizer must be > 0, got {gate_normalizer!r}")
-        self.gate_normalizer = float(gate_normalizer)
-
-    def decay_and_rate(self, gates: dict[str, Tensor], like: Tensor):  # type: ignore[override]
-        return gates["gk"] / self.gate_normalizer, None

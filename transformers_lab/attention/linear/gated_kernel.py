@@ -129,10 +129,7 @@ class GatedKernel(AttentionKernel):
         q, k, v, log_decay, beta, skip = self.inputs(q, k, v, causal, key_padding_mask, gates)
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
-            q, k, v, log_decay, beta = (
-                None if t is None else t.float() if t.dtype in LOW else t
-                for t in (q, k, v, log_decay, beta)
-            )
+            q, k, v, log_decay, beta = at_least_float32(q, k, v, log_decay, beta)
             out, _ = chunked_recurrence(
                 q, k, v, log_decay, beta, scale=self.scale, chunk_size=self.chunk_size
             )
@@ -153,17 +150,14 @@ class GatedKernel(AttentionKernel):
         self.check_inputs(q, k, None, key_padding_mask)
         nk = k.shape[2]
         q, k, _, log_decay, beta, skip = self.inputs(q, k, None, causal, key_padding_mask, gates)
-        q, k, log_decay, beta = (  # as forward: float32 at least, for the solve and decays
-            None if t is None else t.float() if t.dtype in LOW else t
-            for t in (q, k, log_decay, beta)
-        )
+        q, k, log_decay, beta = at_least_float32(q, k, log_decay, beta)  # as forward
         n = k.shape[2]
         lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         if log_decay is None:
             scores = (self.scale * q) @ k.mT
         elif log_decay.dim() == 3:
-            cum = log_decay.cumsum(-1)
-            scores = ((self.scale * q) @ k.mT) * pair_decay(cum, lower)
+            pair = pair_decay(log_decay.cumsum(-1), lower)  # the scores' and the WY form's
+            scores = ((self.scale * q) @ k.mT) * pair
         else:
             cum = log_decay.cumsum(2)
             diff = cum[:, :, :, None] - cum[:, :, None, :]  # (B, H, N, N, Dk)
@@ -172,8 +166,8 @@ class GatedKernel(AttentionKernel):
         scores = scores.masked_fill(~lower, 0.0)
         if beta is not None:
             kk = k @ k.mT
-            if log_decay is not None:
-                kk = kk * pair_decay(log_decay.cumsum(-1), lower)
+            if log_decay is not None:  # one per head and token: the delta rule takes no other
+                kk = kk * pair
             a = (beta[..., None] * kk).tril(-1)  # scores (I + A)^-1 diag(beta), by a solve
             scores = (
                 torch.linalg.solve_triangular(
@@ -224,10 +218,7 @@ class GatedKernel(AttentionKernel):
         q, k, v, log_decay, beta, _ = self.inputs(q, k, v, True, key_padding_mask, gates)
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
-            q, k, v, log_decay, beta = (
-                None if t is None else t.float() if t.dtype in LOW else t
-                for t in (q, k, v, log_decay, beta)
-            )
+            q, k, v, log_decay, beta = at_least_float32(q, k, v, log_decay, beta)
             state = None if state is None else state.to(q.dtype)
             if q.shape[2] == 1:
                 out, state = naive_recurrence(
@@ -249,7 +240,40 @@ class GatedKernel(AttentionKernel):
         return self.num_heads * self.head_dim * value_dim
 
 
+class TemperedDecayKernel(GatedKernel):
+    """A gated kernel whose one gate input g gives its decay, log alpha = g / tau, g a
+    logsigmoid (GLA's form: alpha = sigmoid(W x)^(1/tau)), per head or per key channel as
+    the subclass's ``gate_inputs`` declares.
+
+    Args:
+        gate_normalizer: tau (16, as fla's GLA layers): a larger tau, a longer memory.
+        chunk_size: as for every gated kernel (``GatedKernel``).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        chunk_size: int = 64,
+        gate_normalizer: float = 16.0,
+    ) -> None:
+        super().__init__(head_dim, num_heads, dropout, chunk_size)
+        if not gate_normalizer > 0:
+            raise ValueError(f"{self.name}: gate_normalizer must be > 0, got {gate_normalizer!r}")
+        self.gate_normalizer = float(gate_normalizer)
+
+    def decay_and_rate(self, gates: dict[str, Tensor], like: Tensor):  # type: ignore[override]
+        (gate,) = self.gate_inputs
+        return gates[gate] / self.gate_normalizer, None
+
+
 LOW = (torch.float16, torch.bfloat16)  # computed in float32, as the states accumulate
+
+
+def at_least_float32(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Each tensor in float32 if it is in half precision (``LOW``); None stays None."""
+    return tuple(None if t is None else t.float() if t.dtype in LOW else t for t in tensors)
 
 
 def pad_tokens(t: Tensor, front: int) -> Tensor:
