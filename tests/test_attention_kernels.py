@@ -54,9 +54,11 @@ def make(name: str, dtype: torch.dtype = torch.float64, **options) -> AttentionK
     return kernel.eval()
 
 
-def qkv(nq: int, nk: int, dtype=torch.float64, dv: int = D, requires_grad: bool = False):
-    q = torch.randn(B, H, nq, D, dtype=dtype, requires_grad=requires_grad)
-    k = torch.randn(B, H, nk, D, dtype=dtype, requires_grad=requires_grad)
+def qkv(
+    nq: int, nk: int, dtype=torch.float64, dv: int = D, requires_grad: bool = False, qk: int = D
+):
+    q = torch.randn(B, H, nq, qk, dtype=dtype, requires_grad=requires_grad)
+    k = torch.randn(B, H, nk, qk, dtype=dtype, requires_grad=requires_grad)
     v = torch.randn(B, H, nk, dv, dtype=dtype, requires_grad=requires_grad)
     return q, k, v
 
@@ -243,14 +245,16 @@ def test_fastmax_learns_its_scale_per_head_within_its_bound():
     assert not hasattr(make("fastmax"), "log_scale")
 
 
-def test_based_is_fastmax_p2_without_normalisation_on_its_projections():
+def test_based_is_fastmax_p2_without_normalisation_on_feature_dim_wide_queries_and_keys():
     based = make("based", feature_dim=6)
-    q, k, v = qkv(7, 9)
-    project = lambda x, w: torch.einsum("bhnd,hdf->bhnf", x, w)  # noqa: E731
+    assert (based.qk_dim, based.head_dim) == (6, D)  # q and k are 6 wide, v is D wide
+    q, k, v = qkv(7, 9, qk=6)
     fastmax = FastmaxAttention(head_dim=6, num_heads=H, p=2, normalize=False, scale=6**-0.5)
-    want = fastmax(project(q, based.w_q), project(k, based.w_k), v, causal=True)
-    torch.testing.assert_close(based(q, k, v, causal=True), want)
+    torch.testing.assert_close(based(q, k, v, causal=True), fastmax(q, k, v, causal=True))
     assert based.state_size(1, D) == H * (D + 1) * (1 + 6 + 6 * 7 // 2)
+    assert list(based.parameters()) == []  # the layer's projections are its only weights
+    with pytest.raises(ValueError, match=r"based: kernel was built for qk_dim=6, num_heads=3"):
+        based(*qkv(7, 9))  # q and k of head_dim
 
 
 def test_performer_features_are_seeded_orthogonal_and_redrawn_in_training_only():
@@ -433,7 +437,7 @@ def test_dropout_acts_in_training_only(name):
             make(name, dropout=0.5)
         return
     kernel = make(name, dropout=0.5)
-    q, k, v = qkv(6, 6)
+    q, k, v = qkv(6, 6, qk=kernel.qk_dim)
     eval_out = kernel(q, k, v)
     torch.testing.assert_close(kernel(q, k, v), eval_out)
     kernel.train()
@@ -484,7 +488,7 @@ def test_mismatched_head_dims_are_named():
 @pytest.mark.parametrize("name", NAMES)
 def test_mask_of_wrong_shape_or_dtype_is_refused(name):
     kernel = make(name)
-    q, k, v = qkv(4, 5)
+    q, k, v = qkv(4, 5, qk=kernel.qk_dim)
     with pytest.raises(ValueError, match=r"must have shape \(batch, keys\) = \(2, 5\)"):
         kernel(q, k, v, key_padding_mask=torch.zeros(B, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="must be a bool tensor"):

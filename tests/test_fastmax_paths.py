@@ -230,7 +230,8 @@ def test_matmul_flops_counts_what_the_linear_paths_run(variant, causal):
 
     kernel = instantiate(attention_configs()[variant])(head_dim=8, num_heads=2)
     kernel.impl, kernel.chunk_size = "linear", 16
-    q, k, v = (torch.randn(1, 2, 40, 8, requires_grad=True) for _ in range(3))  # 40: padded
+    d = kernel.qk_dim  # Based's feature_dim
+    q, k, v = (torch.randn(1, 2, 40, w, requires_grad=True) for w in (d, d, 8))  # 40: padded
     with FlopCounterMode(display=False) as counter:
         kernel(q, k, v, causal=causal).sum().backward()
     assert counter.get_total_flops() == kernel.matmul_flops(40, causal)

@@ -79,6 +79,32 @@ def test_every_kernel_runs_in_self_and_cross_attention(name):
     assert layer.kernel.head_dim == D_MODEL // HEADS and layer.kernel.num_heads == HEADS
 
 
+def test_a_kernel_with_its_own_qk_width_gets_queries_and_keys_of_it():
+    """Based declares qk_dim = feature_dim: the layer projects x straight to q and k of that
+    width (Zoology's proj_q, proj_k), v to head_dim, and the short convolution, RoPE and
+    decoding follow the widths."""
+    from transformers_lab.attention.based import BasedAttention
+
+    factory = functools.partial(BasedAttention, feature_dim=6, short_conv=3)
+    layer = MultiHeadAttention(D_MODEL, HEADS, factory, rope_theta=10_000.0).double().eval()
+    assert layer.qkv_proj.out_features == HEADS * (6 + 6) + D_MODEL
+    assert layer.conv.weight.shape[0] == HEADS * (6 + 6) + D_MODEL and layer.rotary.head_dim == 6
+    x = torch.randn(2, 9, D_MODEL, dtype=torch.float64)
+    q, k, v = layer.project(x, None)
+    assert q.shape == k.shape == (2, HEADS, 9, 6) and v.shape == (2, HEADS, 9, D_MODEL // HEADS)
+    want = layer(x, causal=True)
+    state, outs = None, []
+    for t in range(9):
+        out, state = layer.decode(x[:, t : t + 1], state)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, dim=1), want)
+    assert layer.state_size(9) == layer.kernel.state_size(9) + 2 * (HEADS * 12 + D_MODEL)
+    cross = MultiHeadAttention(D_MODEL, HEADS, functools.partial(BasedAttention, feature_dim=6),
+                               cross=True, context_dim=12)  # fmt: skip
+    assert cross.q_proj.out_features == HEADS * 6 and cross.kv_proj.out_features == HEADS * 6 + 16
+    assert cross(torch.randn(2, 5, D_MODEL), torch.randn(2, 3, 12)).shape == (2, 5, D_MODEL)
+
+
 def test_kernel_factory_from_a_partial():
     layer = MultiHeadAttention(D_MODEL, HEADS, functools.partial(FastmaxAttention, p=1))
     assert isinstance(layer.kernel, FastmaxAttention) and layer.kernel.p == 1

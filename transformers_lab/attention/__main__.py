@@ -23,9 +23,10 @@ END = "<!-- end of kernel table -->"
 
 def state(cls: type) -> str:
     kernel = cls(head_dim=64, num_heads=1)
+    dims = "D = Dv = 64" if kernel.qk_dim == 64 else f"D = {kernel.qk_dim}, Dv = 64"
     if cls.linear:
-        return f"constant: {kernel.state_size(1):,} numbers a head (D = Dv = 64)"
-    return f"grows: {kernel.state_size(1):,} numbers a head and token (D = Dv = 64)"
+        return f"constant: {kernel.state_size(1):,} numbers a head ({dims})"
+    return f"grows: {kernel.state_size(1):,} numbers a head and token ({dims})"
 
 
 def user_kernels(config_dirs: Sequence[Path]) -> list[type[AttentionKernel]]:

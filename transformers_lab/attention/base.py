@@ -127,8 +127,8 @@ class GateInput:
     Args:
         activation: applied to the projection: ``sigmoid`` (a rate in (0, 1)),
             ``logsigmoid`` (a log-decay below 0), ``silu`` or ``identity``.
-        per_channel: one value per head channel, (B, H, N, D), rather than one per head
-            and token, (B, H, N).
+        per_channel: one value per key channel, (B, H, N, qk_dim), rather than one per
+            head and token, (B, H, N).
         rank: project through a bottleneck of this width (GLA's low-rank gate); None: one
             linear map.
     """
@@ -191,9 +191,15 @@ class AttentionKernel(nn.Module):
     for a test), is not.
 
     Args:
-        head_dim: D, the query/key size of one head (kernels with parameters size them by it).
+        head_dim: D, the size of one head (kernels with parameters size them by it): the
+            width of its values, and of its queries and keys unless the kernel sets
+            ``qk_dim``.
         num_heads: H, the number of heads the kernel serves.
         dropout: probability of dropping attention weights during training.
+
+    ``qk_dim`` is the width of the queries and keys the kernel takes, ``head_dim`` unless
+    a kernel sets another in its ``__init__`` (Based's ``feature_dim``): the layer projects
+    q and k to it, and v to ``head_dim``.
     """
 
     name: ClassVar[str] = "kernel"
@@ -230,6 +236,7 @@ class AttentionKernel(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.head_dim = head_dim
+        self.qk_dim = head_dim
         self.num_heads = num_heads
         self.dropout = dropout
         self.alibi = False
@@ -335,7 +342,7 @@ class AttentionKernel(nn.Module):
         the bare kernel outside its layer: each gate's activation of N(0, 1) draws."""
         return {
             name: gate.activate(
-                torch.randn(batch, self.num_heads, tokens, *([self.head_dim] * gate.per_channel))
+                torch.randn(batch, self.num_heads, tokens, *([self.qk_dim] * gate.per_channel))
             ).to(dtype)
             for name, gate in self.gate_inputs.items()
         }
@@ -357,7 +364,7 @@ class AttentionKernel(nn.Module):
         a KV cache holds every key and value (it grows with n); a linear kernel's state
         does not grow."""
         value_dim = self.head_dim if value_dim is None else value_dim
-        return self.num_heads * n * (self.head_dim + value_dim)
+        return self.num_heads * n * (self.qk_dim + value_dim)
 
     def decode(
         self,
@@ -407,11 +414,12 @@ class AttentionKernel(nn.Module):
                 f"{self.name}: query head dim {q.shape[-1]} != key head dim {k.shape[-1]}; "
                 "q and k must share the last dimension"
             )
-        if q.shape[-1] != self.head_dim or q.shape[1] != self.num_heads:
+        if q.shape[-1] != self.qk_dim or q.shape[1] != self.num_heads:
+            dim = "head_dim" if self.qk_dim == self.head_dim else "qk_dim"
             raise ValueError(
-                f"{self.name}: kernel was built for head_dim={self.head_dim}, "
+                f"{self.name}: kernel was built for {dim}={self.qk_dim}, "
                 f"num_heads={self.num_heads} but got q of shape {tuple(q.shape)} "
-                "(batch, heads, tokens, head_dim)"
+                f"(batch, heads, tokens, {dim})"
             )
         if k.shape[2] == 0:
             raise ValueError(f"{self.name}: got no keys (k of shape {tuple(k.shape)})")

@@ -127,9 +127,9 @@ def gated(kernel: AttentionKernel) -> AttentionKernel:
     """The kernel, its gate inputs supplied at every call as a fixed function of each
     token's key (its activation of ``k @ W`` for a fixed W), so that forward, decode and
     the checks' changed keys all see the gates their tokens would have."""
-    gates = kernel.gate_inputs
+    gates, d = kernel.gate_inputs, kernel.qk_dim
     weights = {
-        name: torch.randn(D, D if g.per_channel else 1, dtype=torch.float64, generator=None)
+        name: torch.randn(d, d if g.per_channel else 1, dtype=torch.float64, generator=None)
         for name, g in gates.items()
     }
 
@@ -165,10 +165,14 @@ def gated(kernel: AttentionKernel) -> AttentionKernel:
 # ---------------------------------------------------------------- the checks
 
 
-def qkv(nq: int, nk: int, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor, Tensor]:
+def qkv(
+    kernel: AttentionKernel, nq: int, nk: int, dtype: torch.dtype = torch.float64
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries and keys as wide as the kernel takes them (``qk_dim``), values DV wide."""
+    d = kernel.qk_dim
     return (
-        torch.randn(B, H, nq, D, dtype=dtype),
-        torch.randn(B, H, nk, D, dtype=dtype),
+        torch.randn(B, H, nq, d, dtype=dtype),
+        torch.randn(B, H, nk, d, dtype=dtype),
         torch.randn(B, H, nk, DV, dtype=dtype),
     )
 
@@ -216,7 +220,7 @@ def gap(a: Tensor, b: Tensor, rtol: float, atol: float) -> str | None:
 def check_shapes(kernel: AttentionKernel) -> list[str]:
     failures = []
     for nq, nk, causal, padded in cases(kernel):
-        q, k, v = qkv(nq, nk)
+        q, k, v = qkv(kernel, nq, nk)
         out = kernel(q, k, v, causal=causal, key_padding_mask=padding(nk) if padded else None)
         if tuple(out.shape) != (B, H, nq, DV) or not torch.isfinite(out).all():
             failures.append(
@@ -241,7 +245,7 @@ def check_reference(kernel: AttentionKernel) -> list[str]:
     failures = []
     kernel32 = copy.deepcopy(kernel).float()
     for nq, nk, causal, padded in cases(kernel):
-        q, k, v = qkv(nq, nk)
+        q, k, v = qkv(kernel, nq, nk)
         mask = padding(nk) if padded else None
         want = kernel.reference_weights(q, k, causal=causal, key_padding_mask=mask) @ v
         out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
@@ -256,7 +260,7 @@ def check_reference(kernel: AttentionKernel) -> list[str]:
 def check_weights(kernel: AttentionKernel) -> list[str]:
     failures = []
     for nq, nk, causal, padded in cases(kernel):
-        q, k, v = qkv(nq, nk)
+        q, k, v = qkv(kernel, nq, nk)
         mask = padding(nk) if padded else None
         w = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
         if has_reference(kernel):
@@ -274,7 +278,7 @@ def check_rows(kernel: AttentionKernel) -> list[str]:
         return []
     failures = []
     for nq, nk, causal, padded in cases(kernel):
-        q, k, _ = qkv(nq, nk)
+        q, k, _ = qkv(kernel, nq, nk)
         mask = padding(nk) if padded else None
         w = kernel.weights(q, k, causal=causal, key_padding_mask=mask)
         allowed = kernel.visible(nq, nk, causal=causal, key_padding_mask=mask, device=w.device)
@@ -290,7 +294,7 @@ def check_rows(kernel: AttentionKernel) -> list[str]:
 
 
 def check_alignment(kernel: AttentionKernel) -> list[str]:
-    q, k, v = qkv(9, 9)
+    q, k, v = qkv(kernel, 9, 9)
     full = kernel(q, k, v, causal=True)
     last = kernel(q[:, :, -3:], k, v, causal=True)
     why = gap(last, full[:, :, -3:], 1e-10, 1e-12)
@@ -298,7 +302,7 @@ def check_alignment(kernel: AttentionKernel) -> list[str]:
 
 
 def check_future(kernel: AttentionKernel) -> list[str]:
-    q, k, v = qkv(9, 9)
+    q, k, v = qkv(kernel, 9, 9)
     out = kernel(q, k, v, causal=True)
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 5:] += torch.randn_like(k2[:, :, 5:])
@@ -311,7 +315,7 @@ def check_future(kernel: AttentionKernel) -> list[str]:
 def check_padding(kernel: AttentionKernel) -> list[str]:
     failures = []
     for causal in modes(kernel):
-        q, k, v = qkv(7, 7)
+        q, k, v = qkv(kernel, 7, 7)
         mask = padding(7)
         out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
         k2, v2 = k.clone(), v.clone()
@@ -332,7 +336,7 @@ def check_padding(kernel: AttentionKernel) -> list[str]:
 
 
 def check_masked(kernel: AttentionKernel) -> list[str]:
-    q, k, v = (t.requires_grad_() for t in qkv(4, 6))
+    q, k, v = (t.requires_grad_() for t in qkv(kernel, 4, 6))
     mask = torch.zeros(B, 6, dtype=torch.bool)
     mask[1] = True  # batch 1: every key is padding
     out = kernel(q, k, v, causal=modes(kernel)[0], key_padding_mask=mask)
@@ -359,7 +363,7 @@ def state_numbers(state: Any) -> int:
 def check_decode(kernel: AttentionKernel) -> list[str]:
     failures = []
     for padded in (False, True):
-        q, k, v = qkv(9, 9)
+        q, k, v = qkv(kernel, 9, 9)
         mask = padding(9) if padded else None
         want = kernel(q, k, v, causal=True, key_padding_mask=mask)
         tag = "padded, " if padded else ""
@@ -380,7 +384,7 @@ def check_state(kernel: AttentionKernel) -> list[str]:
     failures = []
     sizes = {}
     for n in (4, 12):
-        q, k, v = qkv(n, n)
+        q, k, v = qkv(kernel, n, n)
         _, state = kernel.decode(q, k, v, None)
         held = state_numbers(state) // B
         sizes[n] = declared = kernel.state_size(n, DV)
@@ -394,7 +398,7 @@ def check_state(kernel: AttentionKernel) -> list[str]:
 
 
 def check_memory(kernel: AttentionKernel) -> list[str]:
-    q, k, v = qkv(5, 7)
+    q, k, v = qkv(kernel, 5, 7)
     mask = padding(7)
     want = kernel(q, k, v, key_padding_mask=mask)
     got = kernel.read_memory(q, kernel.memory(k, v, mask))
@@ -407,7 +411,7 @@ def check_gradients(kernel: AttentionKernel) -> list[str]:
     small = copy.deepcopy(kernel)
     params = [p for p in small.parameters() if p.requires_grad]
     for causal in modes(kernel):
-        q, k, v = (t[:1, :, :4].clone().requires_grad_() for t in qkv(4, 4))
+        q, k, v = (t[:1, :, :4].clone().requires_grad_() for t in qkv(kernel, 4, 4))
 
         def fn(q: Tensor, k: Tensor, v: Tensor, *_: Tensor, causal: bool = causal) -> Tensor:
             return small(q, k, v, causal=causal)
@@ -423,7 +427,7 @@ def check_gradients(kernel: AttentionKernel) -> list[str]:
 def check_refusal(kernel: AttentionKernel) -> list[str]:
     """A kernel that cannot be causal refuses a causal call and decoding with its reason;
     one that can only be causal refuses a non-causal call and a memory with its reason."""
-    q, k, v = qkv(4, 4)
+    q, k, v = qkv(kernel, 4, 4)
     if kernel.causal_refusal():
         why, said_by = kernel.causal_refusal(), "causal_refusal()"
         calls = (

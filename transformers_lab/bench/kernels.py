@@ -271,13 +271,20 @@ def build_variant(spec: Spec) -> AttentionKernel:
     return kernel.to(device=spec.device, dtype=DTYPES[spec.dtype])
 
 
-def make_inputs(spec: Spec, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v ~ randn (B, H, n, D) that require grad."""
-    shape = (spec.batch, spec.heads, n, spec.head_dim)
+def make_inputs(spec: Spec, n: int, qk_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k ~ randn (B, H, n, qk_dim) and v ~ randn (B, H, n, D) that require grad."""
     dtype = DTYPES[spec.dtype]
     return tuple(  # type: ignore[return-value]
-        torch.randn(shape, device=spec.device, dtype=dtype, requires_grad=True) for _ in range(3)
+        torch.randn(
+            (spec.batch, spec.heads, n, d), device=spec.device, dtype=dtype, requires_grad=True
+        )
+        for d in (qk_dim, qk_dim, spec.head_dim)
     )
+
+
+def fused_widths(kernel: AttentionKernel, spec: Spec) -> list[int]:
+    """The widths of q, k and v in the layer's fused projection."""
+    return [spec.heads * d for d in (kernel.qk_dim, kernel.qk_dim, spec.head_dim)]
 
 
 def make_gates(kernel: AttentionKernel, spec: Spec, n: int) -> dict[str, Tensor]:
@@ -311,9 +318,9 @@ def fwd_bwd_fused(
     spec: Spec,
     gates: dict[str, Tensor] | None = None,
 ) -> None:
-    """``fwd_bwd`` on q, k and v as a layer hands them over: x (B, N, 3 H D), the fused
-    projection, through the layer's short convolution (``conv``; None: none), split into
-    per-head views."""
+    """``fwd_bwd`` on q, k and v as a layer hands them over: x (B, N, H (2 qk_dim + D)),
+    the fused projection, through the layer's short convolution (``conv``; None: none),
+    split into per-head views."""
     x.grad = None
     kernel.zero_grad(set_to_none=True)
     b, n, _ = x.shape
@@ -322,7 +329,8 @@ def fwd_bwd_fused(
         conv.zero_grad(set_to_none=True)
         mixed, _ = conv(x)
     q, k, v = (
-        t.view(b, n, spec.heads, spec.head_dim).transpose(1, 2) for t in mixed.chunk(3, dim=-1)
+        t.view(b, n, spec.heads, -1).transpose(1, 2)
+        for t in mixed.split(fused_widths(kernel, spec), dim=-1)
     )
     gates = gates or {}
     for t in gates.values():
@@ -420,20 +428,22 @@ def prepare(spec: Spec) -> Callable[[], None]:
     fused = bool(kernel.parts.short_conv) or spec.variant in FUSED_VARIANTS
     conv = None
     if kernel.parts.short_conv:
-        width = 3 * spec.heads * spec.head_dim
-        conv = ShortConvolution(width, kernel.parts.short_conv)
+        conv = ShortConvolution(sum(fused_widths(kernel, spec)), kernel.parts.short_conv)
         conv = conv.to(device=spec.device, dtype=DTYPES[spec.dtype])
 
     def run_at(n: int) -> Callable[[], None]:
         if fused:  # q, k, v as views of the layer's fused projection
             x = torch.cat(
-                [t.transpose(1, 2).reshape(spec.batch, n, -1) for t in make_inputs(spec, n)],
+                [
+                    t.transpose(1, 2).reshape(spec.batch, n, -1)
+                    for t in make_inputs(spec, n, kernel.qk_dim)
+                ],
                 dim=-1,
             ).detach()
-            x.requires_grad_()  # (B, N, 3 H D)
+            x.requires_grad_()  # (B, N, H (2 qk_dim + D))
             gates = make_gates(kernel, spec, n)
             return lambda: fwd_bwd_fused(kernel, conv, x, spec, gates)
-        q, k, v = make_inputs(spec, n)
+        q, k, v = make_inputs(spec, n, kernel.qk_dim)
         if "beta" in kernel.gate_inputs:  # the delta rule takes unit keys, as its layer gives
             k = F.normalize(k.detach(), dim=-1).requires_grad_()
         gates = make_gates(kernel, spec, n)

@@ -65,15 +65,15 @@ class LayerState(NamedTuple):
 
 class GateProjection(nn.Module):
     """The gate inputs a kernel declares (``GateInput``), projected from the layer's input
-    x (B, N, d_model): each to (B, H, N), or (B, H, N, D) per channel."""
+    x (B, N, d_model): each to (B, H, N), or (B, H, N, D) per key channel."""
 
-    def __init__(self, d_model: int, num_heads: int, head_dim: int, gates: dict[str, GateInput]):
+    def __init__(self, d_model: int, num_heads: int, qk_dim: int, gates: dict[str, GateInput]):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_heads = num_heads
         self.gates = dict(gates)
         self.proj = nn.ModuleDict()
         for name, gate in self.gates.items():
-            width = num_heads * (head_dim if gate.per_channel else 1)
+            width = num_heads * (qk_dim if gate.per_channel else 1)
             if gate.rank is None:
                 self.proj[name] = nn.Linear(d_model, width)
             else:
@@ -98,8 +98,11 @@ class MultiHeadAttention(nn.Module):
         projections -> (short convolution) -> (activation, L2 norm of q, k) -> positions
         -> kernel (with its gate inputs) -> (per-head norm, output gate) -> output projection
 
-    Self-attention uses one fused ``d_model -> 3 d_model`` projection. Cross-attention
-    (``cross=True``) projects queries from ``x`` and keys/values from ``context``.
+    Self-attention uses one fused projection of x to q, k and v. Cross-attention
+    (``cross=True``) projects queries from ``x`` and keys/values from ``context``. Values
+    are ``head_dim = d_model / num_heads`` wide a head; queries and keys are the kernel's
+    ``qk_dim`` wide, ``head_dim`` too unless the kernel sets another (Based's
+    ``feature_dim``: Zoology's Based projects x straight to its 16 features).
 
     Args:
         d_model: token width; must divide by ``num_heads``.
@@ -142,22 +145,26 @@ class MultiHeadAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = head_size(d_model, num_heads)
         self.cross = cross
-        if cross:
-            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-            self.kv_proj = nn.Linear(context_dim or d_model, 2 * d_model, bias=bias)
-        else:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.resid_dropout = nn.Dropout(dropout)
-        if rope_theta is not None and cross:
-            raise ValueError("rope_theta is for self-attention: a context has positions of its own")
-        self.rotary = None if rope_theta is None else Rotary(self.head_dim, rope_theta)
         self.kernel = as_kernel_factory(kernel)(head_dim=self.head_dim, num_heads=num_heads)
         if not isinstance(self.kernel, AttentionKernel):
             raise TypeError(
                 f"the kernel factory returned {type(self.kernel).__name__}, expected an "
                 "AttentionKernel; pass a kernel name or a partial of a kernel class"
             )
+        self.qk_dim = self.kernel.qk_dim
+        qk_width = num_heads * self.qk_dim
+        # the widths of q, k and v in the projections' outputs
+        self.widths = (qk_width, qk_width, d_model)
+        if cross:
+            self.q_proj = nn.Linear(d_model, qk_width, bias=bias)
+            self.kv_proj = nn.Linear(context_dim or d_model, qk_width + d_model, bias=bias)
+        else:
+            self.qkv_proj = nn.Linear(d_model, sum(self.widths), bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+        if rope_theta is not None and cross:
+            raise ValueError("rope_theta is for self-attention: a context has positions of its own")
+        self.rotary = None if rope_theta is None else Rotary(self.qk_dim, rope_theta)
         self.parts = self.kernel.parts  # the layer's switches ride in the kernel's config
         if cross and (why := self.kernel.noncausal_refusal()):
             raise ValueError(f"a cross-attention attends to all of another sequence: {why}")
@@ -187,10 +194,10 @@ class MultiHeadAttention(nn.Module):
             self.kernel.use_alibi()
         parts = self.parts
         self.conv = (
-            None if not parts.short_conv else ShortConvolution(3 * d_model, parts.short_conv)
+            None if not parts.short_conv else ShortConvolution(sum(self.widths), parts.short_conv)
         )
         self.gates = (
-            GateProjection(d_model, num_heads, self.head_dim, self.kernel.gate_inputs)
+            GateProjection(d_model, num_heads, self.qk_dim, self.kernel.gate_inputs)
             if self.kernel.gate_inputs
             else None
         )
@@ -198,9 +205,9 @@ class MultiHeadAttention(nn.Module):
         self.gate_proj = nn.Linear(d_model, d_model, bias=bias) if parts.output_gate else None
 
     def split_heads(self, x: Tensor) -> Tensor:
-        """(B, N, d_model) -> (B, H, N, head_dim)."""
+        """(B, N, H * width) -> (B, H, N, width): values, or queries and keys."""
         b, n, _ = x.shape
-        return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        return x.view(b, n, self.num_heads, -1).transpose(1, 2)
 
     def shape_qk(self, x: Tensor) -> Tensor:
         """Per-head queries or keys through the layer's activation and L2 norm."""
@@ -223,7 +230,7 @@ class MultiHeadAttention(nn.Module):
 
     def context_kv(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """A cross-attention's per-head keys and values of ``context``."""
-        k, v = self.kv_proj(context).split(self.d_model, dim=-1)
+        k, v = self.kv_proj(context).split(self.widths[1:], dim=-1)
         return self.shape_qk(self.split_heads(k)), self.split_heads(v)
 
     def project(
@@ -233,7 +240,7 @@ class MultiHeadAttention(nn.Module):
         state: LayerState | None = None,
         key_padding_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Per-head queries, keys and values, each (B, H, N, head_dim)."""
+        """Per-head queries and keys (B, H, N, qk_dim) and values (B, H, N, head_dim)."""
         q, k, v, _ = self.project_with_state(x, context, state, key_padding_mask)
         return q, k, v
 
@@ -262,14 +269,14 @@ class MultiHeadAttention(nn.Module):
             if key_padding_mask is not None:  # a padded token feeds no later token's window
                 qkv = qkv.masked_fill(key_padding_mask[..., None], 0.0)
             qkv, conv_state = self.conv(qkv, state.conv)
-        q, k, v = (self.split_heads(t) for t in qkv.split(self.d_model, dim=-1))
+        q, k, v = (self.split_heads(t) for t in qkv.split(self.widths, dim=-1))
         q, k = self.shape_qk(q), self.shape_qk(k)
         if self.rotary is not None:
             q, k = self.rotary(q, state.seen), self.rotary(k, state.seen)
         return q, k, v, conv_state
 
     def queries(self, x: Tensor) -> Tensor:
-        """A cross-attention's per-head queries of x (B, Nq, d_model): (B, H, Nq, head_dim)."""
+        """A cross-attention's per-head queries of x (B, Nq, d_model): (B, H, Nq, qk_dim)."""
         self._check_x(x)
         return self.shape_qk(self.split_heads(self.q_proj(x)))
 
@@ -299,7 +306,7 @@ class MultiHeadAttention(nn.Module):
     def state_size(self, n: int) -> int:
         """Numbers ``decode`` keeps per sequence after n tokens: the kernel's state and the
         short convolution's last K - 1 inputs."""
-        conv = 0 if self.conv is None else (self.conv.width - 1) * 3 * self.d_model
+        conv = 0 if self.conv is None else (self.conv.width - 1) * sum(self.widths)
         return self.kernel.state_size(n) + conv
 
     def forward(

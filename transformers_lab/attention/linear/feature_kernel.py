@@ -94,7 +94,7 @@ class FeatureKernel(AttentionKernel):
     @property
     def feature_count(self) -> int:
         """The size of ``features``' output (the engine expands it by ``p``)."""
-        return self.head_dim
+        return self.qk_dim
 
     def features(self, x: Tensor, role: str) -> Tensor:
         """Queries (``role="q"``) or keys (``"k"``), (B, H, N, D), as the engine's u."""

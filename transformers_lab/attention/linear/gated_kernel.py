@@ -237,7 +237,7 @@ class GatedKernel(AttentionKernel):
     def state_size(self, n: int, value_dim: int | None = None) -> int:
         """The state S: H Dk Dv numbers, whatever n."""
         value_dim = self.head_dim if value_dim is None else value_dim
-        return self.num_heads * self.head_dim * value_dim
+        return self.num_heads * self.qk_dim * value_dim
 
 
 class TemperedDecayKernel(GatedKernel):
