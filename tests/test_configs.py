@@ -44,9 +44,10 @@ def test_kernel_config_instantiates_a_factory(name):
     factory = instantiate(cfg)
     kernel = factory(head_dim=8, num_heads=2)
     assert isinstance(kernel, AttentionKernel) and isinstance(kernel, KERNELS[name])
-    q = torch.randn(1, 2, 5, 8)
+    q = torch.randn(1, 2, 5, kernel.qk_dim)  # Based's q and k are feature_dim wide
+    v = torch.randn(1, 2, 5, 8)
     gates = kernel.sample_gates(1, 5)  # a gated kernel's inputs, which its layer projects
-    assert kernel(q, q, q, causal=True, **gates).shape == (1, 2, 5, 8)
+    assert kernel(q, q, v, causal=True, **gates).shape == (1, 2, 5, 8)
 
 
 def test_config_keys_match_the_kernel_signature():

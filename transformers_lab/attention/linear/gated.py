@@ -166,10 +166,10 @@ def chunked_recurrence(
         a_end = last.squeeze(3).exp()  # (B, H, nc) or (B, H, nc, Dk)
     if beta is not None:  # the WY form: U = t_v - t_k S0 for each chunk's start state S0
         betac = beta.reshape(b, h, nc, c)
-        kk = kc @ kc.mT
+        a = (betac[..., None] * kc) @ kc.mT  # beta_t (k_t . k_s): A is its strictly lower
+        # part, the only part a unit-lower solve reads (or sends gradient to): no mask
         if log_decay is not None:  # one per head and token: the delta rule takes no other
-            kk = kk * decay
-        a = (betac[..., None] * kk).tril(-1)  # strictly lower
+            a = a * decay
         # T V and T K' with T = (I + A)^-1 diag(beta): one unit-lower triangular solve of
         # both (C^2 (Dk + Dv) work a chunk, where forming T takes log2(C) C^3 products)
         k_dec = kc if log_decay is None else kc * cum[..., None].exp()
