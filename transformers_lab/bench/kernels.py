@@ -82,6 +82,10 @@ PATH_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # the same, through the layer's short convolution of width 4 (attention.short_conv):
     # its cost is its time over fastmax_p2_fused's
     "fastmax_p2_short_conv": ("fastmax_p2", {"short_conv": 4}),
+    # the delta-rule presets without their layer's convolution: the kernels alone, given
+    # contiguous q, k and v as linear is (the presets' time is the layer's, convolution in)
+    "deltanet_no_conv": ("deltanet", {"short_conv": 0}),
+    "gated_deltanet_no_conv": ("gated_deltanet", {"short_conv": 0}),
 }
 OWN_PROCESS = "own process"  # the row's time: ``timing`` says how it was measured
 PAIRED = "paired"  # ... in one process with the other variants, passes alternated
