@@ -32,9 +32,9 @@ from transformers_lab.callbacks import ValidationImages
 from transformers_lab.config import compose_config
 from transformers_lab.models import GPT, Transformer, ViT
 from transformers_lab.nn.layers import sinusoidal_table
-from transformers_lab.runs import load_task
+from transformers_lab.run.common import load_task
+from transformers_lab.run.fit import train
 from transformers_lab.tasks.examples import Example, patch_labels, token_labels
-from transformers_lab.train import train
 
 KERNEL_NAMES = sorted(KERNELS)
 

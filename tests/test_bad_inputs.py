@@ -18,9 +18,9 @@ from transformers_lab.bench.long_context import main as bench_long_context_main
 from transformers_lab.config import compose_config
 from transformers_lab.data import download
 from transformers_lab.eval import main as eval_main
+from transformers_lab.run.fit import train
 from transformers_lab.sample import main as sample_main
 from transformers_lab.train import main as train_main
-from transformers_lab.train import train
 
 ENTRY_POINTS = {
     "train": train_main,

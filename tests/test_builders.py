@@ -1,4 +1,4 @@
-"""builders: the data module sizes the model, the task gets its detokenizer and run
+"""run.build: the data module sizes the model, the task gets its detokenizer and run
 config, callbacks and loggers are built as their groups say."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, TQDMProgressBar
 from omegaconf import OmegaConf
 
-from transformers_lab.builders import (
+from transformers_lab.data import SyntheticDataModule
+from transformers_lab.errors import ConfigError
+from transformers_lab.models import GPT
+from transformers_lab.run.build import (
     build_callbacks,
     build_model,
     build_task,
     compile_model,
     model_kwargs,
 )
-from transformers_lab.data import SyntheticDataModule
-from transformers_lab.errors import ConfigError
-from transformers_lab.models import GPT
 
 GPT_CONFIG = {"_target_": "transformers_lab.models.GPT", "n_layer": 1, "n_head": 2, "d_model": 16}
 TASK = {
@@ -117,8 +117,8 @@ def test_the_adam_presets_build_a_fused_optimizer_that_steps_as_the_plain_one(tm
 def test_the_trainer_profiles_nothing_at_no_cost_unless_a_profiler_is_asked_for(tmp_path):
     from lightning.pytorch.profilers import SimpleProfiler
 
-    from transformers_lab.builders import NoProfiler, build_trainer
     from transformers_lab.config import compose_config
+    from transformers_lab.run.build import NoProfiler, build_trainer
 
     cfg = compose_config("train", ["trainer.enable_progress_bar=false", "logger=csv"], tmp_path)
     trainer = build_trainer(cfg)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_lab.checkpoints import (
+from transformers_lab.errors import ConfigError
+from transformers_lab.run.checkpoints import (
     check_checkpoint,
     check_resume,
     checkpoint_step,
     differences,
     load_checkpoint,
 )
-from transformers_lab.errors import ConfigError
 
 
 def test_a_missing_or_foreign_file_is_refused_with_what_to_give(tmp_path):

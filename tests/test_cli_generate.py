@@ -17,9 +17,9 @@ from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT, Transformer
 from transformers_lab.models.common import sample_next
-from transformers_lab.runs import load_task
+from transformers_lab.run.common import load_task
+from transformers_lab.run.fit import train
 from transformers_lab.sample import TextStream, sample
-from transformers_lab.train import train
 from transformers_lab.translate import main as translate_main
 from transformers_lab.translate import translate
 

@@ -20,7 +20,7 @@ from transformers_lab.config import compose_config
 from transformers_lab.data import DigitsDataModule
 from transformers_lab.data.base import ResumableLoader
 from transformers_lab.eval import evaluate
-from transformers_lab.train import train
+from transformers_lab.run.fit import train
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from transformers_lab.config import compose_config
-from transformers_lab.train import fit_and_test
+from transformers_lab.run.fit import fit_and_test
 
 TEXT = Path(os.environ.get("TLAB_DATA_DIR", "/nonexistent")) / "shakespeare" / "input.txt"
 UNIGRAM = 3.3  # cross-entropy of Tiny Shakespeare's character frequencies, in nats

@@ -1,4 +1,4 @@
-"""sweeps.job: the job wrapper records every job from start to end."""
+"""run.job: the job wrapper records every job from start to end."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from transformers_lab.sweeps import job as job_module
-from transformers_lab.sweeps.job import run_job
-from transformers_lab.sweeps.record import Outcome, read_record
+from transformers_lab.run import job as job_module
+from transformers_lab.run.job import run_job
+from transformers_lab.run.record import Outcome, read_record
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,7 @@ from transformers_lab.data.mad import (
     selective_copying,
 )
 from transformers_lab.models import GPT
-from transformers_lab.sweeps.record import read_record
+from transformers_lab.run.record import read_record
 from transformers_lab.sweeps.summary import summarize
 
 

@@ -416,7 +416,7 @@ def test_a_hybrid_from_the_command_line_trains_and_its_layers_are_recorded(tmp_p
     """``model.hybrid`` names attention options and mixers, as the command line gives them;
     the run's outcome (its job record's ``layers``) says what each layer was."""
     from transformers_lab.config import compose_config
-    from transformers_lab.train import fit_and_test
+    from transformers_lab.run.fit import fit_and_test
 
     overrides = [
         "experiment=mqar", "model.hybrid=[base_conv,attention]", "attention=based",
@@ -456,7 +456,7 @@ def test_a_bad_hybrid_is_refused_before_anything_is_built(tmp_path, hybrid, erro
 
 
 def test_the_summary_names_each_layer_where_a_stack_is_hybrid():
-    from transformers_lab.sweeps.record import JobRecord
+    from transformers_lab.run.record import JobRecord
     from transformers_lab.sweeps.summary import Run, job_rows
 
     def run(job, layers):

@@ -16,7 +16,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from transformers_lab.sweeps.record import RESULT_FILE, read_record
+from transformers_lab.run.record import RESULT_FILE, read_record
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

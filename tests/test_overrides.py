@@ -1,8 +1,8 @@
-"""sweeps.overrides: the one reader of Hydra overrides."""
+"""run.overrides: the one reader of Hydra overrides."""
 
 from __future__ import annotations
 
-from transformers_lab.sweeps.overrides import (
+from transformers_lab.run.overrides import (
     BOOKKEEPING_KEYS,
     identity,
     override_key,

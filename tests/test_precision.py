@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers_lab.attention import KERNELS, build_kernel
 from transformers_lab.config import compose_config
 from transformers_lab.models import GPT
-from transformers_lab.train import train
+from transformers_lab.run.fit import train
 
 B, H, N, D = 2, 2, 64, 16
 # bf16 keeps 8 bits of mantissa (relative step 2^-8 = 0.004); kernels with a softmax or

@@ -1,10 +1,10 @@
-"""sweeps.record: the typed job record and its JSON file."""
+"""run.record: the typed job record and its JSON file."""
 
 from __future__ import annotations
 
 import json
 
-from transformers_lab.sweeps.record import (
+from transformers_lab.run.record import (
     RESULT_FILE,
     JobRecord,
     Monitor,

@@ -1,4 +1,4 @@
-"""A run that fails safely (transformers_lab/safety.py): last.ckpt is always the latest
+"""A run that fails safely (transformers_lab/run/safety.py): last.ckpt is always the latest
 state and is written atomically; a NaN stops the run with the step and the causes; SIGTERM,
 Ctrl+C and kill -9 lose nothing, and resuming ends exactly where the uninterrupted run
 ends; the same seed gives the same metrics."""
@@ -17,11 +17,17 @@ import lightning as L
 import pytest
 import torch
 
-from transformers_lab.checkpoints import differences
 from transformers_lab.config import compose_config
 from transformers_lab.errors import Interrupted, NonFiniteError
-from transformers_lab.safety import AtomicCheckpointIO, Checkpoint, random_states, set_random_states
-from transformers_lab.train import fit_and_test, main, train
+from transformers_lab.run.checkpoints import differences
+from transformers_lab.run.fit import fit_and_test, train
+from transformers_lab.run.safety import (
+    AtomicCheckpointIO,
+    Checkpoint,
+    random_states,
+    set_random_states,
+)
+from transformers_lab.train import main
 
 TESTS = Path(__file__).parent
 # a small ViT on digits with dropout (so the random state matters): 10 batches an epoch

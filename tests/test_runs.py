@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from transformers_lab.errors import ConfigError
-from transformers_lab.runs import (
+from transformers_lab.run.common import (
     final_test,
     load_weights,
     metrics_dict,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from transformers_lab.errors import ConfigError, Interrupted
-from transformers_lab.safety import (
+from transformers_lab.run.safety import (
     AtomicCheckpointIO,
     Checkpoint,
     NonFiniteGuard,
@@ -77,7 +77,7 @@ def test_a_stopped_sweep_job_says_how_to_finish_its_sweep_not_to_rerun_the_job(
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from transformers_lab.sweeps import job
+    from transformers_lab.run import job
 
     sweep_dir = tmp_path / "sweep"
     sweep_dir.mkdir()

@@ -8,7 +8,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from transformers_lab.errors import UnknownChoice
-from transformers_lab.sweeps.record import JobRecord, Monitor, write_record
+from transformers_lab.run.record import JobRecord, Monitor, write_record
 from transformers_lab.sweeps.stats import (
     best_of,
     bootstrap_interval,

@@ -15,9 +15,9 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 
 from transformers_lab.errors import ConfigError
+from transformers_lab.run.record import JobRecord
 from transformers_lab.sweeps import study as st
 from transformers_lab.sweeps.optuna_sweeper import trials_csv
-from transformers_lab.sweeps.record import JobRecord
 from transformers_lab.sweeps.study_report import front_of, pareto_front, study_section
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -374,7 +374,8 @@ def test_the_callback_reports_each_validation_and_stops_a_trial_below_the_median
 def test_a_trial_number_outside_a_study_sweep_is_refused_with_the_sweeper_to_use(monkeypatch):
     from omegaconf import OmegaConf
 
-    from transformers_lab.sweeps import job, pruning
+    from transformers_lab.run import job
+    from transformers_lab.sweeps import pruning
 
     monkeypatch.setattr(job, "hydra_config", lambda: None)  # a run of its own, not a sweep
     cfg = OmegaConf.create(
@@ -396,7 +397,8 @@ def test_a_trial_reports_the_studys_objective_not_the_checkpoint_monitor(
     import torch
     from omegaconf import OmegaConf
 
-    from transformers_lab.sweeps import job, pruning
+    from transformers_lab.run import job
+    from transformers_lab.sweeps import pruning
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
     study = optuna.create_study(study_name="s", storage=url, direction="minimize")

@@ -11,10 +11,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from transformers_lab.run.curves import RESUMED_AT, history, resume_chain, retire
+from transformers_lab.run.overrides import BOOKKEEPING_KEYS
+from transformers_lab.run.record import JobRecord, Monitor, read_record, write_record
 from transformers_lab.sweeps import summary as summary_module
-from transformers_lab.sweeps.curves import RESUMED_AT, history, resume_chain, retire
-from transformers_lab.sweeps.overrides import BOOKKEEPING_KEYS
-from transformers_lab.sweeps.record import JobRecord, Monitor, read_record, write_record
 from transformers_lab.sweeps.summary import collect, plot_curves, summarize
 
 MONITOR = {"metric": "val/loss", "mode": "min"}

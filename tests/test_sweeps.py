@@ -17,9 +17,9 @@ import lightning as L
 import pytest
 from omegaconf import OmegaConf
 
+from transformers_lab.run.curves import history
+from transformers_lab.run.record import RESULT_FILE
 from transformers_lab.sweeps import summary as summary_module
-from transformers_lab.sweeps.curves import history
-from transformers_lab.sweeps.record import RESULT_FILE
 from transformers_lab.sweeps.summary import SUMMARY_FILES, curve, summarize
 
 TINY = [

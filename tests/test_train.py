@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from transformers_lab.attention import KERNELS
-from transformers_lab.builders import build_datamodule, build_model
 from transformers_lab.cli import check_overrides, run_dir_folder
 from transformers_lab.config import CONF_DIR, compose_config
 from transformers_lab.errors import ConfigError
 from transformers_lab.eval import evaluate
+from transformers_lab.run.build import build_datamodule, build_model
+from transformers_lab.run.fit import train
 from transformers_lab.sample import sample
-from transformers_lab.train import train
 
 from fake_data import fake_data_root
 
@@ -77,7 +77,7 @@ def test_a_checkpoint_the_callback_names_but_never_wrote_is_none(tmp_path):
     run's outcome and report name only checkpoints that exist."""
     from types import SimpleNamespace
 
-    from transformers_lab.runs import checkpoint_path
+    from transformers_lab.run.common import checkpoint_path
 
     written = tmp_path / "best.ckpt"
     written.write_bytes(b"x")

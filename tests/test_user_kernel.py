@@ -15,10 +15,10 @@ import pytest
 from hydra.utils import instantiate
 
 from transformers_lab.attention import KERNELS, AttentionKernel
-from transformers_lab.builders import build_datamodule, build_model
 from transformers_lab.cli import check_overrides
 from transformers_lab.config import CONF_DIR, compose_config
 from transformers_lab.errors import ConfigError
+from transformers_lab.run.build import build_datamodule, build_model
 
 from fake_data import fake_data_root
 

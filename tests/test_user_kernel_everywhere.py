@@ -79,7 +79,7 @@ def test_the_users_kernel_takes_the_layers_parts(user_path, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "passes the 17 checks" in out and "layer decode" in out
     from transformers_lab.config import compose_config
-    from transformers_lab.train import fit_and_test
+    from transformers_lab.run.fit import fit_and_test
 
     overrides = [
         "experiment=mqar", "attention=relu2", "attention.short_conv=4", "debug=fdr",

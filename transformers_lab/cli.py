@@ -226,7 +226,7 @@ def run_hydra(main: Callable[[], None], argv: Sequence[str] | None = None) -> No
         check_flags(argv)
         check_overrides(argv)
         check_run_dir(argv)
-    from transformers_lab.sweeps.record import NOTHING_FINISHED
+    from transformers_lab.run.record import NOTHING_FINISHED
 
     NOTHING_FINISHED.clear()  # of this run only (tests run several in one process)
     try:

@@ -2,7 +2,7 @@
 instantiating a node with the error of its target rather than Hydra's wrapping of it.
 
 The resolvers are registered on import; every entry point imports this module (through
-``builders``)."""
+``run.build``)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ at once, as one ``ConfigError`` line that says what was wrong and how to fix it.
 (another model, another entry point) is skipped. The values a node gives one of our own
 classes must also have the types its constructor declares (``check_signature``). The
 checks that need the data (sizes, vocabularies, whether model and data fit together) run
-when the model is sized from it (``builders.model_kwargs``), and those of a checkpoint's
+when the model is sized from it (``run.build.model_kwargs``), and those of a checkpoint's
 contents when it is loaded.
 """
 
@@ -22,13 +22,13 @@ import torch
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PRECISION_INPUT_STR
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.checkpoints import checkpoint_file
 from transformers_lab.cli import unknown_option
 from transformers_lab.config import call, expand_hybrid, target_class
 from transformers_lab.errors import ConfigError
 from transformers_lab.models.common import check_sampling, layer_choices
 from transformers_lab.nn.attention import MultiHeadAttention, as_kernel_factory, head_size
 from transformers_lab.nn.layers import sequence_mixer
+from transformers_lab.run.checkpoints import checkpoint_file
 
 
 @dataclass(frozen=True)

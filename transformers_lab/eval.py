@@ -16,12 +16,12 @@ import lightning as L
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig
 
-from transformers_lab.builders import build_loggers
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR, call
 from transformers_lab.config_checks import check_config
 from transformers_lab.errors import ConfigError
-from transformers_lab.runs import (
+from transformers_lab.run.build import build_loggers
+from transformers_lab.run.common import (
     finish_wandb,
     metrics_dict,
     print_metrics,

@@ -20,14 +20,14 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, ListConfig
 
-from transformers_lab.builders import build_datamodule, build_model
-from transformers_lab.checkpoints import load_checkpoint
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR, target_class
 from transformers_lab.config_checks import check_config
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT, Transformer
-from transformers_lab.runs import load_weights, saved_run
+from transformers_lab.run.build import build_datamodule, build_model
+from transformers_lab.run.checkpoints import load_checkpoint
+from transformers_lab.run.common import load_weights, saved_run
 
 log = logging.getLogger(__name__)
 

@@ -55,9 +55,9 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 
-from transformers_lab.builders import build_datamodule, build_model
 from transformers_lab.config import compose_config
 from transformers_lab.nn import weight_decay_groups
+from transformers_lab.run.build import build_datamodule, build_model
 from transformers_lab.tasks import warmup_cosine
 
 
@@ -129,7 +129,7 @@ def bare_loop(overrides: list[str], steps: int, workdir: Path) -> tuple[float, f
 
 def framework(overrides: list[str], steps: int, workdir: Path) -> tuple[float, float]:
     """(seconds, final validation loss) of ``train()``, as tlab-train runs it."""
-    from transformers_lab.train import train
+    from transformers_lab.run.fit import train
 
     cfg = compose_config("train", overrides, workdir)
     start = time.perf_counter()
@@ -162,7 +162,7 @@ def tlab_train_process(
 ) -> tuple[float, float, float]:
     """(wall s, CPU s, final val/loss) of ``tlab-train`` as a user runs it; its output
     goes to ``log``."""
-    from transformers_lab.sweeps.record import read_record
+    from transformers_lab.run.record import read_record
 
     script = Path(sys.executable).with_name("tlab-train")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "transformers_lab.train"]

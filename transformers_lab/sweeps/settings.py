@@ -24,7 +24,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from transformers_lab.config import flatten
-from transformers_lab.sweeps.overrides import SEED_KEYS, bookkeeping, override_map
+from transformers_lab.run.overrides import SEED_KEYS, bookkeeping, override_map
 
 # settings that say where and how a run is logged or launched, not what it computes
 IGNORED_SETTINGS = ("paths.", "logger.", "hydra.", "tags", "task_name", "run_name", "cpu_threads")

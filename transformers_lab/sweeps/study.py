@@ -32,7 +32,7 @@ from optuna.distributions import (
 from optuna.trial import FrozenTrial, TrialState
 
 from transformers_lab.errors import ConfigError
-from transformers_lab.sweeps.overrides import bookkeeping, override_key
+from transformers_lab.run.overrides import bookkeeping, override_key
 
 log = logging.getLogger(__name__)
 

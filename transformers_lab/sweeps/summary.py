@@ -39,9 +39,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.errors import UnknownChoice, UnknownMetric
 from transformers_lab.files import atomic_write
-from transformers_lab.sweeps.curves import history
-from transformers_lab.sweeps.overrides import SEED_KEYS, override_key, override_map
-from transformers_lab.sweeps.record import (
+from transformers_lab.run.curves import history
+from transformers_lab.run.overrides import SEED_KEYS, override_key, override_map
+from transformers_lab.run.record import (
     NOTHING_FINISHED,
     RESULT_FILE,
     STATUSES,

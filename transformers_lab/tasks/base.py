@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from transformers_lab.errors import ConfigError
 from transformers_lab.nn import weight_decay_groups
-from transformers_lab.safety import clip_with_checked_norm
+from transformers_lab.run.safety import clip_with_checked_norm
 from transformers_lab.tasks.examples import Detokenizer, Example
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class Task(L.LightningModule):
     """
 
     # the names of the model classes a task trains, matched along a model's class
-    # hierarchy; empty: any model. ``builders.build_task`` refuses a model of the project's
+    # hierarchy; empty: any model. ``run.build.build_task`` refuses a model of the project's
     # own classes (``MODEL_CLASSES``) that the task does not train
     trains: tuple[str, ...] = ()
 

@@ -19,13 +19,13 @@ from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from transformers_lab.checkpoints import checkpoint_step
 from transformers_lab.errors import Interrupted
 from transformers_lab.files import atomic_write
-from transformers_lab.runs import say
-from transformers_lab.sweeps.curves import RESUMED_AT, retire, set_aside
-from transformers_lab.sweeps.overrides import SEED_KEYS, identity, override_key, same_job
-from transformers_lab.sweeps.record import JobRecord, Monitor, Outcome, read_record, write_record
+from transformers_lab.run.checkpoints import checkpoint_step
+from transformers_lab.run.common import say
+from transformers_lab.run.curves import RESUMED_AT, retire, set_aside
+from transformers_lab.run.overrides import SEED_KEYS, identity, override_key, same_job
+from transformers_lab.run.record import JobRecord, Monitor, Outcome, read_record, write_record
 
 log = logging.getLogger(__name__)
 

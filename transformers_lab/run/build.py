@@ -14,6 +14,7 @@ import inspect
 import logging
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -239,19 +240,17 @@ def build_loggers(config: DictConfig | None) -> list[Logger]:
     ]
 
 
-def build_trainer(cfg: DictConfig) -> L.Trainer:
-    """The trainer of ``cfg.trainer`` with the callbacks and loggers of the run."""
+def build_trainer(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
+    """The trainer of ``cfg.trainer`` with the callbacks and loggers of the run, and the
+    caller's ``extra_callbacks`` (a study's pruning callback: ``sweeps.pruning``, which
+    this package does not import)."""
     loggers = build_loggers(cfg.get("logger"))
     callbacks = build_callbacks(
         cfg.get("callbacks"),
         with_logger=bool(loggers),
         progress_bar=cfg.trainer.get("enable_progress_bar", True),
     )
-    if cfg.get("trial") is not None:  # a trial of an Optuna study: report to it, be pruned
-        from transformers_lab.sweeps.pruning import pruning_callback
-
-        if (pruning := pruning_callback(cfg)) is not None:
-            callbacks.append(pruning)
+    callbacks.extend(extra_callbacks)
     # without our ModelCheckpoint, Lightning would otherwise add a default one
     checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     extra = {} if cfg.trainer.get("profiler") is not None else {"profiler": NoProfiler()}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from transformers_lab.checkpoints import checkpoint_step
+from transformers_lab.run.checkpoints import checkpoint_step
 
 RESUMED_AT = "resumed_at.json"  # in a set-aside csv.<k>/: the step the next part starts at
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from transformers_lab.config import flatten
 from transformers_lab.errors import ConfigError
-from transformers_lab.sweeps.overrides import override_key
+from transformers_lab.run.overrides import override_key
 
 # what a user should give where a checkpoint is asked for
 GIVE_CHECKPOINT = "give ckpt_path=<run dir>/checkpoints/last.ckpt (or best) of a tlab-train run"

@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from transformers_lab.data.base import ResumableLoader
 from transformers_lab.errors import ConfigError, Interrupted, NonFiniteError
 from transformers_lab.files import atomic_write
-from transformers_lab.sweeps.overrides import override_key
+from transformers_lab.run.overrides import override_key
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ def interrupted(
 ) -> Interrupted:
     """The entry point's account of a training run stopped by a signal, with the command
     that resumes it: the run's ``overrides`` and the saved ``last.ckpt``; for a job of a
-    sweep, the command that finishes its sweep (``sweep``, from ``sweeps.job``), in which
+    sweep, the command that finishes its sweep (``sweep``, from ``run.job``), in which
     the job resumes from its ``last.ckpt``."""
     name = signal_name(trainer)
     callback = trainer.checkpoint_callback

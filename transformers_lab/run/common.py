@@ -1,6 +1,6 @@
 """What the entry points share about a run: its CPU threads, restoring one from its
-checkpoint, the lines it prints, and closing its loggers. No entry point imports
-another; they all import this."""
+checkpoint, the lines it prints, the final test, and closing its loggers. No entry point
+imports another; they all import this."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.builders import build_datamodule, build_model, build_task
-from transformers_lab.checkpoints import check_checkpoint, load_checkpoint
 from transformers_lab.config import resolved_sections
 from transformers_lab.errors import ConfigError
-from transformers_lab.safety import interrupted_testing
+from transformers_lab.run.build import build_datamodule, build_model, build_task
+from transformers_lab.run.checkpoints import check_checkpoint, load_checkpoint
+from transformers_lab.run.safety import interrupted_testing
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,120 @@
+"""One run, fit and tested as its config says (``fit_and_test``): check the config,
+build data, model, task and trainer, resume where a checkpoint is given, fit, test, and
+return its ``Outcome``. ``tlab-train`` runs it as a job (``run.job``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import lightning as L
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from omegaconf import DictConfig
+
+from transformers_lab.config import resolved_sections
+from transformers_lab.config_checks import check_config
+from transformers_lab.errors import ConfigError
+from transformers_lab.models import GPT
+from transformers_lab.models.common import layer_names
+from transformers_lab.run.build import (
+    build_datamodule,
+    build_model,
+    build_task,
+    build_trainer,
+    compile_model,
+)
+from transformers_lab.run.checkpoints import check_checkpoint, check_resume, load_checkpoint
+from transformers_lab.run.common import (
+    best_score,
+    checkpoint_path,
+    final_test,
+    finish_wandb,
+    log_hyperparameters,
+    metrics_dict,
+    nothing_left_to_train,
+    report,
+    say,
+    use_cpu_threads,
+)
+from transformers_lab.run.job import job_overrides, name_wandb_run, sweep_resume
+from transformers_lab.run.record import Outcome, seeded
+from transformers_lab.run.safety import interrupted
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit and test as ``cfg`` says; return the final metrics (validation, then test)."""
+    return fit_and_test(cfg).metrics
+
+
+def fit_and_test(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Outcome:
+    """Fit and test as ``cfg`` says; ``callbacks`` join the trainer's (the caller's: a
+    study's pruning callback, ``sweeps.pruning``)."""
+    say(f"run dir: {cfg.paths.output_dir}")
+    check_config(cfg)
+    # resuming: the checkpoint's model, data and task config hold (checked before building)
+    checkpoint = load_checkpoint(cfg.ckpt_path) if cfg.get("ckpt_path") else None
+    if checkpoint is not None:
+        may_change = list(cfg.get("resume_may_change") or ())
+        check_resume(checkpoint, resolved_sections(cfg), cfg.ckpt_path, may_change)
+    use_cpu_threads(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = build_datamodule(cfg.data)
+    model = build_model(cfg.model, datamodule)
+    task = build_task(cfg.task, model, datamodule, run_config=resolved_sections(cfg))
+    log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
+    start = seeded(model, task.run_config.get("data"))  # what the seed fixed, for pairing
+    if cfg.get("compile"):
+        say(compile_model(model))
+    resumed_step = None
+    if checkpoint is not None:  # and its tensors fit (a checkpoint with no saved config)
+        check_checkpoint(checkpoint, task, cfg.ckpt_path, task.run_config)
+        resumed_step = checkpoint.get("global_step")
+        del checkpoint  # Lightning loads it again to restore the run
+
+    name_wandb_run(cfg)
+    trainer = None
+    try:
+        trainer = build_trainer(cfg, callbacks)
+        log_hyperparameters(cfg, task, trainer)
+        training = cfg.get("train", True)
+        if training:
+            try:
+                trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            except SIGTERMException:  # SIGTERM or Ctrl+C: last.ckpt is saved
+                raise interrupted(trainer, job_overrides(), sweep_resume()) from None
+            if resumed_step is not None and trainer.global_step == resumed_step:
+                say(nothing_left_to_train(cfg, resumed_step))
+        metrics = metrics_dict(trainer.callback_metrics)
+        # read before testing: loading the best checkpoint restores the callback's state
+        checkpoints = {k: checkpoint_path(trainer, f"{k}_model_path") for k in ("best", "last")}
+        best = best_score(trainer)
+        pruned_at = pruned_step(trainer)
+        # without training, the checkpoint given (else the model as built); a pruned trial
+        # is not worth a test
+        if cfg.get("test") and pruned_at is None:
+            tested = checkpoints["best"] if training else cfg.get("ckpt_path")
+            metrics.update(final_test(trainer, task, datamodule, tested, training))
+    except MisconfigurationException as exc:  # Lightning's word on a setting that cannot work
+        raise ConfigError(f"Lightning refused the run: {exc}") from exc
+    except ValueError as exc:  # the same, where Lightning raises a plain ValueError
+        if not str(exc).strip().startswith("`val_check_interval`"):
+            raise
+        raise ConfigError(
+            f"Lightning refused the run: {str(exc).strip()} (here: trainer.val_check_interval "
+            "within an epoch, a fraction of one such as 0.25, or "
+            "trainer.check_val_every_n_epoch=null to count steps across epochs)"
+        ) from exc
+    finally:
+        finish_wandb(trainer)
+    report(metrics, checkpoints)
+    state = model.state_size() if isinstance(model, GPT) else None
+    layers = layer_names(model)
+    return Outcome(metrics, best, task.num_params, checkpoints, state, pruned_at, start, layers)
+
+
+def pruned_step(trainer: L.Trainer) -> int | None:
+    """The global step an Optuna pruner stopped this run at, or None."""
+    steps = [getattr(c, "pruned_at", None) for c in trainer.callbacks]
+    return next((s for s in steps if s is not None), None)
