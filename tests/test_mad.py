@@ -28,7 +28,7 @@ from transformers_lab.data.mad import (
 )
 from transformers_lab.models import GPT
 from transformers_lab.run.record import read_record
-from transformers_lab.sweeps.summary import summarize
+from transformers_lab.sweeps.report.cli import summarize
 
 
 def recall_reference(seq: list[int], keys: int, noise_from: int) -> list[int]:

@@ -457,7 +457,8 @@ def test_a_bad_hybrid_is_refused_before_anything_is_built(tmp_path, hybrid, erro
 
 def test_the_summary_names_each_layer_where_a_stack_is_hybrid():
     from transformers_lab.run.record import JobRecord
-    from transformers_lab.sweeps.summary import Run, job_rows
+    from transformers_lab.sweeps.report.collect import Run
+    from transformers_lab.sweeps.report.tables import job_rows
 
     def run(job, layers):
         record = JobRecord(status="ok", metrics={"val/acc": 0.5}, layers=layers)

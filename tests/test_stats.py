@@ -9,7 +9,8 @@ from scipy import stats as scipy_stats
 
 from transformers_lab.errors import UnknownChoice
 from transformers_lab.run.record import JobRecord, Monitor, write_record
-from transformers_lab.sweeps.stats import (
+from transformers_lab.sweeps.report.cli import summarize
+from transformers_lab.sweeps.report.stats import (
     best_of,
     bootstrap_interval,
     compare,
@@ -17,7 +18,6 @@ from transformers_lab.sweeps.stats import (
     metric_range,
     t_interval,
 )
-from transformers_lab.sweeps.summary import summarize
 
 
 def test_the_t_interval_is_students_and_scipys():
@@ -188,7 +188,7 @@ def test_an_unknown_baseline_lists_the_choices(tmp_path):
 
 
 def test_tlab_summarize_takes_the_baseline_and_the_grid(tmp_path, capsys):
-    from transformers_lab.sweeps import summary as summary_module
+    from transformers_lab.sweeps.report import cli as summary_module
 
     sweep = grid(tmp_path)
     args = [str(sweep), "--best-over", "optimizer.lr", "--baseline", "attention=softmax"]

@@ -18,7 +18,7 @@ from transformers_lab.errors import ConfigError
 from transformers_lab.run.record import JobRecord
 from transformers_lab.sweeps import study as st
 from transformers_lab.sweeps.optuna_sweeper import trials_csv
-from transformers_lab.sweeps.study_report import front_of, pareto_front, study_section
+from transformers_lab.sweeps.report.study import front_of, pareto_front, study_section
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

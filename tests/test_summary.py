@@ -14,8 +14,10 @@ from omegaconf import OmegaConf
 from transformers_lab.run.curves import RESUMED_AT, history, resume_chain, retire
 from transformers_lab.run.overrides import BOOKKEEPING_KEYS
 from transformers_lab.run.record import JobRecord, Monitor, read_record, write_record
-from transformers_lab.sweeps import summary as summary_module
-from transformers_lab.sweeps.summary import collect, plot_curves, summarize
+from transformers_lab.sweeps.report import cli as summary_module
+from transformers_lab.sweeps.report.cli import summarize
+from transformers_lab.sweeps.report.collect import collect
+from transformers_lab.sweeps.report.plots import plot_curves
 
 MONITOR = {"metric": "val/loss", "mode": "min"}
 

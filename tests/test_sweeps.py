@@ -19,8 +19,9 @@ from omegaconf import OmegaConf
 
 from transformers_lab.run.curves import history
 from transformers_lab.run.record import RESULT_FILE
-from transformers_lab.sweeps import summary as summary_module
-from transformers_lab.sweeps.summary import SUMMARY_FILES, curve, summarize
+from transformers_lab.sweeps.report import cli as summary_module
+from transformers_lab.sweeps.report.cli import SUMMARY_FILES, summarize
+from transformers_lab.sweeps.report.plots import curve
 
 TINY = [
     "experiment=mqar",

@@ -45,7 +45,7 @@ from transformers_lab.errors import ConfigError
 from transformers_lab.files import atomic_write
 from transformers_lab.run.record import read_record
 from transformers_lab.sweeps import study as st
-from transformers_lab.sweeps.study_report import STUDY_FILE, TRIALS_FILE
+from transformers_lab.sweeps.report.study import STUDY_FILE, TRIALS_FILE
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from transformers_lab.sweeps.report.tables import markdown_table
+
 STUDY_FILE = "study.json"  # the study's name, storage (password hidden), objectives
 TRIALS_FILE = "trials.csv"  # every trial, as the sweeper last saw it
 STATES = ("complete", "pruned", "failed", "lost", "running", "waiting")
@@ -56,8 +58,6 @@ def front_of(info: dict[str, Any], rows: Sequence[dict[str, str]]) -> list[dict[
 def study_section(sweep_dir: Path, out: Path) -> list[str]:
     """Markdown lines of the study section (none without a study); ``pareto.png`` in
     ``out`` when the study has several objectives."""
-    from transformers_lab.sweeps.summary import markdown_table
-
     found = read_study(sweep_dir)
     if found is None:
         return []

@@ -1,0 +1,223 @@
+"""The summary's figures: the grouped bars, the metric against state size, Zoology's
+grid, and learning curves joined across resumes."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers_lab.files import atomic_write
+from transformers_lab.run.curves import history
+from transformers_lab.run.overrides import override_key
+from transformers_lab.run.record import read_record
+from transformers_lab.sweeps.report.collect import Run, check_metric, default_out, run_dirs
+from transformers_lab.sweeps.report.groups import grid_rows
+from transformers_lab.sweeps.report.tables import as_number, markdown_table, natural
+
+
+def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -> None:
+    """Bars: mean of ``metric`` per choice; error bars: its 95% t-interval over seeds
+    (none with one seed); dots: the seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [g for g in groups if g["mean"] is not None]
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(groups) + 1.5), 3.6), dpi=120)
+    ax.bar(
+        range(len(shown)),
+        [g["mean"] for g in shown],
+        yerr=error_bars(shown),
+        capsize=4,
+        color="#4c72b0",
+    )
+    for i, g in enumerate(shown):  # each seed's value
+        ax.plot([i] * len(g["values"]), g["values"], "o", color="#222222", markersize=3.5)
+    ax.set_xticks(range(len(shown)), [g["choice"] for g in shown], rotation=30, ha="right")
+    ax.set_ylabel(f"final {metric} (mean, 95% interval)")
+    ax.set_title(title, fontsize=9)
+    failed = [g["choice"] for g in groups if g["mean"] is None]
+    if failed:
+        ax.text(
+            0.99,
+            0.98,
+            "no result: " + ", ".join(failed),
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize=7,
+            color="#c44e52",
+        )
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def error_bar(g: dict[str, Any]) -> tuple[float, float]:
+    """How far a group's interval reaches below and above its mean (0 with one seed; a
+    bootstrap interval need not be symmetric)."""
+    if g.get("ci") is None:
+        return (0.0, 0.0)
+    return (max(0.0, g["mean"] - g["ci"][0]), max(0.0, g["ci"][1] - g["mean"]))
+
+
+def error_bars(groups: Sequence[dict[str, Any]]) -> list[list[float]]:
+    """The groups' error bars as matplotlib takes them: [[below...], [above...]]."""
+    bars = [error_bar(g) for g in groups]
+    return [[b[0] for b in bars], [b[1] for b in bars]]
+
+
+def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -> None:
+    """``metric`` against the decoding state each choice keeps (log scale), as Zoology
+    and Based plot recall against state size: one point per choice, std as error bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [g for g in groups if g["mean"] is not None and g["state_size"]]
+    fig, ax = plt.subplots(figsize=(6.0, 4.0), dpi=120)
+    for g in shown:
+        ax.errorbar(g["state_size"], g["mean"], yerr=error_bars([g]), fmt="o", capsize=3)
+        ax.annotate(g["choice"], (g["state_size"], g["mean"]), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("decoding state after block_size tokens (numbers per sequence)")
+    ax.set_ylabel(f"final {metric} (mean, 95% interval)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def plot_grid(
+    rows: Sequence[dict[str, Any]], metric: str, x: str, lines: str, panels: str | None, path: Any
+) -> None:
+    """Zoology's Figure 2 layout: ``metric`` against ``x``, one panel per value of
+    ``panels``, one line per value of ``lines``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["panel"] for r in rows}, key=natural)
+    numeric = all(isinstance(as_number(r["x"]), float) for r in rows)
+    fig, axes = plt.subplots(
+        1, len(names), figsize=(3.6 * len(names) + 1.2, 3.4), dpi=120, squeeze=False
+    )
+    for ax, panel in zip(axes[0], names, strict=True):
+        for line in sorted({r["line"] for r in rows if r["panel"] == panel}, key=natural):
+            points = [r for r in rows if r["panel"] == panel and r["line"] == line]
+            xs = [float(r["x"]) if numeric else r["x"] for r in points]
+            ax.plot(xs, [r[metric] for r in points], "o-", label=line, markersize=4)
+        if numeric:
+            ax.set_xscale("log", base=2)
+        ax.set_title(f"{panels}={panel}" if panels else "", fontsize=9)
+        ax.set_xlabel(x)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(metric)
+    axes[0][-1].legend(fontsize=7, title=lines, title_fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def write_grid(
+    runs: Sequence[Run], metric: str, grid: Sequence[str], out: Path, ignore: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """``grid.png`` and ``grid.md``: ``metric`` against ``grid[0]``, a line per value of
+    ``grid[1]``, a panel per value of ``grid[2]`` (if given)."""
+    if len(grid) not in (2, 3):
+        raise ValueError(f"a grid is X LINES [PANELS], got {list(grid)}")
+    x, lines, panels = grid[0], grid[1], grid[2] if len(grid) == 3 else None
+    x, lines = override_key(x), override_key(lines)
+    panels = override_key(panels) if panels else None
+    rows = grid_rows(runs, metric, x, lines, panels, ignore)
+    if not rows:
+        raise ValueError(f"no finished run sets {x}: nothing to plot against it")
+    atomic_write(out / "grid.png", lambda f: plot_grid(rows, metric, x, lines, panels, f))
+    table = markdown_table(rows, ["panel", "line", "x", metric, "runs"])
+    atomic_write(out / "grid.md", f"# {metric} against {x}\n\n{table}\n")
+    return rows
+
+
+def curve(rows: Sequence[dict[str, float]], metric: str) -> tuple[list[float], list[float]]:
+    pairs = [(r["step"], r[metric]) for r in rows if metric in r and "step" in r]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+Histories = dict[str, tuple[list[dict[str, float]], list[int]]]
+
+
+def write_curves(histories: Histories, metrics: Sequence[str], out: Path) -> tuple[Path, Path]:
+    """``curves.csv`` (run, step, metric, value) and ``curves.png`` (one panel per
+    metric, one line per run, dotted lines where a run was resumed) in ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = io.StringIO(newline="")
+    writer = csv.writer(table)
+    writer.writerow(["run", "step", "metric", "value"])
+    fig, axes = plt.subplots(
+        1, len(metrics), figsize=(4.2 * len(metrics), 3.4), dpi=120, squeeze=False
+    )
+    for label, (rows, resumes) in histories.items():
+        for ax, metric in zip(axes[0], metrics, strict=True):
+            steps, values = curve(rows, metric)
+            writer.writerows(
+                [label, int(s), metric, f"{v:.6g}"] for s, v in zip(steps, values, strict=True)
+            )
+            if steps:
+                (line,) = ax.plot(steps, values, label=label, linewidth=1.2)
+                for step in resumes:
+                    ax.axvline(step, color=line.get_color(), linestyle=":", linewidth=0.8)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    resumed = any(resumes for _, resumes in histories.values())
+    if len(histories) > 1 or resumed:
+        axes[0][-1].legend(fontsize=7, title="dotted: resumed" if resumed else None)
+    fig.tight_layout()
+    atomic_write(out / "curves.csv", table.getvalue())
+    atomic_write(out / "curves.png", lambda f: fig.savefig(f, format="png"))
+    plt.close(fig)
+    return out / "curves.png", out / "curves.csv"
+
+
+def plot_curves(
+    dirs: Sequence[str | Path], metric: str | None = None, out: str | Path | None = None
+) -> tuple[Path, Path]:
+    """Learning curves of every run in ``dirs`` (a sweep dir: each of its jobs), each
+    joined across its resumes: ``train/loss`` and ``metric`` (default: the runs'
+    monitored metric), written to ``out`` (default as for the summary)."""
+    dirs = [Path(d) for d in dirs]
+    histories: Histories = {}
+    monitored = []
+    for source in dirs:
+        for run_dir in run_dirs(source):
+            label = (
+                run_dir.name
+                if len(dirs) == 1 or run_dir == source
+                else (f"{source.name}/{run_dir.name}")
+            )
+            histories[label] = history(run_dir)
+            record = read_record(run_dir)
+            monitored.append(record.monitor.metric if record is not None else None)
+    names = sorted({k for rows, _ in histories.values() for row in rows for k in row})
+    names = [n for n in names if n not in ("step", "epoch")]
+    if not names:
+        raise FileNotFoundError(
+            f"no csv/metrics.csv in {', '.join(map(str, dirs))} (runs log one with logger=csv)"
+        )
+    if metric is None:
+        metric = next((m for m in monitored if m in names), "val/loss")
+    check_metric(metric, names)
+    metrics = list(dict.fromkeys(m for m in ("train/loss", metric) if m in names))
+    return write_curves(histories, metrics, Path(out) if out is not None else default_out(dirs))
