@@ -25,7 +25,8 @@ class Rotary(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(
-                f"rope needs an even head dim (d_model / n_head), got head_dim={head_dim}"
+                "rope needs an even head dim (the query/key width of a head: d_model / n_head, "
+                f"or the kernel's own, such as Based's feature_dim), got head_dim={head_dim}"
             )
         if theta <= 1:
             raise ValueError(f"rope_theta must be greater than 1, got {theta}")

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+HALF = (torch.float16, torch.bfloat16)  # no triangular solve in these: it runs in float32
 SUB_CHUNK = 16  # the blocks of a per-channel decay's scores inside a chunk
 # a per-channel decay whose chunks all decay by at most e^-SAFE_SPAN takes the one-product
 # path: q exp(b) and k exp(-b) stay inside [e^-60, e^60], far from float32's limits
@@ -174,7 +175,7 @@ def chunked_recurrence(
         # both (C^2 (Dk + Dv) work a chunk, where forming T takes log2(C) C^3 products)
         k_dec = kc if log_decay is None else kc * cum[..., None].exp()
         rhs = betac[..., None] * torch.cat([vc, k_dec], -1)
-        low = a.dtype in (torch.float16, torch.bfloat16)  # no triangular solve in these
+        low = a.dtype in HALF
         solved = torch.linalg.solve_triangular(
             a.float() if low else a, rhs.float() if low else rhs, upper=False, unitriangular=True
         ).to(rhs.dtype)

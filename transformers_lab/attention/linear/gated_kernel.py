@@ -24,6 +24,7 @@ from torch import Tensor
 
 from transformers_lab.attention.base import AttentionKernel
 from transformers_lab.attention.linear.gated import (
+    HALF,
     chunked_recurrence,
     naive_recurrence,
     pair_decay,
@@ -268,12 +269,10 @@ class TemperedDecayKernel(GatedKernel):
         return gates[gate] / self.gate_normalizer, None
 
 
-LOW = (torch.float16, torch.bfloat16)  # computed in float32, as the states accumulate
-
-
 def at_least_float32(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
-    """Each tensor in float32 if it is in half precision (``LOW``); None stays None."""
-    return tuple(None if t is None else t.float() if t.dtype in LOW else t for t in tensors)
+    """Each tensor in float32 if it is in half precision (``HALF``), as the states
+    accumulate; None stays None."""
+    return tuple(None if t is None else t.float() if t.dtype in HALF else t for t in tensors)
 
 
 def pad_tokens(t: Tensor, front: int) -> Tensor:
