@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install train ablate zoology mad test test-fast lint format docs bench bench-long bench-training bench-study notebooks clean
+.PHONY: help install train ablate zoology mad test test-slow lint format docs bench bench-long bench-training bench-study notebooks clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -33,14 +33,18 @@ zoology: install  ## Zoology's MQAR figure at CPU scale (sweep=zoology_mqar): gr
 mad: install  ## MAD's six tasks at CPU scale for softmax (sweep=mad; ARGS="attention=softmax,fastmax_p2" for more kernels)
 	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=mad trainer.enable_progress_bar=false $(ARGS)
 
-test: install  ## run the whole test suite (what CI runs)
-	WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)
+# The default suite in two worker processes of one thread each (a test file stays on one
+# worker, so its module fixtures are built once); the slow suite likewise.
+TEST_RUN = WANDB_MODE=offline OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
+
+test: install  ## the default suite, every test not marked slow (under 10 min on 2 cores)
+	$(TEST_RUN) -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install  ## the tests marked slow: end-to-end trainings, notebooks, every documented command (CI runs both)
+	$(TEST_RUN) -m slow $(PYTEST_ARGS)
 
 docs: install  ## rewrite the README's kernel table from the registered kernels (ARGS="--config-dir my_conf": yours too)
 	$(PY) -m transformers_lab.attention --readme README.md $(ARGS)
-
-test-fast: install  ## run the tests not marked slow
-	WANDB_MODE=offline $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: install  ## ruff lint and format check
 	$(VENV)/bin/ruff check transformers_lab tests
@@ -60,7 +64,7 @@ bench-training: install  ## framework overhead: tlab-train against a bare PyTorc
 	$(PY) -m transformers_lab.bench.training $(BENCH_ARGS)
 
 notebooks: install  ## run every notebook top to bottom (what the tests do); outputs are not saved
-	WANDB_MODE=offline $(PY) -m pytest tests/test_notebooks.py $(PYTEST_ARGS)
+	WANDB_MODE=offline $(PY) -m pytest tests/end_to_end/test_notebooks.py $(PYTEST_ARGS)
 
 bench-study: install  ## pruning's saving: sweep=lr_optuna on MQAR with pruner=none and median (BENCH_ARGS=...)
 	WANDB_MODE=$(or $(WANDB_MODE),offline) $(PY) -m transformers_lab.bench.study $(BENCH_ARGS)

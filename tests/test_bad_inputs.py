@@ -23,7 +23,8 @@ from transformers_lab.sample import main as sample_main
 from transformers_lab.train import main as train_main
 
 ENTRY_POINTS = {
-    "train": train_main,
+    "train": train_main,  # from SMALL's ViT
+    "train-bare": train_main,  # without SMALL (a model it does not fit)
     "eval": eval_main,
     "sample": sample_main,
     # the tools that name a kernel as the attention group does (attention/resolve.py)
@@ -112,6 +113,23 @@ CASES = [
     ),
     case("train", ["model.patch_size=3"], "image_size=8 does not fit the patch grid"),
     case("train", ["model=vit", *MQAR], "model=vit (ViT) cannot take data=mqar"),
+    # refusals the model's constructors own, met before the data is read (config_checks
+    # builds the layers on the meta device through the models' own rules)
+    case(
+        "train",
+        ["model=gpt", *MQAR, "attention=cosformer", "attention.max_len=8"],
+        "cosformer weighs positions up to its max_len=8, but the GPT's context is",
+    ),
+    case(
+        "train-bare",
+        ["experiment=transformer_multi30k", "attention=cosformer"],
+        "attention: attention=cosformer weighs keys by their positions in one sequence",
+    ),
+    case(
+        "train-bare",
+        ["experiment=transformer_multi30k", "attention=deltanet"],
+        "a cross-attention attends to all of another sequence",
+    ),
     case("train", ["model=gpt", "data=digits"], "cannot take data=digits"),
     # data
     case("train", ["data.batch_size=0"], "data.batch_size must be an integer >= 1, got 0"),
@@ -286,7 +304,7 @@ CASES = [
     case(
         "train",
         ["experiment=mqar", "model.pos_encoding=rope", "model.d_model=66", "model.n_head=6"],
-        "model.pos_encoding=rope needs an even head dim, but d_model=66 / n_head=6 = 11",
+        "rope needs an even head dim (the query/key width of a head: d_model / n_head",
     ),
     case(
         "train",

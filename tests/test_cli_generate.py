@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_data import tiny_encoding, tiny_ranks, write_ranks
 
 import transformers_lab.sample as sample_module
+from tests.data.test_data import tiny_encoding, tiny_ranks, write_ranks
 from transformers_lab.config import compose_config
 from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer
 from transformers_lab.errors import ConfigError
@@ -277,7 +277,9 @@ def translate_run(ckpt: Path, out: Path, *overrides: str) -> list[str]:
 def test_translate_text_prints_and_returns_one_translation_per_sentence(
     transformer_ckpt, tmp_path, capsys, decode
 ):
-    texts = translate_run(transformer_ckpt, tmp_path, f"text={SOURCES}", decode, "max_len=16")
+    texts = translate_run(
+        transformer_ckpt, tmp_path, f"text={SOURCES}", decode, "max_new_tokens=16"
+    )
     assert texts == TARGETS  # the tiny model learnt the two pairs
     out = capsys.readouterr().out
     assert out.startswith(f"run dir: {tmp_path}\n")

@@ -53,7 +53,7 @@ def test_attention_is_built_once_to_check_it():
     check_attention(model())
     with pytest.raises(ConfigError, match="d_model=30 must be divisible by num_heads=4"):
         check_attention(model(d_model=30))
-    with pytest.raises(ConfigError, match="rope needs an even head dim.*d_model=36 / n_head=4"):
+    with pytest.raises(ConfigError, match="rope needs an even head dim.*got head_dim=9"):
         check_attention(model(d_model=36, pos_encoding="rope"))
     with pytest.raises(ConfigError, match="attention: unknown attention kernel 'soft'"):
         check_attention(model(attention="soft"))

@@ -126,7 +126,11 @@ def check_run_dir(argv: Sequence[str]) -> None:
 
 
 # keys that were renamed: an old command line runs with the new name, and is told it
-RENAMED = {"data.seq_len": "data.block_size", "data.task": "data.problem"}
+RENAMED = {
+    "data.seq_len": "data.block_size",
+    "data.task": "data.problem",
+    "max_len": "max_new_tokens",  # tlab-translate: the tokens it writes, as tlab-sample names it
+}
 
 
 def renamed(argv: Sequence[str]) -> list[str]:
@@ -226,14 +230,8 @@ def run_hydra(main: Callable[[], None], argv: Sequence[str] | None = None) -> No
         check_flags(argv)
         check_overrides(argv)
         check_run_dir(argv)
-    from transformers_lab.run.record import NOTHING_FINISHED
-
-    NOTHING_FINISHED.clear()  # of this run only (tests run several in one process)
     try:
         with user_errors(), hydra_raising():  # user_errors: what a sweeper refuses, too
             main()
     except (CompactHydraException, InterpolationResolutionError) as exc:
         fail(one_line(exc))
-    if NOTHING_FINISHED:  # a sweep that ran, none of whose jobs finished, is no success
-        print(f"error: {NOTHING_FINISHED[-1]}; see its summary.md", file=sys.stderr)
-        raise SystemExit(1)

@@ -26,7 +26,13 @@ from transformers_lab.cli import unknown_option
 from transformers_lab.config import call, expand_hybrid, target_class
 from transformers_lab.errors import ConfigError
 from transformers_lab.models.common import check_sampling, layer_choices
-from transformers_lab.nn.attention import MultiHeadAttention, as_kernel_factory, head_size
+from transformers_lab.nn.attention import (
+    MultiHeadAttention,
+    as_kernel_factory,
+    head_size,
+    refuse_causal,
+    refuse_short_positions,
+)
 from transformers_lab.nn.layers import sequence_mixer
 from transformers_lab.run.checkpoints import checkpoint_file
 
@@ -137,7 +143,7 @@ RULES: dict[str, Expect] = {
     "trainer.num_sanity_val_steps": NO_LIMIT | COUNT,
     # tlab-sample
     "num_samples": POSITIVE_INT,
-    "max_new_tokens": COUNT,
+    "max_new_tokens": NULL | COUNT,  # tlab-translate: null for the model's longest
     "temperature": Expect(is_number, "a number"),  # its range: models.common.check_sampling
     "top_k": NULL | Expect(is_int, "an integer"),
     "top_p": NULL | Expect(is_number, "a number"),
@@ -214,46 +220,47 @@ def cross_shares(model: DictConfig) -> bool:
 
 
 def check_attention(model: DictConfig, data_context: int | None = None) -> None:
-    """The head split, and one kernel built as each layer will build it: the kernel's own
-    checks (unknown options, p, dropout, scale, ...) run now rather than after the data."""
+    """Each kernel built into its layer, on the meta device, as the model will build it,
+    and held to the model's own rules (``nn.attention``'s ``refuse_*``, the rotary's), so
+    that a kernel the model refuses is refused before the data is read, in the model's
+    words. The kernel's own checks (unknown options, p, dropout, scale, ...) run too."""
     try:
-        head_dim = head_size(model.d_model, model.n_head)
+        head_size(model.d_model, model.n_head)
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
-    if model.get("pos_encoding") == "rope" and head_dim % 2:
-        raise ConfigError(
-            f"model.pos_encoding=rope needs an even head dim, but d_model={model.d_model} / "
-            f"n_head={model.n_head} = {head_dim}; change d_model or n_head"
-        )
+    model_class = target_class(model) if "_target_" in model else None
+    who = f"the {model_class.__name__}" if model_class is not None else "the model"
+    context = model.get("block_size") or model.get("max_len") or data_context
+    rope_theta = model.get("rope_theta", 10000.0) if model.get("pos_encoding") == "rope" else None
     for key in ("attention", "cross_attention"):
         kernel = model.get(key)
         if kernel is None:
             continue
+        crossing = key == "cross_attention" or (key == "attention" and cross_shares(model))
+        crosses = ([] if key == "cross_attention" else [False]) + ([True] if crossing else [])
         try:  # a kernel config (a partial) or a kernel's name, built into its layer(s)
             factory = as_kernel_factory(kernel if isinstance(kernel, str) else call(kernel, key))
             alibi = key == "attention" and model.get("pos_encoding") == "alibi"
-            crossing = key == "cross_attention" or (key == "attention" and cross_shares(model))
-            layers = [] if key == "cross_attention" else [False]
-            for cross in [*layers, True] if crossing else layers:
-                layer = MultiHeadAttention(
-                    model.d_model, model.n_head, factory, cross=cross, alibi=alibi and not cross
-                )
-            built = layer.kernel
+            with torch.device("meta"):
+                layers = [
+                    MultiHeadAttention(
+                        model.d_model,
+                        model.n_head,
+                        factory,
+                        cross=cross,
+                        alibi=alibi and not cross,
+                        rope_theta=None if cross else rope_theta,
+                    )
+                    for cross in crosses
+                ]
+            selves = [layer for layer, cross in zip(layers, crosses, strict=True) if not cross]
+            if getattr(model_class, "causal_self_attention", False):
+                refuse_causal(selves, model_class.__name__)
+            refuse_short_positions(selves, context, who)
         except ConfigError:  # built by ``call``, which names the key already
             raise
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
-        context = model.get("block_size") or model.get("max_len") or data_context
-        longest = getattr(built, "max_len", None) if getattr(built, "positional", False) else None
-        if longest is not None and context is not None and context > longest:
-            raise ConfigError(
-                f"{key}: {built.name} weighs positions up to its max_len={longest}, but the "
-                f"model's context is {context}; set {key}.max_len={context}"
-            )
-        model_class = target_class(model) if "_target_" in model else None
-        causal = key == "attention" and getattr(model_class, "causal_self_attention", False)
-        if causal and (why := built.causal_refusal()):
-            raise ConfigError(f"{key}: {model_class.__name__} attends causally: {why}")
     check_hybrid(model)
 
 
@@ -283,7 +290,8 @@ def check_hybrid(model: DictConfig) -> None:
         try:
             factory = call(choice, f"model.hybrid layer {i}")
             alibi = model.get("pos_encoding") == "alibi"
-            sequence_mixer(model.d_model, model.n_head, factory, alibi=alibi)
+            with torch.device("meta"):
+                sequence_mixer(model.d_model, model.n_head, factory, alibi=alibi)
         except ConfigError:
             raise
         except (ValueError, TypeError) as exc:

@@ -101,6 +101,8 @@ def sample(cfg: DictConfig) -> list[str]:
     ``cfg.stream`` each is printed as its tokens are drawn."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
     check_config(cfg)
+    if cfg.max_new_tokens is None:
+        raise ConfigError("max_new_tokens=null: give the number of tokens to sample")
     L.seed_everything(cfg.seed)
     model, datamodule = load_generator(cfg)
     model.to(cfg.device)

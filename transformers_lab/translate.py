@@ -61,10 +61,10 @@ def check_options(cfg: DictConfig) -> None:
         raise ConfigError(
             f"beam_size={cfg.beam_size}: beam search keeps at least one beam; give beam_size >= 1"
         )
-    if cfg.max_len is not None and cfg.max_len < 1:
+    if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
         raise ConfigError(
-            f"max_len={cfg.max_len}: a translation needs at least one token; give max_len >= 1 "
-            f"(or null for the model's longest)"
+            f"max_new_tokens={cfg.max_new_tokens}: a translation needs at least one token; "
+            "give max_new_tokens >= 1 (or null for the model's longest)"
         )
     if cfg.batch_size < 1:
         raise ConfigError(f"batch_size={cfg.batch_size}; give batch_size >= 1")
@@ -159,9 +159,9 @@ def translate(cfg: DictConfig) -> list[str]:
     for batch in batches(stdin_sentences() if sentences is None else sentences, size):
         src = source_ids(batch, datamodule).to(cfg.device)
         if cfg.decode == "greedy":
-            out = model.greedy(src, cfg.max_len)
+            out = model.greedy(src, cfg.max_new_tokens)
         else:
-            out = model.beam_search(src, cfg.beam_size, cfg.max_len, cfg.length_penalty)
+            out = model.beam_search(src, cfg.beam_size, cfg.max_new_tokens, cfg.length_penalty)
         for source, row in zip(batch, out, strict=True):
             translations.append(datamodule.detokenize(row.tolist()))
             print(f"{source} -> {translations[-1]}", flush=True)

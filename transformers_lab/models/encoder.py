@@ -17,7 +17,7 @@ from transformers_lab.nn import (
     TokenEmbedding,
     activation,
 )
-from transformers_lab.nn.attention import refuse_noncausal
+from transformers_lab.nn.attention import refuse_noncausal, refuse_short_positions
 
 POOLINGS = ("cls", "mean", "none")
 HEADS = ("linear", "mlp")
@@ -115,6 +115,7 @@ class EncoderClassifier(nn.Module):
             alibi=pos_encoding == "alibi",
         )
         refuse_noncausal(self.blocks, f"the {type(self).__name__}")
+        refuse_short_positions(self.blocks, max_len + (pool == "cls"), f"the {type(self).__name__}")
         self.norm = final_norm(d_model, bias, norm_first)
         if head == "linear":
             self.head: nn.Module = nn.Linear(d_model, num_classes)

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from transformers_lab.models.common import Hybrid, block_stack, final_norm, sample_next
 from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
-from transformers_lab.nn.attention import refuse_causal
+from transformers_lab.nn.attention import refuse_causal, refuse_short_positions
 from transformers_lab.nn.layers import sinusoidal_table
 
 
@@ -88,6 +88,7 @@ class GPT(nn.Module):
             alibi=pos_encoding == "alibi",
         )
         refuse_causal(self.blocks, "GPT")
+        refuse_short_positions(self.blocks, block_size, "the GPT")
         self.norm = final_norm(d_model, bias, norm_first)
         self.bottleneck = Bottleneck(d_model, block_size, bias) if bottleneck else None
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)

@@ -11,7 +11,11 @@ from torch import Tensor, nn
 from transformers_lab.attention import Memory
 from transformers_lab.models.common import block_stack, final_norm, reorder_cache
 from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
-from transformers_lab.nn.attention import refuse_causal, refuse_noncausal
+from transformers_lab.nn.attention import (
+    refuse_causal,
+    refuse_noncausal,
+    refuse_short_positions,
+)
 
 
 class Transformer(nn.Module):
@@ -96,6 +100,7 @@ class Transformer(nn.Module):
         self.encoder_norm = final_norm(d_model, bias, norm_first)
         refuse_causal([block.attn for block in self.decoder], "the Transformer's decoder")
         refuse_noncausal(self.encoder, "the Transformer's encoder")
+        refuse_short_positions([self.encoder, self.decoder], max_len, "the Transformer")
         self.decoder_norm = final_norm(d_model, bias, norm_first)
         self.out = nn.Linear(d_model, tgt_vocab_size, bias=False)
         # Xavier init of the projections and embeddings, as in the reference implementation;

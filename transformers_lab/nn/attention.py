@@ -53,6 +53,21 @@ def refuse_noncausal(modules: Iterable[nn.Module], model: str) -> None:
                 raise ValueError(f"{model} attends both ways: {why}")
 
 
+def refuse_short_positions(modules: Iterable[nn.Module], context: int | None, model: str) -> None:
+    """Raise a ValueError if a kernel of ``modules`` weighs positions (``positional``) only
+    up to a ``max_len`` shorter than ``model``'s context."""
+    if context is None:
+        return
+    for module in modules:
+        for kernel in module.modules():
+            longest = getattr(kernel, "max_len", None)
+            if getattr(kernel, "positional", False) and longest is not None and context > longest:
+                raise ValueError(
+                    f"{kernel.name} weighs positions up to its max_len={longest}, but "
+                    f"{model}'s context is {context}; set attention.max_len={context}"
+                )
+
+
 class LayerState(NamedTuple):
     """What a self-attention layer keeps between decoding calls: the kernel's state (a KV
     cache, a recurrent state), the short convolution's last K - 1 inputs, and the tokens

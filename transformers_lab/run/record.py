@@ -17,9 +17,6 @@ from typing import Any
 from transformers_lab.files import atomic_write
 
 RESULT_FILE = "result.json"
-# sweeps of this process none of whose jobs finished (``summary.SweepSummary`` says so):
-# the entry point then exits non-zero
-NOTHING_FINISHED: list[str] = []
 
 STATUSES = ("ok", "pruned", "failed", "interrupted", "incomplete")  # incomplete: running, or killed
 

@@ -24,7 +24,7 @@ import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import lightning as L
 import numpy as np
@@ -150,7 +150,20 @@ def all_finite(tensors: list[torch.Tensor], norm: torch.Tensor | None = None) ->
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-CHECKED_NORM = "_checked_grad_norm"  # (optimizer, global step, norm), on the LightningModule
+class CheckedNorm(NamedTuple):
+    """The 2-norm of ``optimizer``'s gradients that ``NonFiniteGuard`` took at ``step``."""
+
+    optimizer: Any
+    step: int
+    norm: torch.Tensor
+
+
+@runtime_checkable
+class TakesCheckedNorm(Protocol):
+    """A LightningModule that clips its gradients with the norm ``NonFiniteGuard`` took of
+    them (``tasks.base.Task``): the guard hands it over, the clipping takes it back."""
+
+    def take_checked_norm(self, checked: CheckedNorm) -> None: ...
 
 
 def norm_is_clipping_norm(trainer: L.Trainer) -> bool:
@@ -171,19 +184,21 @@ def norm_is_clipping_norm(trainer: L.Trainer) -> bool:
 
 
 def clip_with_checked_norm(
-    module: L.LightningModule, optimizer: Any, clip_val: float | None, algorithm: Any
+    checked: CheckedNorm | None,
+    optimizer: Any,
+    step: int,
+    clip_val: float | None,
+    algorithm: Any,
 ) -> bool:
     """Clip ``optimizer``'s gradients to norm ``clip_val`` with the norm ``NonFiniteGuard``
-    took of them at this step, instead of taking it again; False (nothing done) when there
-    is no such norm or the clipping is not by norm."""
-    checked = module.__dict__.pop(CHECKED_NORM, None)
+    took of them at this ``step``, instead of taking it again; False (nothing done) when
+    there is no such norm or the clipping is not by norm."""
     if checked is None or not clip_val or (algorithm is not None and algorithm != "norm"):
         return False
-    owner, step, norm = checked
-    if owner is not optimizer or step != module.global_step:
+    if checked.optimizer is not optimizer or checked.step != step:
         return False
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    torch.nn.utils.clip_grads_with_norm_(params, clip_val, norm)
+    torch.nn.utils.clip_grads_with_norm_(params, clip_val, checked.norm)
     return True
 
 
@@ -228,8 +243,8 @@ class NonFiniteGuard(L.Callback):
         bad = not all_finite(grads, norm)
         if trainer.strategy.reduce_boolean_decision(bad, all=False):
             self.stop(trainer, self.first_bad(pl_module, "grad") if bad else "a gradient")
-        if norm is not None and self.hands_norm_on:
-            pl_module.__dict__[CHECKED_NORM] = (optimizer, pl_module.global_step, norm)
+        if norm is not None and self.hands_norm_on and isinstance(pl_module, TakesCheckedNorm):
+            pl_module.take_checked_norm(CheckedNorm(optimizer, pl_module.global_step, norm))
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict
@@ -306,7 +321,11 @@ class StopOnSignal(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
             # Lightning's flag: the loop saves nothing itself, it raises SIGTERMException at
-            # the end of this batch (after its counters and any validation), on each process
+            # the end of this batch (after its counters and any validation), on each process.
+            # Private: Lightning has no public way to end fit() with its SIGTERM path
+            # (``trainer.received_sigterm`` is read-only). Checked on Lightning 2.6.6;
+            # tests/run/test_safety.py fails when the attribute goes or the loops' property stops
+            # following it.
             trainer._signal_connector.received_sigterm = True
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from transformers_lab.errors import ConfigError
 from transformers_lab.nn import weight_decay_groups
-from transformers_lab.run.safety import clip_with_checked_norm
+from transformers_lab.run.safety import CheckedNorm, clip_with_checked_norm
 from transformers_lab.tasks.examples import Detokenizer, Example
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class Task(L.LightningModule):
         self.counts = parameter_counts(model)
         self.num_params = self.counts["model/params"]
         self.totals = SplitTotals()  # of the validation or test split under way
+        self.checked_norm: CheckedNorm | None = None  # from NonFiniteGuard, for the clipping
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets the hook under way twice around every hook call, some 60 times a
@@ -203,8 +204,14 @@ class Task(L.LightningModule):
         gradient_clip_algorithm: str | None = None,
     ) -> None:
         # the norm NonFiniteGuard took of these gradients, when it did: one norm a step
-        if not clip_with_checked_norm(self, optimizer, gradient_clip_val, gradient_clip_algorithm):
+        checked, self.checked_norm = self.checked_norm, None
+        step, algorithm = self.global_step, gradient_clip_algorithm
+        if not clip_with_checked_norm(checked, optimizer, step, gradient_clip_val, algorithm):
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def take_checked_norm(self, checked: CheckedNorm) -> None:
+        """The norm ``NonFiniteGuard`` took of the gradients about to be clipped."""
+        self.checked_norm = checked
 
     def clips_under_mixed_precision(self) -> bool:
         """Whether the run clips gradients under a mixed precision (``16-mixed``,

@@ -245,7 +245,7 @@ class FeatureKernel(AttentionKernel):
           forward and 2 C (3 E + 2 (Dv + 1)) backward, whole blocks as computed.
 
         Tokens are counted as the paths pad them, to whole chunks. The feature maps'
-        elementwise work is not counted. ``tests/test_fastmax_paths.py`` checks this
+        elementwise work is not counted. ``tests/attention/test_fastmax_paths.py`` checks this
         count against torch's FLOP counter.
         """
         dv1 = (self.head_dim if value_dim is None else value_dim) + 1

@@ -96,8 +96,7 @@ def test_classification_task_on_digits():
 
 
 def test_translation_task_logs_loss_bleu_and_translations(tmp_path, monkeypatch, caplog):
-    from test_data import write_multi30k
-
+    from tests.data.test_data import write_multi30k
     from transformers_lab.data import TranslationDataModule
 
     write_multi30k(tmp_path, monkeypatch)

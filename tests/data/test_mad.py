@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.test_sweeps import sweep_dir_of, tlab_train
+from tests.sweeps.test_sweeps import sweep_dir_of, tlab_train
 from transformers_lab.data.base import IGNORE
 from transformers_lab.data.mad import (
     GENERATORS,
@@ -217,6 +217,7 @@ def test_every_mad_task_trains_through_tlab_train(problem, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow  # over a minute on 2 cores: make test-slow
 def test_a_tiny_mad_sweep_scores_each_kernel(tmp_path):
     """sweep=mad at a toy size: two tasks, two kernels, two learning rates; the summary
     keeps the best lr of each (kernel, task) and scores each kernel over the tasks."""

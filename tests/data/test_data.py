@@ -43,7 +43,7 @@ from transformers_lab.errors import DataFileError
 
 from fake_data import PAIRS, TEXT, sha256, write_idx, write_multi30k, write_text_root
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 REAL = Path(os.environ.get("TLAB_DATA_DIR", "/nonexistent"))
 
 

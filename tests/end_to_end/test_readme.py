@@ -1,6 +1,8 @@
-"""Every ``tlab-*`` command line of the README runs as written, at a tiny budget.
+"""Every command line of the README and of docs/ runs as written, at a tiny budget.
 
-The commands are read from the README's bash blocks. Its placeholders (``<time>``,
+The commands are the ``tlab-*`` and ``python -m transformers_lab...`` lines of their bash
+blocks (an environment prefix such as ``PYTHONPATH=tests/user`` included); a ``make``
+line must name a target of the Makefile. Its placeholders (``<time>``,
 ``.../last.ckpt``, ``<sweep A>``) are filled in with runs trained here first: the default
 ViT, a baby GPT on Tiny Shakespeare, the Multi30k Transformer and two small MQAR sweeps.
 Each command gets the budget its row of ``BUDGET`` gives (``debug=limit``: 3 epochs of 3
@@ -19,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # the README and every docs/ page
 DATA = os.environ.get("TLAB_DATA_DIR")
 
 NO_GPU = "needs GPUs, which CI does not have (the device tool checks them when one is lent)"
@@ -35,12 +39,27 @@ SKIPPED = {
     "tlab-train sweep=attention_kernels launcher=slurm": "needs a SLURM cluster and GPUs",
     "tlab-train sweep=lr_optuna experiment=mqar trainer=gpu": "needs GPUs and a PostgreSQL "
     "server (workers sharing a study: test_optuna_sweeps.py)",
+    "optuna-dashboard": "a server that runs until stopped",
 }
 
 QUIET = ["trainer.enable_progress_bar=false", "logger=csv"]  # wandb: tested in test_train.py
 TINY = ["debug=limit", *QUIET]  # 3 epochs of 3 training and 2 validation batches
 # extra overrides by the start of a command line (the first that matches)
 BUDGET = [
+    ("python -m transformers_lab.attention.check", []),
+    ("python -m transformers_lab.bench.kernels", ["--n", "128", "--repeats", "1", "--out", "b"]),
+    (
+        "python -m transformers_lab.bench.generation",
+        ["--context", "32", "--new-tokens", "2", "--out", "b"],
+    ),
+    (
+        "python -m transformers_lab.bench.long_context",
+        ["--steps", "1", "--warmup", "0", "--overrides", "data.block_size=64", "--out", "b"],
+    ),
+    (
+        "tlab-train -m experiment=mqar attention=relu2",  # docs/ablations.md's 36 jobs: 2
+        [*TINY, "attention=relu2,softmax", "seed=0", "optimizer.lr=1e-3"],
+    ),
     ("tlab-train ckpt_path=", [*TINY, "trainer.max_epochs=4"]),  # one epoch more than saved
     ("tlab-train debug=", QUIET),
     (
@@ -70,52 +89,86 @@ BUDGET = [
 ]
 
 
-def readme_commands() -> list[str]:
-    """The ``tlab-*`` lines of the README's bash blocks, continuations joined, comments
-    cut."""
+def page_commands(page: Path) -> list[str]:
+    """The command lines of a page's bash blocks, continuations joined, comments cut."""
     lines = []
-    for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", README.read_text(), re.S):
+    for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", page.read_text(), re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = re.sub(r"\s+#.*$", "", line).strip()
-            if line.startswith("tlab-"):
+            if line and not line.startswith("#"):
                 lines.append(re.sub(r"\s+", " ", line))
     return lines
 
 
+def program_start(command: str) -> str:
+    """The command without its leading ``VAR=value`` environment settings."""
+    return re.sub(r"^(\w+=\S+ )+", "", command)
+
+
+def runnable(command: str) -> bool:
+    return program_start(command).startswith(("tlab-", "python -m transformers_lab", "optuna-"))
+
+
 def readme_block(first_line: str) -> str:
-    """The README code block that starts with ``first_line``."""
-    for block in re.findall(r"```\w*\n(.*?)```", README.read_text(), re.S):
-        if block.startswith(first_line + "\n"):
-            return block
-    raise AssertionError(f"no README block starts with {first_line!r}")
+    """The code block of the README (or a docs/ page) that starts with ``first_line``."""
+    for page in PAGES:
+        for block in re.findall(r"```\w*\n(.*?)```", page.read_text(), re.S):
+            if block.startswith(first_line + "\n"):
+                return block
+    raise AssertionError(f"no README or docs/ block starts with {first_line!r}")
 
 
 def skip_reason(command: str) -> str | None:
-    return next((why for start, why in SKIPPED.items() if command.startswith(start)), None)
+    start = program_start(command)
+    return next((why for s, why in SKIPPED.items() if start.startswith(s)), None)
 
 
 def budget(command: str) -> list[str]:
-    return next(extra for start, extra in BUDGET if command.startswith(start))
+    start = program_start(command)
+    return next(extra for s, extra in BUDGET if start.startswith(s))
 
 
-COMMANDS = readme_commands()
+ALL_LINES = {page.name: page_commands(page) for page in PAGES}
+COMMANDS = [c for lines in ALL_LINES.values() for c in lines if runnable(c)]
 
 
 def test_the_readme_commands_are_found_and_the_skip_table_is_current():
-    assert len(COMMANDS) >= 20 and sum("tlab-summarize" in c for c in COMMANDS) >= 3
+    assert len(COMMANDS) >= 40 and sum("tlab-summarize" in c for c in COMMANDS) >= 3
+    assert {"README.md", "kernels.md", "training.md", "sweeps.md", "ablations.md"} <= {
+        name for name, lines in ALL_LINES.items() if any(runnable(c) for c in lines)
+    }
     for start in SKIPPED:  # a skip reason for a line that is gone must go too
-        assert any(c.startswith(start) for c in COMMANDS), start
+        assert any(program_start(c).startswith(start) for c in COMMANDS), start
+
+
+def test_every_line_of_a_bash_block_is_run_or_a_make_target():
+    """A line the test neither runs nor knows is a command no one checks: name it here."""
+    targets = set(re.findall(r"^([a-z-]+):", (ROOT / "Makefile").read_text(), re.M))
+    for name, lines in ALL_LINES.items():
+        for line in lines:
+            if runnable(line):
+                continue
+            assert line.startswith("make "), f"{name}: {line!r} is neither run nor a make target"
+            assert line.split()[1] in targets, f"{name}: make {line.split()[1]} is no target"
 
 
 def tlab(
-    program: str, *args: str, cwd: Path, stdin: str | None = None
+    program: str,
+    *args: str,
+    cwd: Path,
+    stdin: str | None = None,
+    env_set: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
+    """Run ``program`` (a script of this venv, or ``python``) with ``env_set`` on top."""
     env = {**os.environ, "WANDB_MODE": "offline", "TLAB_ROOT": str(cwd), "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")])  # my_kernels
+    paths = [(env_set or {}).pop("PYTHONPATH", ""), str(cwd), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)  # my_kernels, tests/user
+    env.update(env_set or {})
     env.pop("WANDB_API_KEY", None)
     scripts = Path(sys.executable).parent
+    executable = sys.executable if program == "python" else str(scripts / program)
     return subprocess.run(
-        [str(scripts / program), *args],
+        [executable, *args],
         cwd=cwd,
         env=env,
         input=stdin or "",
@@ -159,6 +212,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(readme_block(f"# {path}"))
     (root / "my_kernels" / "__init__.py").write_text("")
+    user = ROOT / "tests" / "user"  # relu2, the user kernel of docs/kernels.md and ablations.md
+    (root / "my_conf" / "attention" / "relu2.yaml").write_text(
+        (user / "my_conf" / "attention" / "relu2.yaml").read_text()
+    )
+    (root / "user_kernels").symlink_to(user / "user_kernels")
+    (root / "tests").symlink_to(ROOT / "tests")  # PYTHONPATH=tests/user, as from a checkout
     return made
 
 
@@ -189,9 +248,14 @@ def fill_in(command: str, runs: dict[str, Path]) -> str:
 def test_a_readme_command_runs_as_written(command, runs):
     if (why := skip_reason(command)) is not None:
         pytest.skip(why)
-    program, *args = shlex.split(fill_in(command, runs))
+    words = shlex.split(fill_in(command, runs))
+    env_set = {}
+    while re.fullmatch(r"\w+=\S+", words[0]):  # PYTHONPATH=tests/user tlab-train ...
+        key, value = words.pop(0).split("=", 1)
+        env_set[key] = value
+    program, *args = words
     stdin = "A dog runs.\n" if program == "tlab-translate" and "text=" not in command else None
-    proc = tlab(program, *args, *budget(command), cwd=runs["root"], stdin=stdin)
+    proc = tlab(program, *args, *budget(command), cwd=runs["root"], stdin=stdin, env_set=env_set)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     if program in ("tlab-sample", "tlab-translate"):

@@ -22,7 +22,7 @@ from transformers_lab.run.build import build_datamodule, build_model
 
 from fake_data import fake_data_root
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def readme_file(first_line: str) -> str:

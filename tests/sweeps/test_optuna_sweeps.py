@@ -55,7 +55,7 @@ def study_of(sweep: Path, name: str = "lr") -> optuna.Study:
 
 
 def test_a_sweep_keeps_its_study_in_the_sweep_dir_and_each_trial_in_its_own_job_dir(tmp_path):
-    from test_train import read_wandb_run
+    from tests.run.test_train import read_wandb_run
 
     sweep = tmp_path / "sweep"
     proc = run(tmp_path, sweep, "hydra.sweeper.n_trials=3", "logger=many")
@@ -199,7 +199,7 @@ def test_a_two_objective_sweep_draws_its_pareto_front(tmp_path):
     ],
 )  # fmt: skip
 def test_bad_study_settings_are_one_line(tmp_path, args, said):
-    """The other refusals are tested on the sweeper itself (tests/test_study.py)."""
+    """The other refusals are tested on the sweeper itself (tests/sweeps/test_study.py)."""
     proc = run(tmp_path, tmp_path / "sweep", "hydra.sweeper.n_trials=1", *args)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

@@ -20,6 +20,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # over a minute on 2 cores: make test-slow
 def test_end_to_end_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # One causal mode keeps this to five worker processes (each one imports torch).
     argv = [
@@ -184,6 +185,7 @@ def test_paired_times_alternate_the_variants_in_one_process(monkeypatch, capsys)
     assert len(calls) == 6 and calls[0] is not calls[1] and calls[0] is calls[2]  # a, b, a, ...
 
 
+@pytest.mark.slow  # over a minute on 2 cores: make test-slow
 def test_a_paired_run_reports_paired_times(tmp_path: Path) -> None:
     argv = ["--n", "32", "--causal", "causal", "--kernels", "softmax", "fastmax_p2",
             "--repeats", "1", "--paired", "--out", str(tmp_path)]  # fmt: skip

@@ -177,7 +177,7 @@ def test_the_readme_kernel_table_is_written_from_the_registry():
 
     from transformers_lab.attention.__main__ import kernel_table, with_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert with_table(readme, kernel_table()) == readme, "the table is stale: run make docs"
     assert all(f"| `{name}` |" in kernel_table() for name in NAMES)
 
@@ -357,7 +357,7 @@ def test_cosformer_is_refused_where_queries_and_keys_have_no_common_positions(tm
     with pytest.raises(ConfigError, match="cosformer weighs keys by their positions in one"):
         check_config(compose_config("train", overrides, tmp_path / "a"))
     short = ["experiment=baby_gpt", "attention=cosformer", "attention.max_len=32"]
-    with pytest.raises(ConfigError, match="max_len=32, but the model's context is 64; set"):
+    with pytest.raises(ConfigError, match="max_len=32, but the GPT's context is 64; set"):
         check_config(compose_config("train", short, tmp_path / "b"))
 
 

@@ -120,3 +120,17 @@ def test_a_checkpoint_is_written_whole_and_readable(tmp_path):
     assert [p.name for p in (tmp_path / "c").iterdir()] == ["last.ckpt"]
     with pytest.raises(TypeError, match="no storage_options"):
         io.save_checkpoint({}, tmp_path / "x.ckpt", storage_options={})
+
+
+def test_lightning_s_private_sigterm_flag_is_still_what_its_loop_reads():
+    """``StopOnSignal`` sets ``trainer._signal_connector.received_sigterm`` (private; no
+    public way to end fit() on Lightning's SIGTERM path, checked on 2.6.6): this fails
+    when a Lightning release renames it or the property its loops read stops following it
+    (the stop itself, end to end: test_robustness.py)."""
+    import lightning as L
+
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert trainer._signal_connector.received_sigterm is False
+    assert trainer.received_sigterm is False
+    trainer._signal_connector.received_sigterm = True
+    assert trainer.received_sigterm is True  # the property the fit loop reads

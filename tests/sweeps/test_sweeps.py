@@ -117,7 +117,7 @@ def test_a_kernel_sweep_writes_a_summary_with_one_row_per_job(kernel_sweep):
 
 
 def test_each_job_of_a_sweep_is_its_own_wandb_run_in_one_group(kernel_sweep):
-    from test_train import read_wandb_run
+    from tests.run.test_train import read_wandb_run
 
     sweep, _ = kernel_sweep
     runs = []
@@ -337,7 +337,8 @@ STOPPED_SWEEP = [
     "+callbacks.stop.seed=${seed}",
     "+callbacks.stop.stop_seed=1",
 ]
-TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+HERE = Path(__file__).parent  # this file (its callbacks by module name) and tests/
+TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), *sys.path])}
 
 
 def by_choice(md: str) -> str:

@@ -22,7 +22,7 @@ from transformers_lab.bench import generation, long_context
 from transformers_lab.bench import kernels as bench
 from transformers_lab.config import searchpath_override
 
-USER = Path(__file__).parent / "user"
+USER = Path(__file__).parents[1] / "user"
 MY_CONF = USER / "my_conf"
 CLASS = "user_kernels.relu2.ReLU2Attention"
 YAML = str(MY_CONF / "attention" / "relu2.yaml")
@@ -113,6 +113,7 @@ def test_a_kernel_without_reference_weights_is_told_so_and_weights_is_not_blamed
     ]
 
 
+@pytest.mark.slow  # over a minute on 2 cores: make test-slow
 def test_the_kernel_bench_measures_the_users_kernel(user_path, tmp_path):
     args = bench.parse_args(
         ["--kernels", "softmax", "relu2", YAML, CLASS, "--config-dir", str(MY_CONF),

@@ -8,7 +8,7 @@ import csv
 import pytest
 from hydra import compose, initialize_config_dir
 
-from tests.test_sweeps import sweep_dir_of, tlab_train
+from tests.sweeps.test_sweeps import sweep_dir_of, tlab_train
 from transformers_lab.config import CONF_DIR
 
 

@@ -36,6 +36,10 @@ RUN = [
 ]  # fmt: skip
 
 
+# this file, to import its callbacks by module name, and fake_data beside it
+HERE = os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1])])
+
+
 def logged(run_dir: Path, key: str) -> list[tuple[int, float]]:
     with open(run_dir / "csv" / "metrics.csv") as f:
         return [(int(r["step"]), float(r[key])) for r in csv.DictReader(f) if r.get(key)]
@@ -128,7 +132,7 @@ def test_a_signal_to_every_process_stops_ddp_together_with_a_checkpoint(tmp_path
         f"+callbacks.signal._target_={callback}", "+callbacks.signal.step=5",
         f"+callbacks.signal.signum={int(signum)}", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": HERE}
     # a session of its own: the signal goes to the run's processes, not to pytest
     run = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -57,6 +57,7 @@ for it in range(0, int(flags["max_iters"]) + 1, int(flags["eval_interval"])):
 """
 
 
+@pytest.mark.slow  # over a minute on 2 cores: make test-slow
 def test_training_bench_against_nanogpt_runs_both_processes_alike(tmp_path, monkeypatch, capsys):
     # tlab-train runs as its own process, which verifies the text against its real checksum
     text = Path(os.environ.get("TLAB_DATA_DIR", "/nonexistent")) / "shakespeare" / "input.txt"
