@@ -26,7 +26,7 @@ README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # the README and every docs/ page
 DATA = os.environ.get("TLAB_DATA_DIR")
 
-NO_GPU = "needs GPUs, which CI does not have (the device tool checks them when one is lent)"
+NO_GPU = "needs GPUs, which CI does not have"
 SKIPPED = {
     "tlab-train experiment=vit_mnist trainer=gpu": NO_GPU,
     "tlab-train trainer=ddp trainer.devices=4 experiment=gpt_shakespeare": NO_GPU,
