@@ -134,7 +134,7 @@ def test_workers_that_start_together_on_a_new_sqlite_file_both_open_it(tmp_path,
     [
         ("not a url", "cannot open the study storage not a url: Could not parse"),
         ("sqlite:////proc/no/such/dir/study.db", "cannot open the study storage"),
-        ("postgresql://user:secret@nohost/db", "database driver is not installed"),
+        ("mysql://user:secret@nohost/db", "its database driver is not installed"),
     ],
 )
 def test_a_storage_that_cannot_be_opened_is_one_line_with_the_fix(url, said):

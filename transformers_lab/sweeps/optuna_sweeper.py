@@ -131,7 +131,8 @@ class StudySweeper(Sweeper):
             self.save_trials(study, sweep_dir)
         self.report(study)
         if not self.storage_url.startswith(st.JOURNAL_PREFIX):
-            print(f"dashboard: optuna-dashboard {st.shown(self.storage_url)}", flush=True)
+            url = st.shown(st.with_driver(self.storage_url))  # as SQLAlchemy reads it
+            print(f"dashboard: optuna-dashboard {url}", flush=True)
 
     def check_settings(self) -> None:
         if self.n_trials < 1:

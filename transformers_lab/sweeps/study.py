@@ -9,6 +9,7 @@ is done there, so that a killed sweep resumes and several workers share the tria
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import math
@@ -65,6 +66,7 @@ def open_storage(url: str, heartbeat_interval: int | None = None) -> optuna.stor
         "give hydra.sweeper.storage a SQLAlchemy URL (sqlite:///<path>/study.db, "
         "postgresql://<user>@<host>/<db>) or journal:<path>"
     )
+    given, url = url, with_driver(url)  # messages show the URL as it was given
     try:
         file = storage_file(url)
         if file is not None:  # its folder is made here
@@ -99,13 +101,67 @@ def open_storage(url: str, heartbeat_interval: int | None = None) -> optuna.stor
                 time.sleep(0.5 * (attempt + 1))
     except ImportError as exc:
         raise ConfigError(
-            f"cannot open the study storage {shown(url)}: its database driver is not "
-            f"installed ({exc}); install it (psycopg2 for postgresql, pymysql for mysql) or "
+            f"cannot open the study storage {shown(given)}: its database driver is not "
+            f"installed ({exc}); install it (psycopg for postgresql, pymysql for mysql) or "
             f"{hint}"
         ) from None
     except Exception as exc:  # SQLAlchemy's parse and connection errors, OS errors
         reason = " ".join(str(exc).split("(Background on this error")[0].split())
-        raise ConfigError(f"cannot open the study storage {shown(url)}: {reason}; {hint}") from None
+        said = server_refusal(url, reason) or f"{reason}; {hint}"
+        raise ConfigError(f"cannot open the study storage {shown(given)}: {said}") from None
+
+
+def with_driver(url: str) -> str:
+    """A ``postgresql://`` URL as users write it, on the driver that is installed.
+
+    SQLAlchemy reads a bare ``postgresql://`` as psycopg2's; where only psycopg (3, the
+    project's dependency) is installed, the URL is given its name, ``postgresql+psycopg://``.
+    ``postgres://`` (Heroku's and libpq's spelling, which SQLAlchemy no longer takes) is
+    read as ``postgresql://``. Any other URL comes back as it is."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("postgresql", "postgres"):
+        return url
+    if importlib.util.find_spec("psycopg2") is None and importlib.util.find_spec("psycopg"):
+        return f"postgresql+psycopg://{rest}"
+    return f"postgresql://{rest}"
+
+
+def server_refusal(url: str, reason: str) -> str | None:
+    """What a database server's refusal to connect means, in one line with the fix: no
+    server at the host and port, a wrong password or user, a database that does not
+    exist. None for any other error."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+    except Exception:
+        return None
+    if parsed.get_backend_name() != "postgresql":
+        return None
+    host, port = parsed.host or "localhost", parsed.port or 5432
+    where = f"{host}:{port}"
+    user, database = parsed.username or os.environ.get("USER", "?"), parsed.database
+    if "failed to resolve host" in reason or "could not translate host name" in reason:
+        return f"no host {host!r} is known here; give the server's name or address"
+    if "Connection refused" in reason or "could not connect" in reason:
+        return (
+            f"no PostgreSQL server answers at {where} (connection refused); start it, or "
+            "give the host and port it listens on"
+        )
+    if "password authentication failed" in reason or "no password supplied" in reason:
+        return (
+            f"the server at {where} refused user {user!r}: wrong or missing password; give "
+            f"it in the URL (postgresql://{user}:<password>@{where}/{database}) or in "
+            "PGPASSWORD"
+        )
+    if f'role "{user}" does not exist' in reason:
+        return f"the server at {where} has no user {user!r}; give a user it knows"
+    if f'database "{database}" does not exist' in reason:
+        return (
+            f"the server at {where} has no database {database!r}; create it (createdb -h "
+            f"{host} -p {port} -U {user} {database}) or name one that exists"
+        )
+    return None
 
 
 def storage_file(url: str) -> Path | None:

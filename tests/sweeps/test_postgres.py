@@ -1,0 +1,90 @@
+"""Studies on a real PostgreSQL server (the throwaway one of tests/postgres.py): a plain
+``postgresql://`` URL works as written, a server that cannot be used is one line, and the
+dashboard serves the server's studies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import optuna
+import pytest
+
+from transformers_lab.errors import ConfigError
+from transformers_lab.sweeps import study as st
+
+from postgres import DATABASE, PASSWORD, USER, free_port
+
+
+def test_a_plain_postgresql_url_holds_a_study(postgres_server):
+    url = postgres_server.url()
+    assert url.startswith("postgresql://")  # no driver named: the installed one is used
+    study = optuna.create_study(storage=st.open_storage(url), study_name="plain")
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=2)
+    again = optuna.load_study(storage=st.open_storage(url), study_name="plain")
+    assert len(again.trials) == 2 and again.best_value == study.best_value
+
+
+def test_the_url_names_the_installed_driver():
+    assert st.with_driver("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert st.with_driver("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert st.with_driver("postgresql+psycopg2://u@h/db") == "postgresql+psycopg2://u@h/db"
+    assert st.with_driver("sqlite:///x.db") == "sqlite:///x.db"
+
+
+@pytest.mark.parametrize(
+    ("case", "said"),
+    [
+        ("down", "no PostgreSQL server answers at 127.0.0.1:{port} (connection refused)"),
+        ("password", "the server at 127.0.0.1:{port} refused user 'tlab': wrong or missing"),
+        ("database", "the server at 127.0.0.1:{port} has no database 'nope'; create it"),
+        ("user", "the server at 127.0.0.1:{port} refused user 'nobody'"),
+        ("host", "no host 'nohost.invalid' is known here"),
+    ],
+)
+def test_a_server_that_cannot_be_used_is_one_line(postgres_server, case, said):
+    port = free_port() if case == "down" else postgres_server.port
+    url = {
+        "down": f"postgresql://{USER}:{PASSWORD}@127.0.0.1:{port}/{DATABASE}",
+        "password": postgres_server.url(password="wrong"),
+        "database": postgres_server.url(database="nope"),
+        "user": postgres_server.url(user="nobody"),
+        "host": f"postgresql://{USER}:{PASSWORD}@nohost.invalid/{DATABASE}",
+    }[case]
+    with pytest.raises(ConfigError) as err:
+        st.open_storage(url)
+    message = str(err.value)
+    assert said.format(port=port) in message and "\n" not in message, message
+    assert PASSWORD not in message and ":wrong@" not in message  # passwords hidden
+
+
+def test_the_dashboard_serves_a_study_of_the_server(postgres_server):
+    """optuna-dashboard on the server's study, bound to 127.0.0.1, answers /api/studies."""
+    url = postgres_server.url()
+    optuna.create_study(storage=st.open_storage(url), study_name="seen").optimize(
+        lambda trial: trial.suggest_float("x", 0, 1), n_trials=1
+    )
+    port = free_port()
+    dashboard = Path(sys.executable).parent / "optuna-dashboard"
+    server = subprocess.Popen(
+        [str(dashboard), st.with_driver(url), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline, answer = time.monotonic() + 60, None
+        while answer is None and time.monotonic() < deadline and server.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies") as reply:
+                    answer = json.load(reply)
+            except OSError:  # not listening yet
+                time.sleep(0.2)
+        assert answer is not None, server.stderr.read() if server.poll() is not None else "late"
+        studies = answer["study_summaries"]  # the dashboard's own name for its list
+        assert "seen" in [study["study_name"] for study in studies]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -1,0 +1,90 @@
+"""Workers of one study on a real PostgreSQL server, and on Optuna's journal file: four
+processes share n_trials=8, one is killed with SIGKILL in the middle of a trial, and the
+study still ends with exactly 8 finished trials, none run twice, after a second sweep
+resumes it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tests.sweeps.test_optuna_sweeps import command, env_of
+from transformers_lab.run.record import RESULT_FILE, read_record
+from transformers_lab.sweeps import study as st
+
+WORKERS, TRIALS = 4, 8
+
+
+def storage_of(kind: str, request, tmp_path: Path) -> str:
+    if kind == "postgresql":  # the throwaway server (skips where PostgreSQL is missing)
+        return request.getfixturevalue("postgres_server").url()
+    return f"journal:{tmp_path / 'study.log'}"
+
+
+def start_worker(tmp_path: Path, sweep: Path, storage: str, name: str) -> subprocess.Popen:
+    args = (
+        f"hydra.sweeper.storage={storage}", f"hydra.sweeper.study_name={name}",
+        f"hydra.sweeper.n_trials={TRIALS}", "hydra.sweeper.heartbeat_interval=1",
+        "trainer.max_epochs=2", "cpu_threads=1",
+    )  # fmt: skip
+    return subprocess.Popen(
+        command(sweep, *args), cwd=tmp_path, env=env_of(tmp_path), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "journal"])
+def test_four_workers_one_killed_end_with_exactly_n_finished_trials(kind, request, tmp_path):
+    storage, name = storage_of(kind, request, tmp_path), f"w{uuid.uuid4().hex[:8]}"
+    sweep = tmp_path / "sweep"
+    workers = [start_worker(tmp_path, sweep, storage, name) for _ in range(WORKERS)]
+    victim = workers[0]
+    study = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and victim.poll() is None:  # the victim mid-trial
+        try:
+            study = optuna.load_study(study_name=name, storage=st.open_storage(storage))
+        except KeyError:  # not made yet
+            time.sleep(0.2)
+            continue
+        mine = [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if t.user_attrs.get(st.OWNER, {}).get("pid") == victim.pid
+        ]
+        if mine and (sweep / str(mine[0].number) / RESULT_FILE).is_file():
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the first worker never ran a trial")
+    killed = mine[0].number
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    for worker in workers[1:]:
+        _, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, err[-3000:]
+        # Optuna's warnings on every trial (heartbeats are "experimental") are not shown
+        assert "ExperimentalWarning" not in err and "heartbeat" not in err.lower(), err
+
+    again = subprocess.run(  # a second sweep resumes the study
+        command(sweep, f"hydra.sweeper.storage={storage}", f"hydra.sweeper.study_name={name}",
+                f"hydra.sweeper.n_trials={TRIALS}", "trainer.max_epochs=2"),
+        cwd=tmp_path, env=env_of(tmp_path), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+
+    study = optuna.load_study(study_name=name, storage=st.open_storage(storage))
+    finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == TRIALS, [(t.number, t.state) for t in study.trials]
+    assert study.trials[killed].state == TrialState.FAIL  # given up, its slot asked again
+    assert len({t.number for t in finished}) == TRIALS
+    for t in finished:  # each finished trial ran once, in its own dir
+        assert read_record(sweep / str(t.number)).trial == t.number
