@@ -24,7 +24,8 @@ USER, PASSWORD, DATABASE = "tlab", "tlab-test-secret", "studies"
 
 
 class Unavailable(RuntimeError):
-    """No PostgreSQL server can be started here (the reason says why)."""
+    """No PostgreSQL server can be started here (the reason says why): the tests skip.
+    A server that is there but fails to start is an error, not a skip."""
 
 
 @dataclass
@@ -87,14 +88,19 @@ def start() -> Server:
         shutil.chown(root / "pw", as_user)
     server = Server(root, free_port(), bin_dir, as_user)
     data, sockets = root / "data", root / "sockets"
-    server.run(
-        "initdb", "-D", str(data), "-U", USER, f"--pwfile={root / 'pw'}",
-        "--auth-host=scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--no-sync",
-    )  # fmt: skip
-    sockets.mkdir()
-    if as_user is not None:
-        shutil.chown(sockets, as_user)
-    options = f"-h 127.0.0.1 -p {server.port} -k {sockets} -c fsync=off"
-    server.run("pg_ctl", "start", "-D", str(data), "-o", options, "-l", str(root / "log"), "-w")
-    server.run("createdb", "-h", str(sockets), "-p", str(server.port), "-U", USER, DATABASE)
+    try:
+        server.run(
+            "initdb", "-D", str(data), "-U", USER, f"--pwfile={root / 'pw'}",
+            "--auth-host=scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--no-sync",
+        )  # fmt: skip
+        sockets.mkdir()
+        if as_user is not None:
+            shutil.chown(sockets, as_user)
+        options = f"-h 127.0.0.1 -p {server.port} -k {sockets} -c fsync=off"
+        server.run("pg_ctl", "start", "-D", str(data), "-o", options, "-l", str(root / "log"), "-w")
+        server.run("createdb", "-h", str(sockets), "-p", str(server.port), "-U", USER, DATABASE)
+    except (OSError, subprocess.SubprocessError) as exc:  # stopped and removed, said why
+        said = getattr(exc, "stderr", None) or str(exc)
+        server.stop()
+        raise RuntimeError(f"the test server did not start: {said.strip()[-500:]}") from None
     return server

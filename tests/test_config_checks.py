@@ -100,3 +100,17 @@ def test_values_have_the_types_their_constructor_declares():
     check_config(OmegaConf.create({"model": fine}))  # an int is a number; null is the data's
     other = {"_target_": "torch.nn.Linear", "bias": "yes"}  # not ours: its own checks
     check_config(OmegaConf.create({"model": other}))
+
+
+def test_a_build_that_reads_its_values_falls_back_from_meta_to_the_cpu():
+    """The meta device has no values: a user's kernel that reads a tensor's value while it
+    is built (.numpy(), .item()) is built on the CPU instead, not refused; a refusal of its
+    own (ValueError) goes up."""
+    import torch
+
+    from transformers_lab.config_checks import on_meta
+
+    assert on_meta(lambda: torch.ones(2).numpy()).tolist() == [1.0, 1.0]
+    assert on_meta(lambda: torch.ones(2)).device.type == "meta"  # the cheap path first
+    with pytest.raises(ValueError, match="mine"):
+        on_meta(lambda: (_ for _ in ()).throw(ValueError("mine")))

@@ -219,6 +219,20 @@ def cross_shares(model: DictConfig) -> bool:
     return "cross_attention" in model and model.get("cross_attention") is None
 
 
+def on_meta(build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``build(*args, **kwargs)`` on the meta device (no memory, no initialisation), or on
+    the CPU for a kernel of the user's that reads its tensors' values while it is built
+    (``.item()``, ``.numpy()``), which the meta device cannot give. A refusal
+    (ValueError; a TypeError again on the CPU) goes up as the kernel raised it."""
+    try:
+        with torch.device("meta"):
+            return build(*args, **kwargs)
+    except ValueError:
+        raise
+    except (RuntimeError, NotImplementedError, TypeError):
+        return build(*args, **kwargs)
+
+
 def check_attention(model: DictConfig, data_context: int | None = None) -> None:
     """Each kernel built into its layer, on the meta device, as the model will build it,
     and held to the model's own rules (``nn.attention``'s ``refuse_*``, the rotary's), so
@@ -241,18 +255,18 @@ def check_attention(model: DictConfig, data_context: int | None = None) -> None:
         try:  # a kernel config (a partial) or a kernel's name, built into its layer(s)
             factory = as_kernel_factory(kernel if isinstance(kernel, str) else call(kernel, key))
             alibi = key == "attention" and model.get("pos_encoding") == "alibi"
-            with torch.device("meta"):
-                layers = [
-                    MultiHeadAttention(
-                        model.d_model,
-                        model.n_head,
-                        factory,
-                        cross=cross,
-                        alibi=alibi and not cross,
-                        rope_theta=None if cross else rope_theta,
-                    )
-                    for cross in crosses
-                ]
+            layers = [
+                on_meta(
+                    MultiHeadAttention,
+                    model.d_model,
+                    model.n_head,
+                    factory,
+                    cross=cross,
+                    alibi=alibi and not cross,
+                    rope_theta=None if cross else rope_theta,
+                )
+                for cross in crosses
+            ]
             selves = [layer for layer, cross in zip(layers, crosses, strict=True) if not cross]
             if getattr(model_class, "causal_self_attention", False):
                 refuse_causal(selves, model_class.__name__)
@@ -290,8 +304,7 @@ def check_hybrid(model: DictConfig) -> None:
         try:
             factory = call(choice, f"model.hybrid layer {i}")
             alibi = model.get("pos_encoding") == "alibi"
-            with torch.device("meta"):
-                sequence_mixer(model.d_model, model.n_head, factory, alibi=alibi)
+            on_meta(sequence_mixer, model.d_model, model.n_head, factory, alibi=alibi)
         except ConfigError:
             raise
         except (ValueError, TypeError) as exc:

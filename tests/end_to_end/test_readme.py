@@ -125,7 +125,9 @@ def skip_reason(command: str) -> str | None:
 
 def budget(command: str) -> list[str]:
     start = program_start(command)
-    return next(extra for s, extra in BUDGET if start.startswith(s))
+    extra = next((extra for s, extra in BUDGET if start.startswith(s)), None)
+    assert extra is not None, f"no BUDGET row for {command!r}: add one (or a SKIPPED reason)"
+    return extra
 
 
 ALL_LINES = {page.name: page_commands(page) for page in PAGES}

@@ -4,6 +4,7 @@ dashboard serves the server's studies."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -29,6 +30,9 @@ def test_a_plain_postgresql_url_holds_a_study(postgres_server):
     assert len(again.trials) == 2 and again.best_value == study.best_value
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("psycopg2") is not None, reason="psycopg2 serves postgresql://"
+)
 def test_the_url_names_the_installed_driver():
     assert st.with_driver("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
     assert st.with_driver("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
