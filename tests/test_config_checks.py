@@ -114,3 +114,15 @@ def test_a_build_that_reads_its_values_falls_back_from_meta_to_the_cpu():
     assert on_meta(lambda: torch.ones(2)).device.type == "meta"  # the cheap path first
     with pytest.raises(ValueError, match="mine"):
         on_meta(lambda: (_ for _ in ()).throw(ValueError("mine")))
+
+
+def test_a_hybrid_layer_is_held_to_the_model_s_rules_before_the_data():
+    gpt = {"_target_": "transformers_lab.models.GPT", "n_layer": 2}
+    cos = {"_target_": "transformers_lab.attention.cosformer.CosFormerAttention"}
+    short = OmegaConf.create(cos | {"_partial_": True, "max_len": 8})
+    with pytest.raises(ConfigError, match=r"layer 1 .*max_len=8, but the GPT's context is 64"):
+        check_attention(model(**gpt, block_size=64, hybrid={1: short}))
+    fast = {"_target_": "transformers_lab.attention.fastmax.FastmaxAttention", "_partial_": True}
+    future = OmegaConf.create(fast | {"normalize": "sequence_max"})
+    with pytest.raises(ConfigError, match="GPT attends causally"):
+        check_attention(model(**gpt, block_size=64, hybrid={0: future}))

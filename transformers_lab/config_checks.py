@@ -275,10 +275,10 @@ def check_attention(model: DictConfig, data_context: int | None = None) -> None:
             raise
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
-    check_hybrid(model)
+    check_hybrid(model, context)
 
 
-def check_hybrid(model: DictConfig) -> None:
+def check_hybrid(model: DictConfig, context: int | None = None) -> None:
     """``model.hybrid``: its layers exist and fit the stack, and each one builds as its
     layer will (ALiBi, for one, needs a kernel that forms scores in every layer)."""
     if model.get("hybrid") is None:
@@ -304,7 +304,10 @@ def check_hybrid(model: DictConfig) -> None:
         try:
             factory = call(choice, f"model.hybrid layer {i}")
             alibi = model.get("pos_encoding") == "alibi"
-            on_meta(sequence_mixer, model.d_model, model.n_head, factory, alibi=alibi)
+            mixer = on_meta(sequence_mixer, model.d_model, model.n_head, factory, alibi=alibi)
+            if getattr(model_class, "causal_self_attention", False):  # the model's own rules
+                refuse_causal([mixer], model_class.__name__)
+            refuse_short_positions([mixer], context, f"the {model_class.__name__}")
         except ConfigError:
             raise
         except (ValueError, TypeError) as exc:

@@ -357,7 +357,7 @@ def test_cosformer_is_refused_where_queries_and_keys_have_no_common_positions(tm
     with pytest.raises(ConfigError, match="cosformer weighs keys by their positions in one"):
         check_config(compose_config("train", overrides, tmp_path / "a"))
     short = ["experiment=baby_gpt", "attention=cosformer", "attention.max_len=32"]
-    with pytest.raises(ConfigError, match="max_len=32, but the GPT's context is 64; set"):
+    with pytest.raises(ConfigError, match="max_len=32, but the GPT's context is 64; give"):
         check_config(compose_config("train", short, tmp_path / "b"))
 
 

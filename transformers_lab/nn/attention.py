@@ -64,7 +64,8 @@ def refuse_short_positions(modules: Iterable[nn.Module], context: int | None, mo
             if getattr(kernel, "positional", False) and longest is not None and context > longest:
                 raise ValueError(
                     f"{kernel.name} weighs positions up to its max_len={longest}, but "
-                    f"{model}'s context is {context}; set attention.max_len={context}"
+                    f"{model}'s context is {context}; give the kernel max_len={context} "
+                    f"(attention.max_len={context} for the model's own)"
                 )
 
 
