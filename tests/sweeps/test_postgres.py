@@ -14,6 +14,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from optuna.trial import TrialState
 
 from transformers_lab.errors import ConfigError
 from transformers_lab.sweeps import study as st
@@ -92,3 +93,27 @@ def test_the_dashboard_serves_a_study_of_the_server(postgres_server):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # this test asks without optimize
+def test_a_worker_on_another_host_is_known_dead_by_its_heartbeat_alone(postgres_server):
+    """Its pid says nothing here: the trial it left running is given up once its heartbeat
+    is older than the grace period (4 intervals), and its slot is asked again; a trial of
+    another host whose heartbeat goes on is kept."""
+    storage = st.open_storage(postgres_server.url(), heartbeat_interval=1)
+    study = optuna.create_study(storage=storage, study_name="far")
+    dead, alive = study.ask(), study.ask()
+    for trial in (dead, alive):
+        storage.set_trial_user_attr(trial._trial_id, st.OWNER, {"host": "far", "pid": 1})
+        storage.record_heartbeat(trial._trial_id)
+    assert st.reclaim_lost(study, storage) == []  # both heartbeats are fresh
+    deadline = time.monotonic() + 4 * 1 + 2
+    while time.monotonic() < deadline:  # only the live one keeps beating
+        storage.record_heartbeat(alive._trial_id)
+        time.sleep(0.5)
+    lost = st.reclaim_lost(study, storage)
+    assert [t.number for t in lost] == [dead.number]
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states == {dead.number: TrialState.FAIL, alive.number: TrialState.RUNNING}
+    rows = {row.number: row for row in st.trial_rows(study)}
+    assert rows[dead.number].state == "lost" and "no heartbeat" in rows[dead.number].note
