@@ -233,6 +233,15 @@ def on_meta(build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return build(*args, **kwargs)
 
 
+def hold_to_model_rules(layers: list[Any], model_class: type | None, context: int | None) -> None:
+    """The model's own refusals of a self-attention layer: a kernel that cannot attend
+    causally in a model that attends so, and positions shorter than its context."""
+    if getattr(model_class, "causal_self_attention", False):
+        refuse_causal(layers, model_class.__name__)
+    who = f"the {model_class.__name__}" if model_class is not None else "the model"
+    refuse_short_positions(layers, context, who)
+
+
 def check_attention(model: DictConfig, data_context: int | None = None) -> None:
     """Each kernel built into its layer, on the meta device, as the model will build it,
     and held to the model's own rules (``nn.attention``'s ``refuse_*``, the rotary's), so
@@ -243,7 +252,6 @@ def check_attention(model: DictConfig, data_context: int | None = None) -> None:
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
     model_class = target_class(model) if "_target_" in model else None
-    who = f"the {model_class.__name__}" if model_class is not None else "the model"
     context = model.get("block_size") or model.get("max_len") or data_context
     rope_theta = model.get("rope_theta", 10000.0) if model.get("pos_encoding") == "rope" else None
     for key in ("attention", "cross_attention"):
@@ -268,9 +276,7 @@ def check_attention(model: DictConfig, data_context: int | None = None) -> None:
                 for cross in crosses
             ]
             selves = [layer for layer, cross in zip(layers, crosses, strict=True) if not cross]
-            if getattr(model_class, "causal_self_attention", False):
-                refuse_causal(selves, model_class.__name__)
-            refuse_short_positions(selves, context, who)
+            hold_to_model_rules(selves, model_class, context)
         except ConfigError:  # built by ``call``, which names the key already
             raise
         except (ValueError, TypeError) as exc:
@@ -305,9 +311,7 @@ def check_hybrid(model: DictConfig, context: int | None = None) -> None:
             factory = call(choice, f"model.hybrid layer {i}")
             alibi = model.get("pos_encoding") == "alibi"
             mixer = on_meta(sequence_mixer, model.d_model, model.n_head, factory, alibi=alibi)
-            if getattr(model_class, "causal_self_attention", False):  # the model's own rules
-                refuse_causal([mixer], model_class.__name__)
-            refuse_short_positions([mixer], context, f"the {model_class.__name__}")
+            hold_to_model_rules([mixer], model_class, context)
         except ConfigError:
             raise
         except (ValueError, TypeError) as exc:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 from hydra.utils import instantiate
 
+from tests.end_to_end.test_readme import readme_block  # the README's code blocks
 from transformers_lab.attention import KERNELS, AttentionKernel
 from transformers_lab.cli import check_overrides
 from transformers_lab.config import CONF_DIR, compose_config
@@ -22,16 +22,6 @@ from transformers_lab.run.build import build_datamodule, build_model
 
 from fake_data import fake_data_root
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def readme_file(first_line: str) -> str:
-    """The README code block that starts with ``first_line`` (its path, as a comment)."""
-    for block in re.findall(r"```\w*\n(.*?)```", README.read_text(), re.S):
-        if block.startswith(first_line + "\n"):
-            return block
-    raise AssertionError(f"no README block starts with {first_line!r}")
-
 
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory) -> Path:
@@ -39,9 +29,9 @@ def user_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("user")
     (root / "my_kernels").mkdir()
     (root / "my_kernels" / "__init__.py").write_text("")
-    (root / "my_kernels" / "distance.py").write_text(readme_file("# my_kernels/distance.py"))
+    (root / "my_kernels" / "distance.py").write_text(readme_block("# my_kernels/distance.py"))
     (root / "my_conf" / "attention").mkdir(parents=True)
-    yaml = readme_file("# my_conf/attention/distance.yaml")
+    yaml = readme_block("# my_conf/attention/distance.yaml")
     (root / "my_conf" / "attention" / "distance.yaml").write_text(yaml)
     return root
 

@@ -29,19 +29,24 @@ def storage_of(kind: str, request, tmp_path: Path) -> str:
     return f"journal:{tmp_path / 'study.log'}"
 
 
+def worker_command(sweep: Path, storage: str, name: str) -> list[str]:
+    """A worker's command line: every worker, and the sweep that resumes, run the same."""
+    return command(
+        sweep, f"hydra.sweeper.storage={storage}", f"hydra.sweeper.study_name={name}",
+        f"hydra.sweeper.n_trials={TRIALS}", "hydra.sweeper.heartbeat_interval=1",
+        "trainer.max_epochs=2", "cpu_threads=1",
+    )  # fmt: skip
+
+
 def start_worker(
     tmp_path: Path, sweep: Path, storage: str, name: str, number: int
 ) -> subprocess.Popen:
     """A worker; its stderr goes to ``worker<number>.err`` (a pipe nobody reads while the
     test waits would fill and stop it)."""
-    args = (
-        f"hydra.sweeper.storage={storage}", f"hydra.sweeper.study_name={name}",
-        f"hydra.sweeper.n_trials={TRIALS}", "hydra.sweeper.heartbeat_interval=1",
-        "trainer.max_epochs=2", "cpu_threads=1",
-    )  # fmt: skip
     return subprocess.Popen(
-        command(sweep, *args), cwd=tmp_path, env=env_of(tmp_path), start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / f"worker{number}.err").open("w"),
+        worker_command(sweep, storage, name), cwd=tmp_path, env=env_of(tmp_path),
+        start_new_session=True, stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / f"worker{number}.err").open("w"),
     )  # fmt: skip
 
 
@@ -87,8 +92,7 @@ def test_four_workers_one_killed_end_with_exactly_n_finished_trials(kind, reques
                 worker.wait()
 
     again = subprocess.run(  # a second sweep resumes the study
-        command(sweep, f"hydra.sweeper.storage={storage}", f"hydra.sweeper.study_name={name}",
-                f"hydra.sweeper.n_trials={TRIALS}", "trainer.max_epochs=2"),
+        worker_command(sweep, storage, name),
         cwd=tmp_path, env=env_of(tmp_path), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]

@@ -217,10 +217,13 @@ class NonFiniteGuard(L.Callback):
 
     def __init__(self, check_gradients: bool = True) -> None:
         self.check_gradients = check_gradients
-        self.hands_norm_on = False  # whether the clipping may use the norm (set per fit)
+        self.hands_norm_on = False  # whether the task's clipping takes the norm (set per fit)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.hands_norm_on = norm_is_clipping_norm(trainer)
+        # decided once a fit, not every step: a Protocol's isinstance walks its methods
+        self.hands_norm_on = norm_is_clipping_norm(trainer) and isinstance(
+            pl_module, TakesCheckedNorm
+        )
 
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
@@ -243,7 +246,7 @@ class NonFiniteGuard(L.Callback):
         bad = not all_finite(grads, norm)
         if trainer.strategy.reduce_boolean_decision(bad, all=False):
             self.stop(trainer, self.first_bad(pl_module, "grad") if bad else "a gradient")
-        if norm is not None and self.hands_norm_on and isinstance(pl_module, TakesCheckedNorm):
+        if norm is not None and self.hands_norm_on:
             pl_module.take_checked_norm(CheckedNorm(optimizer, pl_module.global_step, norm))
 
     def on_save_checkpoint(

@@ -80,6 +80,9 @@ class SplitTotals(nn.Module):
         return (sums[0] / count).float(), (sums[1] / count).float()
 
 
+PLAIN_ATTRIBUTES = ("_current_fx_name", "checked_norm")  # set every step: see __setattr__
+
+
 class Task(L.LightningModule):
     """A LightningModule around a plain ``nn.Module`` model.
 
@@ -129,8 +132,9 @@ class Task(L.LightningModule):
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets the hook under way twice around every hook call, some 60 times a
-        # training step: a plain attribute, which nn.Module's checks would only slow down
-        if name == "_current_fx_name":
+        # training step, and the guard's norm is handed over and taken back every step:
+        # plain attributes, which nn.Module's checks would only slow down
+        if name in PLAIN_ATTRIBUTES:
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
