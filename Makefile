@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install train ablate zoology mad test test-slow lint format docs bench bench-long bench-training bench-study notebooks clean
+.PHONY: help install train ablate zoology mad test test-slow test-gpu bench-gpu lint format docs bench bench-long bench-training bench-study notebooks clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -42,6 +42,21 @@ test: install  ## the default suite, every test not marked slow (under 10 min on
 
 test-slow: install  ## the tests marked slow: end-to-end trainings, notebooks, every documented command (CI runs both)
 	$(TEST_RUN) -m slow $(PYTEST_ARGS)
+
+test-gpu: install  ## the tests marked gpu, on a machine with a CUDA GPU (elsewhere they skip): every kernel's contract, bf16 autocast, GPT steps eager and compiled, fla's kernels where installed
+	WANDB_MODE=offline $(PY) -m pytest -m gpu -n $(or $(GPU_WORKERS),8) tests/gpu $(PYTEST_ARGS)
+
+# the GPU bench: softmax through SDPA's flash backend (bf16), the linear and gated kernels,
+# linear also compiled, and fla's Triton kernels beside them (pip install
+# flash-linear-attention; they autotune at each new shape, a minute or more on first use).
+# fastmax_p2_compiled took over 150 s to compile at head_dim 64 on an H200: name it to try.
+GPU_KERNELS ?= softmax linear linear_compiled linear_fla based based_fla fastmax_p1 fastmax_p2 \
+	performer cosformer retnet retnet_fla gla gla_fla simple_gla simple_gla_fla deltanet \
+	deltanet_fla gated_deltanet gated_deltanet_fla
+GPU_BENCH_ARGS ?= --n 4096 16384 65536 --batch 2 --heads 8 --head-dim 64 --repeats 10
+
+bench-gpu: install  ## the kernel bench on a CUDA GPU, in bf16, beside SDPA's flash attention and fla's kernels: bench_out/gpu/
+	$(PY) -m transformers_lab.bench.kernels --device cuda --in-process --causal causal --dtype bfloat16 --kernels $(GPU_KERNELS) $(GPU_BENCH_ARGS) --out bench_out/gpu $(BENCH_ARGS)
 
 docs: install  ## rewrite the README's kernel table from the registered kernels (ARGS="--config-dir my_conf": yours too)
 	$(PY) -m transformers_lab.attention --readme README.md $(ARGS)

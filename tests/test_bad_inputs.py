@@ -62,6 +62,9 @@ CASES = [
     case("bench-generation", ["--kernels", "relu3"], "unknown variant(s) 'relu3'"),
     case("bench-long-context", ["--kernels", "relu3"], "unknown kernel 'relu3'; valid: additive"),
     case("bench", ["--config-dir", "{tmp}"], "no attention/ folder in the config dir"),
+    case("bench", ["--kernels", "gla_fla"], "gla_fla: fla's kernels cannot run here: they run on"),
+    case("bench", ["--in-process"], "--in-process measures on --device cuda only"),
+    case("check", ["gla", "--device", "tpu9"], "--device 'tpu9' is not a device; use cpu or cuda"),
     # the model and its attention kernel
     case("train", ["attention=fastmx"], "unknown attention 'fastmx'; valid options are"),
     case("train", ["model.attention=fastmx"], "unknown attention kernel 'fastmx'; valid kernels"),
@@ -322,6 +325,16 @@ CASES = [
         "train",
         ["experiment=mqar", "model.pos_encoding=alibi", "attention=gla"],
         "which attention=gla never forms",
+    ),
+    case(  # fla's Triton kernels: CUDA only (CI has none: the refusal is what it sees)
+        "train",
+        ["experiment=mqar", "attention=gla", "attention.backend=fla"],
+        "gla: attention.backend=fla cannot run here: no CUDA GPU is visible",
+    ),
+    case(
+        "train",
+        ["experiment=mqar", "attention=deltanet", "attention.backend=triton"],
+        "deltanet: backend='triton' is not one of torch, fla",
     ),
     case(
         "train",

@@ -34,6 +34,8 @@ SKIPPED = {
     + "; and several nodes",
     "tlab-train trainer=fsdp trainer.devices=4 experiment=gpt_shakespeare": NO_GPU,
     "tlab-train trainer=gpu trainer.precision=bf16-mixed compile=true": NO_GPU,
+    "python -m transformers_lab.attention.check gla --device cuda": NO_GPU
+    + " (tests/gpu runs it for every kernel on a GPU machine)",
     "tlab-train -m launcher=slurm": "needs a SLURM cluster (the preset's composition is tested "
     "in test_sweeps.py)",
     "tlab-train sweep=attention_kernels launcher=slurm": "needs a SLURM cluster and GPUs",

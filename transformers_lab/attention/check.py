@@ -5,6 +5,7 @@
     python -m transformers_lab.attention.check mine --config-dir my_conf
     python -m transformers_lab.attention.check my_package.kernels.MyKernel scale=0.5
     python -m transformers_lab.attention.check my_conf/attention/mine.yaml
+    python -m transformers_lab.attention.check gla --device cuda
 
 TARGET is any name the ``attention`` group takes (the user's own with ``--config-dir DIR``
 or ``hydra.searchpath=[file://DIR]``, as ``tlab-train`` takes it), a registered kernel, a
@@ -48,6 +49,9 @@ built around the kernel is checked too:
 - ``layer padding``: padded tokens change no other token's output;
 - ``layer state``: the decode state holds the layer's ``state_size(n)`` numbers;
 - ``layer gradcheck``: float64 gradients of the input and every parameter.
+
+``--device cuda`` runs every check on the GPU (tensors and the kernel built there, by
+``torch.device`` as the default device), in float64 as on the CPU.
 
 One line per failure, and exit status 1 if any; ``ok`` and exit status 0 otherwise.
 """
@@ -661,14 +665,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--alibi", action="store_true", help="check it with ALiBi's bias on its scores"
     )
+    parser.add_argument(
+        "--device", default="cpu", help="where the checks run: cpu (default) or cuda[:N]"
+    )
     args = parser.parse_args(argv)
     try:
+        device = check_device(args.device)
         dirs = config_dirs(args.config_dir, args.options)
         full = kernel_factory(args.target, parse_options(args.options), dirs)
         factory = with_alibi(full) if args.alibi else full
-        failures = check_kernel(factory)
-        ran = checks_for(build(factory))
-        layer, layer_ran = layer_failures(full, alibi=args.alibi)
+        with device:
+            failures = check_kernel(factory)
+            ran = checks_for(build(factory))
+            layer, layer_ran = layer_failures(full, alibi=args.alibi)
         failures, ran = failures + layer, ran + layer_ran
     except (CheckError, UnknownKernel, TypeError, ValueError) as exc:  # it cannot be built
         print(f"error: {exc}", file=sys.stderr)
@@ -677,8 +686,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"FAIL {args.target}: {line}")
     if failures:
         return 1
-    print(f"ok: {args.target} passes the {len(ran)} checks ({', '.join(ran)})")
+    where = "" if device.type == "cpu" else f" on {device}"
+    print(f"ok: {args.target} passes the {len(ran)} checks{where} ({', '.join(ran)})")
     return 0
+
+
+def check_device(name: str) -> torch.device:
+    """The device the checks run on; one line if it is not there."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CheckError(f"--device {name!r} is not a device; use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CheckError("--device cuda: no CUDA GPU is visible here; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise CheckError(f"--device {name!r}: the checks run on cpu or cuda")
+    return device
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ class GatedDeltaNetAttention(GatedKernel):
     step in [0.001, 0.1] (Mamba2's initialisation, as fla's Gated DeltaNet layer).
 
     Args:
-        chunk_size: as for every gated kernel (``GatedKernel``).
+        chunk_size, backend: as for every gated kernel (``GatedKernel``).
     """
 
     name = "gated_deltanet"
@@ -35,9 +35,14 @@ class GatedDeltaNetAttention(GatedKernel):
     }
 
     def __init__(
-        self, head_dim: int, num_heads: int, dropout: float = 0.0, chunk_size: int = 64
+        self,
+        head_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        chunk_size: int = 64,
+        backend: str = "torch",
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, chunk_size)
+        super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
         a = torch.empty(num_heads).uniform_(1, 16)
         self.A_log = nn.Parameter(a.log())
         dt = torch.exp(torch.rand(num_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))

@@ -18,7 +18,7 @@ class RetNetAttention(GatedKernel):
     S_t = gamma_h S_{t-1} + k_t v_t^T, o_t = S_t^T q_t / sqrt(D).
 
     Args:
-        chunk_size: as for every gated kernel (``GatedKernel``).
+        chunk_size, backend: as for every gated kernel (``GatedKernel``).
         gamma: the decay of each head, in (0, 1]; None: RetNet's 1 - 2^(-5 - h).
     """
 
@@ -32,8 +32,9 @@ class RetNetAttention(GatedKernel):
         dropout: float = 0.0,
         chunk_size: int = 64,
         gamma: Sequence[float] | None = None,
+        backend: str = "torch",
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, chunk_size)
+        super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
         if gamma is None:
             gamma = [1 - 2.0 ** (-5 - h) for h in range(num_heads)]
         gamma = list(gamma)

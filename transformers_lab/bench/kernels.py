@@ -68,6 +68,7 @@ from hydra.utils import get_class, instantiate
 from torch import Tensor
 
 from transformers_lab.attention import AttentionKernel
+from transformers_lab.attention.linear.fla_ops import unavailable
 from transformers_lab.attention.resolve import UnknownKernel, config_dirs, kernel_config
 from transformers_lab.cli import fail
 from transformers_lab.config import CONF_DIR, attention_configs
@@ -94,6 +95,15 @@ FUSED_VARIANTS = frozenset({"fastmax_p2_fused"})  # and every variant with a sho
 # kernels): its chunk steps through torch.compile, compiled in the warm-up pass (not
 # timed). Run only when named: the default run leaves them out.
 COMPILED = "_compiled"
+# ... and fla's Triton kernels beside ours, also only when named: ``<option>_fla`` for the
+# gated kernels (their ``backend=fla``), and fla's ops for linear attention and Based
+FLA = "_fla"
+FLA_OPS: dict[str, dict[str, Any]] = {
+    "linear_fla": {"_target_": "transformers_lab.bench.fla_kernels.FlaLinearAttention",
+                   "_partial_": True},
+    "based_fla": {"_target_": "transformers_lab.bench.fla_kernels.FlaBasedAttention",
+                  "_partial_": True},
+}  # fmt: skip
 
 
 @functools.cache
@@ -108,7 +118,8 @@ def variants(dirs: tuple[Path, ...] = (CONF_DIR,)) -> dict[str, dict[str, Any]]:
     found = {name: options[name] for name in names}
     for name, (base, extra) in PATH_VARIANTS.items():
         found[name] = {**options[base], **extra}
-    return {**found, **compiled_variants({name: options[name] for name in names})}
+    named = {name: options[name] for name in names}
+    return {**found, **compiled_variants(named), **fla_variants(named)}
 
 
 def compiled_variants(options: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -119,10 +130,19 @@ def compiled_variants(options: dict[str, dict[str, Any]]) -> dict[str, dict[str,
     }
 
 
+def fla_variants(options: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``<option>_fla`` -> its config with ``backend: fla`` (fla's Triton kernel for its
+    recurrence, ``attention.linear.fla_ops``), for every option of ``options`` with a
+    ``backend`` option (the gated kernels); and fla's ops for linear attention and Based
+    (``bench.fla_kernels``). CUDA with flash-linear-attention only."""
+    found = {name + FLA: {**c, "backend": "fla"} for name, c in options.items() if "backend" in c}
+    return {**found, **FLA_OPS}
+
+
 def default_variants(dirs: tuple[Path, ...] = (CONF_DIR,)) -> list[str]:
     """What a run without ``--kernels`` measures: every variant but the compiled ones
-    (each compiles for every N, 10-20 s apiece)."""
-    return [name for name in variants(dirs) if not name.endswith(COMPILED)]
+    (each compiles for every N, 10-20 s apiece) and fla's (a GPU with fla installed)."""
+    return [name for name in variants(dirs) if not name.endswith((COMPILED, FLA))]
 
 
 QUADRATIC_VARIANTS = frozenset({"additive", "fastmax_p2_quadratic"})
@@ -654,18 +674,38 @@ def skip_reason(
     return None
 
 
+def measure_here(spec: Spec, timeout: float) -> Row:
+    """Measure ``spec`` in this process (``--in-process``, CUDA: its allocator's peak is
+    the pass's own whatever ran before); a failure or running out of memory is an error
+    row, and a pass too slow for ``timeout`` over the warm-up and repeats a timeout row."""
+    try:
+        row = measure_once(spec)
+    except Exception as exc:  # any failure becomes an error row, never a crash
+        row = spec.row(status=error_status(f"{type(exc).__name__}: {exc}"))
+    gc.collect()
+    if spec.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    if row["time_ms"] is not None and row["time_ms"] * (spec.repeats + 3) > 1e3 * timeout:
+        row = {**row, "status": "timeout"}  # measured, but the next N would run too long
+    return row
+
+
 def run_bench(args: argparse.Namespace) -> list[Row]:
     """Run every measurement of ``args`` (progress on stderr) and return the rows: with
     ``--rounds R``, each measurement R times in fresh workers, the rounds interleaved
-    (every variant, then every variant again), and each row the round of median time."""
+    (every variant, then every variant again), and each row the round of median time.
+    ``--in-process`` measures them all in this process instead (CUDA), N by N."""
     specs = plan(args)
+    if args.in_process:  # N by N, so that a slow variant is dropped before its longest N
+        specs = sorted(specs, key=lambda s: (not s.causal, s.n))
+    measure = measure_here if args.in_process else run_worker
     timed_out_at: dict[tuple[str, bool], int] = {}
     runs: list[list[Row]] = [[] for _ in specs]
     total = len(specs) * args.rounds
     for r in range(args.rounds):
         for i, spec in enumerate(specs):
             reason = skip_reason(spec, args.quadratic_max_n, timed_out_at)
-            row = spec.row(status=reason) if reason else run_worker(spec, args.timeout)
+            row = spec.row(status=reason) if reason else measure(spec, args.timeout)
             if row["status"] == "timeout":
                 timed_out_at[(spec.variant, spec.causal)] = spec.n
             runs[i].append(row)
@@ -948,6 +988,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=positive_float, default=600.0, help="seconds allowed per measurement"
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="measure every variant in this one process, N by N (cuda only: its allocator "
+        "gives each pass's own peak; no process start or CUDA set-up per measurement)",
+    )
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     return parser
 
@@ -966,6 +1012,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         fail(str(exc))  # one line: the kernel named and the valid ones
     if args.device == "cuda" and args.worker is None and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
+    fla = [name for name in args.kernels if name.endswith(FLA)]
+    if fla and (why := unavailable() if args.device == "cuda" else "they run on --device cuda"):
+        fail(f"{', '.join(fla)}: fla's kernels cannot run here: {why}")
+    if args.in_process and args.device != "cuda":
+        fail(
+            "--in-process measures on --device cuda only (a CPU process's resident memory "
+            "keeps what earlier passes freed); drop it to measure each variant in its own "
+            "process"
+        )
     return args
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformers_lab.attention.base import AttentionKernel
+from transformers_lab.attention.linear.fla_ops import check_backend, fla_recurrence
 from transformers_lab.attention.linear.gated import (
     HALF,
     chunked_recurrence,
@@ -37,6 +38,9 @@ class GatedKernel(AttentionKernel):
     Args:
         chunk_size: C, the tokens of a chunk of the chunked path.
         dropout: not supported (0 only): a gated state has no weights to drop.
+        backend: what trains: ``torch``, our chunk loop (any device), or ``fla``, fla's
+            Triton kernel for the same recurrence (CUDA, flash-linear-attention installed;
+            ``fla_ops``). Decoding runs our recurrence either way.
     """
 
     normalized = False
@@ -44,7 +48,12 @@ class GatedKernel(AttentionKernel):
     causal_only = True
 
     def __init__(
-        self, head_dim: int, num_heads: int, dropout: float = 0.0, chunk_size: int = 64
+        self,
+        head_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        chunk_size: int = 64,
+        backend: str = "torch",
     ) -> None:
         super().__init__(head_dim, num_heads, dropout)
         if dropout:
@@ -55,6 +64,8 @@ class GatedKernel(AttentionKernel):
         if not (isinstance(chunk_size, int) and chunk_size >= 1):
             raise ValueError(f"{self.name}: chunk_size must be an integer >= 1, got {chunk_size!r}")
         self.chunk_size = chunk_size
+        check_backend(self.name, backend)
+        self.backend = backend
         self.scale = head_dim**-0.5
 
     # ------------------------------------------------------------ what a subclass gives
@@ -70,7 +81,7 @@ class GatedKernel(AttentionKernel):
     # ------------------------------------------------------------ the contract
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, chunk_size={self.chunk_size}"
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}, backend={self.backend}"
 
     def inputs(
         self,
@@ -128,6 +139,11 @@ class GatedKernel(AttentionKernel):
     ) -> Tensor:
         self.check_inputs(q, k, v, key_padding_mask)
         q, k, v, log_decay, beta, skip = self.inputs(q, k, v, causal, key_padding_mask, gates)
+        if self.backend == "fla":  # fla's kernels take half precision and accumulate in fp32
+            with torch.autocast(q.device.type, enabled=False):
+                v = v.to(q.dtype)
+                out = fla_recurrence(q, k.to(q.dtype), v, log_decay, beta, scale=self.scale)
+            return out[:, :, skip:]
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
             q, k, v, log_decay, beta = at_least_float32(q, k, v, log_decay, beta)
@@ -248,7 +264,7 @@ class TemperedDecayKernel(GatedKernel):
 
     Args:
         gate_normalizer: tau (16, as fla's GLA layers): a larger tau, a longer memory.
-        chunk_size: as for every gated kernel (``GatedKernel``).
+        chunk_size, backend: as for every gated kernel (``GatedKernel``).
     """
 
     def __init__(
@@ -258,8 +274,9 @@ class TemperedDecayKernel(GatedKernel):
         dropout: float = 0.0,
         chunk_size: int = 64,
         gate_normalizer: float = 16.0,
+        backend: str = "torch",
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, chunk_size)
+        super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
         if not gate_normalizer > 0:
             raise ValueError(f"{self.name}: gate_normalizer must be > 0, got {gate_normalizer!r}")
         self.gate_normalizer = float(gate_normalizer)
