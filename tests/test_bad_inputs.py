@@ -334,7 +334,7 @@ CASES = [
     case(
         "train",
         ["experiment=mqar", "attention=deltanet", "attention.backend=triton"],
-        "deltanet: backend='triton' is not one of torch, fla",
+        "deltanet: backend='triton' is not one of null, fla",
     ),
     case(
         "train",

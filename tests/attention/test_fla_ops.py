@@ -17,11 +17,11 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is vi
 @pytest.mark.parametrize("name", GATED)
 def test_a_gated_kernel_trains_on_our_chunk_loop_unless_told(name):
     kernel = build_kernel(name, head_dim=8, num_heads=2)
-    assert kernel.backend == "torch" and "backend=torch" in repr(kernel)
+    assert kernel.backend is None and "backend=None" in repr(kernel)
 
 
 def test_an_unknown_backend_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"^gla: backend='triton' is not one of torch, fla;"):
+    with pytest.raises(ValueError, match=r"^gla: backend='triton' is not one of null, fla;"):
         build_kernel("gla", head_dim=8, num_heads=2, backend="triton")
 
 
@@ -32,7 +32,7 @@ def test_the_fla_backend_without_cuda_is_refused_when_the_kernel_is_built():
     message = str(info.value)
     assert "\n" not in message
     assert "attention.backend=fla cannot run here: no CUDA GPU" in message
-    assert message.endswith("use attention.backend=torch")
+    assert message.endswith("use attention.backend=null")
 
 
 def test_fla_is_not_imported_for_tensors_it_cannot_take():
@@ -63,3 +63,16 @@ def test_measuring_in_process_turns_failures_and_slow_passes_into_status_rows(mo
     monkeypatch.setattr(bench, "measure_once", lambda s: s.row(time_ms=5000.0, peak_mib=1.0))
     assert bench.measure_here(spec, timeout=60)["status"] == "ok"  # 6 passes of 5 s: 30 s
     assert bench.measure_here(spec, timeout=20)["status"] == "timeout"  # the next N: too long
+
+
+def test_a_checkpoint_saved_before_the_option_existed_still_resumes():
+    from transformers_lab.config import attention_configs
+    from transformers_lab.run.checkpoints import differences
+
+    new = attention_configs(names=["gla"])["gla"]
+    old = {key: value for key, value in new.items() if key != "backend"}
+    assert new["backend"] is None
+    assert differences({"attention": old}, {"attention": new}) == []
+    assert differences({"attention": old}, {"attention": {**new, "backend": "fla"}}) == [
+        "attention.backend: (absent) -> 'fla'"
+    ]

@@ -32,7 +32,7 @@ class RetNetAttention(GatedKernel):
         dropout: float = 0.0,
         chunk_size: int = 64,
         gamma: Sequence[float] | None = None,
-        backend: str = "torch",
+        backend: str | None = None,
     ) -> None:
         super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
         if gamma is None:

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-BACKENDS = ("torch", "fla")  # attention.backend: our chunk loop, or fla's Triton kernels
+# attention.backend: null, our chunk loop (any device), or fla, fla's Triton kernels (CUDA).
+# null, not a name, so that a checkpoint saved before the option existed resumes
+BACKENDS = (None, "fla")
 INSTALL = "pip install flash-linear-attention"
 
 
@@ -43,13 +45,12 @@ def check_backend(name: str, backend: Any) -> None:
     """One line if ``backend`` is not one of ``BACKENDS``, or is fla where fla cannot run."""
     if backend not in BACKENDS:
         raise ValueError(
-            f"{name}: backend={backend!r} is not one of {', '.join(BACKENDS)}; use "
-            "attention.backend=torch (the chunk loop, any device) or attention.backend=fla "
-            "(fla's Triton kernels, CUDA)"
+            f"{name}: backend={backend!r} is not one of null, fla; use attention.backend=null "
+            "(our chunk loop, any device) or attention.backend=fla (fla's Triton kernels, CUDA)"
         )
     if backend == "fla" and (why := unavailable()):
         raise ValueError(f"{name}: attention.backend=fla cannot run here: {why}; "
-                         "use attention.backend=torch")  # fmt: skip
+                         "use attention.backend=null")  # fmt: skip
 
 
 def fla_recurrence(
@@ -66,7 +67,7 @@ def fla_recurrence(
     if q.device.type != "cuda":
         raise ValueError(
             f"attention.backend=fla runs on CUDA only, got tensors on {q.device.type}; move "
-            "the model to a GPU (trainer=gpu) or use attention.backend=torch"
+            "the model to a GPU (trainer=gpu) or use attention.backend=null"
         )
     ops = importlib.import_module("fla.ops")
 

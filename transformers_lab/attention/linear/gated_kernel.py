@@ -38,7 +38,7 @@ class GatedKernel(AttentionKernel):
     Args:
         chunk_size: C, the tokens of a chunk of the chunked path.
         dropout: not supported (0 only): a gated state has no weights to drop.
-        backend: what trains: ``torch``, our chunk loop (any device), or ``fla``, fla's
+        backend: what trains: None, our chunk loop (any device), or ``fla``, fla's
             Triton kernel for the same recurrence (CUDA, flash-linear-attention installed;
             ``fla_ops``). Decoding runs our recurrence either way.
     """
@@ -53,7 +53,7 @@ class GatedKernel(AttentionKernel):
         num_heads: int,
         dropout: float = 0.0,
         chunk_size: int = 64,
-        backend: str = "torch",
+        backend: str | None = None,
     ) -> None:
         super().__init__(head_dim, num_heads, dropout)
         if dropout:
@@ -274,7 +274,7 @@ class TemperedDecayKernel(GatedKernel):
         dropout: float = 0.0,
         chunk_size: int = 64,
         gate_normalizer: float = 16.0,
-        backend: str = "torch",
+        backend: str | None = None,
     ) -> None:
         super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
         if not gate_normalizer > 0:
