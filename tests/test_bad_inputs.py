@@ -330,6 +330,7 @@ CASES = [
         "train",
         ["experiment=mqar", "attention=gla", "attention.backend=fla"],
         "gla: attention.backend=fla cannot run here: no CUDA GPU is visible",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible"),
     ),
     case(
         "train",

@@ -51,7 +51,11 @@ built around the kernel is checked too:
 - ``layer gradcheck``: float64 gradients of the input and every parameter.
 
 ``--device cuda`` runs every check on the GPU (tensors and the kernel built there, by
-``torch.device`` as the default device), in float64 as on the CPU.
+``torch.device`` as the default device), in float64 as on the CPU, and one more:
+
+- ``placement``: the kernel and its layer built on the CPU and moved to the GPU, as a
+  model is, run forward (and decode) on tensors made there with no default device: a
+  tensor the kernel makes without ``device=`` fails here, not in a training run.
 
 One line per failure, and exit status 1 if any; ``ok`` and exit status 0 otherwise.
 """
@@ -140,7 +144,7 @@ def gated(kernel: AttentionKernel) -> AttentionKernel:
     def values(k: Tensor) -> dict[str, Tensor]:
         out = {}
         for name, gate in gates.items():
-            g = k @ weights[name].to(k.dtype)
+            g = k @ weights[name].to(k)
             out[name] = gate.activate(g if gate.per_channel else g.squeeze(-1))
         return out
 
@@ -679,6 +683,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ran = checks_for(build(factory))
             layer, layer_ran = layer_failures(full, alibi=args.alibi)
         failures, ran = failures + layer, ran + layer_ran
+        if device.type != "cpu":
+            failures += run_checks({"placement": lambda: check_placement(factory, device)})
+            ran.append("placement")
     except (CheckError, UnknownKernel, TypeError, ValueError) as exc:  # it cannot be built
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -691,6 +698,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def check_placement(factory: Factory, device: torch.device) -> list[str]:
+    """The ``placement`` check (module docstring): the kernel, and its multi-head layer,
+    built on the CPU, moved to ``device`` and run there; one line per failure."""
+    from transformers_lab.nn.attention import MultiHeadAttention  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    kernel = build(factory).to(device)
+    both = modes(kernel)
+    q, k, v = (t.to(device) for t in qkv(kernel, 6, 6))
+    failures = []
+    for causal in both:
+        if (out := kernel(q, k, v, causal=causal)).device != q.device:
+            failures.append(f"forward gave a tensor on {out.device}, its inputs on {q.device}")
+    layer = perturbed(MultiHeadAttention(H * D, H, factory)).to(device)
+    x = tokens(6).to(device)
+    for causal in both:
+        layer(x, causal=causal)
+    if True in both:
+        state, outs = None, []
+        for t in range(6):
+            out, state = layer.decode(x[:, t : t + 1], state)
+            outs.append(out)
+        if (why := gap(torch.cat(outs, 1), layer(x, causal=True), 1e-10, 1e-12)) is not None:
+            failures.append(f"the layer's decode on {device} != its causal forward, {why}")
+    return failures
+
+
 def check_device(name: str) -> torch.device:
     """The device the checks run on; one line if it is not there."""
     try:
@@ -699,6 +733,11 @@ def check_device(name: str) -> torch.device:
         raise CheckError(f"--device {name!r} is not a device; use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CheckError("--device cuda: no CUDA GPU is visible here; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise CheckError(
+            f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
     if device.type not in ("cpu", "cuda"):
         raise CheckError(f"--device {name!r}: the checks run on cpu or cuda")
     return device

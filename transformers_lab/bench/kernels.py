@@ -670,14 +670,14 @@ def skip_reason(
         return f"skipped (n > quadratic-max-n={quadratic_max_n})"
     smaller = timed_out_at.get((spec.variant, spec.causal))
     if smaller is not None:
-        return f"skipped (timed out at n={smaller})"
+        return f"skipped (timed out at n={smaller})"  # or, in process, took too long there
     return None
 
 
 def measure_here(spec: Spec, timeout: float) -> Row:
     """Measure ``spec`` in this process (``--in-process``, CUDA: its allocator's peak is
     the pass's own whatever ran before); a failure or running out of memory is an error
-    row, and a pass too slow for ``timeout`` over the warm-up and repeats a timeout row."""
+    row. Nothing is interrupted here: ``too_slow`` reads ``timeout`` from the times."""
     try:
         row = measure_once(spec)
     except Exception as exc:  # any failure becomes an error row, never a crash
@@ -685,9 +685,13 @@ def measure_here(spec: Spec, timeout: float) -> Row:
     gc.collect()
     if spec.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    if row["time_ms"] is not None and row["time_ms"] * (spec.repeats + 3) > 1e3 * timeout:
-        row = {**row, "status": "timeout"}  # measured, but the next N would run too long
     return row
+
+
+def too_slow(row: Row, spec: Spec, timeout: float) -> bool:
+    """A measured row whose passes (the peak's, the warm-up and the repeats) took more
+    than ``timeout`` seconds: the variant's next N, longer, is not measured in process."""
+    return row["time_ms"] is not None and row["time_ms"] * (spec.repeats + 2) > 1e3 * timeout
 
 
 def run_bench(args: argparse.Namespace) -> list[Row]:
@@ -706,7 +710,8 @@ def run_bench(args: argparse.Namespace) -> list[Row]:
         for i, spec in enumerate(specs):
             reason = skip_reason(spec, args.quadratic_max_n, timed_out_at)
             row = spec.row(status=reason) if reason else measure(spec, args.timeout)
-            if row["status"] == "timeout":
+            slow = args.in_process and too_slow(row, spec, args.timeout)
+            if row["status"] == "timeout" or slow:
                 timed_out_at[(spec.variant, spec.causal)] = spec.n
             runs[i].append(row)
             done = r * len(specs) + i + 1
@@ -992,7 +997,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--in-process",
         action="store_true",
         help="measure every variant in this one process, N by N (cuda only: its allocator "
-        "gives each pass's own peak; no process start or CUDA set-up per measurement)",
+        "gives each pass's own peak; no process start or CUDA set-up per measurement); "
+        "nothing is interrupted: a variant whose passes at one N took over --timeout is "
+        "not measured at the longer ones",
     )
     parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     return parser

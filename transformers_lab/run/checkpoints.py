@@ -114,9 +114,10 @@ def check_checkpoint(
 
 
 # Keys of the saved sections (model, data, task) that a resumed run may change: where the
-# data lives and how it is read, and how often samples are logged. Every other key of
-# those sections must be as the checkpoint says; keys outside them (the trainer's limits,
-# loggers, callbacks, paths, seed) may change. ``resume_may_change=[key, ...]`` adds keys.
+# data lives and how it is read, how often samples are logged, and which code runs a gated
+# kernel's recurrence (the same maths). Every other key of those sections must be as the
+# checkpoint says; keys outside them (the trainer's limits, loggers, callbacks, paths,
+# seed) may change. ``resume_may_change=[key, ...]`` adds keys.
 RESUME_MAY_CHANGE = (
     "data.root",
     "data.download",
@@ -124,6 +125,7 @@ RESUME_MAY_CHANGE = (
     "data.num_workers",
     "task.sample_every",
     "task.sample_tokens",
+    "model.attention.backend",  # the gated kernels' fla or our chunk loop: one recurrence
 )
 
 

@@ -37,7 +37,8 @@ def unavailable() -> str | None:
     try:
         importlib.import_module("fla.ops")
     except Exception as exc:  # not installed, or a Triton/torch it cannot work with
-        return f"flash-linear-attention cannot be imported ({type(exc).__name__}: {exc}); {INSTALL}"
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"flash-linear-attention cannot be imported ({type(exc).__name__}: {why}); {INSTALL}"
     return None
 
 
@@ -63,11 +64,16 @@ def fla_recurrence(
     scale: float,
 ) -> Tensor:
     """``gated.chunked_recurrence``'s output o (B, H, N, Dv), from zero state, by fla's op
-    for its form (the module doc's table)."""
+    for its form (the module doc's table), in q's dtype (the delta rule: bf16 or fp16)."""
     if q.device.type != "cuda":
         raise ValueError(
             f"attention.backend=fla runs on CUDA only, got tensors on {q.device.type}; move "
             "the model to a GPU (trainer=gpu) or use attention.backend=null"
+        )
+    if beta is not None and q.dtype == torch.float32:  # fla asserts it, in no words of ours
+        raise ValueError(
+            "attention.backend=fla: fla's delta rule runs in bf16 or fp16 only; train with "
+            "trainer.precision=bf16-mixed (trainer=gpu does) or use attention.backend=null"
         )
     ops = importlib.import_module("fla.ops")
 

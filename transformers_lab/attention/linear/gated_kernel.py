@@ -40,7 +40,8 @@ class GatedKernel(AttentionKernel):
         dropout: not supported (0 only): a gated state has no weights to drop.
         backend: what trains: None, our chunk loop (any device), or ``fla``, fla's
             Triton kernel for the same recurrence (CUDA, flash-linear-attention installed;
-            ``fla_ops``). Decoding runs our recurrence either way.
+            ``fla_ops``; its own chunk size, not ``chunk_size``). Decoding runs our
+            recurrence either way.
     """
 
     normalized = False
@@ -139,10 +140,13 @@ class GatedKernel(AttentionKernel):
     ) -> Tensor:
         self.check_inputs(q, k, v, key_padding_mask)
         q, k, v, log_decay, beta, skip = self.inputs(q, k, v, causal, key_padding_mask, gates)
-        if self.backend == "fla":  # fla's kernels take half precision and accumulate in fp32
-            with torch.autocast(q.device.type, enabled=False):
-                v = v.to(q.dtype)
-                out = fla_recurrence(q, k.to(q.dtype), v, log_decay, beta, scale=self.scale)
+        if self.backend == "fla":  # in autocast's dtype (bf16-mixed) or the inputs' own
+            device, dtype = q.device.type, v.dtype
+            if torch.is_autocast_enabled(device):
+                dtype = torch.get_autocast_dtype(device)
+            with torch.autocast(device, enabled=False):
+                q, k, v = (t.to(dtype) for t in (q, k, v))
+                out = fla_recurrence(q, k, v, log_decay, beta, scale=self.scale)
             return out[:, :, skip:]
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
