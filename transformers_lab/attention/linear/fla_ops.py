@@ -11,9 +11,10 @@ kernel for each form of ``gated.chunked_recurrence`` that a gated kernel trains 
 | the delta rule, decay a head          | ``chunk_gated_delta_rule``        |
 
 Each takes the same log decay, rate beta and scale, in fla's layout (B, N, H, D) where
-ours is (B, H, N, D), and computes the same output (the GPU tests hold them equal). fla
-runs on CUDA only; decoding stays on our recurrence (one token: O(1) work, no kernel to
-launch but a few products).
+ours is (B, H, N, D), and should compute the same output: tests/gpu holds the two to
+bf16's tolerance, a test that has not yet run to its end on a GPU (docs/benchmarks.md).
+fla runs on CUDA only; decoding stays on our recurrence (one token: O(1) work, no kernel
+to launch but a few products).
 """
 
 from __future__ import annotations
