@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra.utils import instantiate
 
 from transformers_lab.attention import check
 from transformers_lab.attention.linear import fla_ops
@@ -31,8 +32,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible"),
 ]
 
-OPTIONS = sorted(attention_configs())  # every option of conf/attention
-GATED = sorted(n for n, c in attention_configs().items() if "backend" in c)  # fla has their ops
+CONFIGS = attention_configs()  # every option of conf/attention, composed once
+OPTIONS = sorted(CONFIGS)
+GATED = sorted(n for n, c in CONFIGS.items() if "backend" in c)  # fla has their ops
 FP32_TOL, BF16_TOL = 1e-3, 5e-2
 D_MODEL, HEADS, N = 128, 4, 48  # head_dim 32: fla takes it
 
@@ -151,10 +153,9 @@ def gpt(name: str, tmp_path) -> torch.nn.Module:
 
 def causal_options() -> list[str]:
     """The options a GPT can take: those whose kernels do not refuse a causal call."""
-    factories = {name: check.kernel_factory(name) for name in OPTIONS}
     return [
-        name for name, f in factories.items()
-        if not f(head_dim=16, num_heads=4).causal_refusal()
+        name for name in OPTIONS
+        if not instantiate(CONFIGS[name])(head_dim=16, num_heads=4).causal_refusal()
     ]  # fmt: skip
 
 

@@ -115,10 +115,10 @@ def variants(dirs: tuple[Path, ...] = (CONF_DIR,)) -> dict[str, dict[str, Any]]:
     options = attention_configs(dirs)
     unique = {json.dumps(c, sort_keys=True): name for name, c in options.items()}
     names = sorted(unique.values(), key=lambda n: (n != BASELINE, n))  # the baseline first
-    found = {name: options[name] for name in names}
+    named = {name: options[name] for name in names}
+    found = dict(named)
     for name, (base, extra) in PATH_VARIANTS.items():
         found[name] = {**options[base], **extra}
-    named = {name: options[name] for name in names}
     return {**found, **compiled_variants(named), **fla_variants(named)}
 
 
@@ -545,13 +545,16 @@ def worker_main(spec_json: str) -> int:
             result = {"error": error_status(f"{type(exc).__name__}: {exc}")}
         print(json.dumps(result), flush=True)
         return 0
-    spec = Spec(**given)
-    try:
-        row = measure_once(spec)
-    except Exception as exc:  # any failure becomes an error row, never a crash
-        row = spec.row(status=error_status(f"{type(exc).__name__}: {exc}"))
-    print(json.dumps(row), flush=True)
+    print(json.dumps(measure_or_error(Spec(**given))), flush=True)
     return 0
+
+
+def measure_or_error(spec: Spec) -> Row:
+    """``measure_once(spec)``, or an error row saying why it failed (never a crash)."""
+    try:
+        return measure_once(spec)
+    except Exception as exc:  # any failure becomes an error row
+        return spec.row(status=error_status(f"{type(exc).__name__}: {exc}"))
 
 
 def error_status(message: str) -> str:
@@ -678,10 +681,7 @@ def measure_here(spec: Spec, timeout: float) -> Row:
     """Measure ``spec`` in this process (``--in-process``, CUDA: its allocator's peak is
     the pass's own whatever ran before); a failure or running out of memory is an error
     row. Nothing is interrupted here: ``too_slow`` reads ``timeout`` from the times."""
-    try:
-        row = measure_once(spec)
-    except Exception as exc:  # any failure becomes an error row, never a crash
-        row = spec.row(status=error_status(f"{type(exc).__name__}: {exc}"))
+    row = measure_or_error(spec)
     gc.collect()
     if spec.device.startswith("cuda"):
         torch.cuda.empty_cache()
