@@ -91,24 +91,27 @@ def test_a_strong_decay_does_not_overflow_in_float32(case):
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("span", [0.0, 60.0])  # 0: every chunk by blocks; 60: one product
-def test_both_paths_of_a_channel_decay_match_the_recurrence(span, monkeypatch):
-    """A per-channel decay's scores come from one product a chunk where no chunk decays by
-    more than e^-SAFE_SPAN, by sub-chunk blocks otherwise: both are the recurrence, outputs
-    and gradients, in float64."""
+@pytest.mark.parametrize("case", ["channel decay", "scalar decay", "gated delta"])
+@pytest.mark.parametrize("span", [0.0, 60.0])  # 0: no chunk folds; 60: every chunk folds
+def test_both_paths_of_a_decay_match_the_recurrence(case, span, monkeypatch):
+    """A decay's scores come from one product a chunk, (q exp(b)) . (k exp(-b)), where no
+    chunk decays by more than e^-SAFE_SPAN; otherwise by sub-chunk blocks (a decay per
+    channel) or through the (C x C) factor exp(b_t - b_s) (one per head and token). Both
+    are the recurrence, outputs and gradients, in float64."""
     monkeypatch.setattr(gated, "SAFE_SPAN", span)
-    blocks = []
-    real = gated.scores_by_blocks
-    monkeypatch.setattr(gated, "scores_by_blocks", lambda *a: blocks.append(1) or real(*a))
-    q, k, v, log_decay, _ = inputs(45, decay="channel", delta=False)
-    leaves = [t.requires_grad_() for t in (q, k, v, log_decay)]
-    want, _ = naive_recurrence(q, k, v, log_decay)
-    got, _ = chunked_recurrence(q, k, v, log_decay, chunk_size=32)
+    slow = []
+    name = "scores_by_blocks" if case == "channel decay" else "pair_decay"
+    real = getattr(gated, name)
+    monkeypatch.setattr(gated, name, lambda *a: slow.append(1) or real(*a))
+    q, k, v, log_decay, beta = inputs(45, **CASES[case])
+    leaves = [t.requires_grad_() for t in (q, k, v, log_decay, beta) if t is not None]
+    want, _ = naive_recurrence(q, k, v, log_decay, beta)
+    got, _ = chunked_recurrence(q, k, v, log_decay, beta, chunk_size=32)
     torch.testing.assert_close(got, want)
     grads = torch.autograd.grad(got.square().sum(), leaves)
     for g, w in zip(grads, torch.autograd.grad(want.square().sum(), leaves), strict=True):
         torch.testing.assert_close(g, w)
-    assert bool(blocks) == (span == 0.0)  # the path the span asks for was taken
+    assert bool(slow) == (span == 0.0)  # the path the span asks for was taken
 
 
 def test_decoding_token_by_token_from_a_chunked_prefix_equals_the_whole():

@@ -318,6 +318,13 @@ def make_gates(kernel: AttentionKernel, spec: Spec, n: int) -> dict[str, Tensor]
     return {name: g.to(spec.device).requires_grad_() for name, g in gates.items()}
 
 
+def dense_backward(out: Tensor) -> None:
+    """Backward from a gradient of ones held in memory, as a model's loss hands a kernel a
+    dense gradient: ``out.sum()``'s is one number broadcast (stride 0), which sends a
+    batched product's backward through a copy of each matrix (ATen's strided fallback)."""
+    out.backward(torch.ones_like(out))
+
+
 def fwd_bwd(
     kernel: AttentionKernel,
     q: Tensor,
@@ -332,7 +339,7 @@ def fwd_bwd(
         t.grad = None
     kernel.zero_grad(set_to_none=True)
     out = kernel(q, k, v, causal=causal, **gates)
-    out.float().sum().backward()
+    dense_backward(out)
 
 
 def fwd_bwd_fused(
@@ -362,7 +369,7 @@ def fwd_bwd_fused(
     if "beta" in kernel.gate_inputs:  # the delta rule takes unit keys, as its layer gives
         k = F.normalize(k, dim=-1)
     out = kernel(q, k, v, causal=spec.causal, **gates)
-    out.float().sum().backward()
+    dense_backward(out)
 
 
 def synchronize(device: str) -> None:

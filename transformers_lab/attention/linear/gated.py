@@ -19,14 +19,14 @@ Two paths, equal to rounding:
   decay since the chunk's start, a query reads the state of the chunk's start through
   q_t * exp(b_t) and the chunk's own keys through the decayed scores
   (q_t . k_s) exp(b_t - b_s), s <= t; the state moves to the chunk's end through
-  exp(b_C) and keys weighed by exp(b_C - b_s). Every factor exponentiates a difference
-  that is <= 0, so nothing overflows whatever the decay. A decay per key channel has no
-  (C x C) score matrix of that form: in float32 or float64, where no chunk decays by more
-  than e^-60 (one such channel anywhere in the call sends it all to the blocks), its
-  scores are one product, (q_t exp(b_t)) . (k_s exp(-b_s)),
-  every factor within e^+-60; otherwise they are taken block by block (sub-chunks of
-  16): between blocks through a reference point that keeps both factors <= 1, inside a
-  diagonal block as the explicit (16 x 16 x Dk) sum.
+  exp(b_C) and keys weighed by exp(b_C - b_s). In float32 or float64, where no chunk
+  decays by more than e^-60 (any that does, anywhere in the call, sends the whole call to
+  the second form), the scores are one product, (q_t exp(b_t)) . (k_s exp(-b_s)), every
+  factor within e^+-60. Otherwise every factor exponentiates a difference that is <= 0,
+  so nothing overflows whatever the decay: a decay per head and token through the
+  (C x C) factor exp(b_t - b_s); a decay per key channel, which has no such factor, block
+  by block (sub-chunks of 16), between blocks through a reference point that keeps both
+  factors <= 1, inside a diagonal block as the explicit (16 x 16 x Dk) sum.
   The delta rule is chunked through the WY representation: the pseudo-values U of a
   chunk solve (I + A) U = diag(beta) (V - diag(exp(b)) K S0), with A the strictly lower
   beta_t exp(b_t - b_s) (k_t . k_s); with T = (I + A)^-1 diag(beta), T V and
@@ -161,19 +161,29 @@ def chunked_recurrence(
             scores = channel_decayed_scores(qc, kc, cum)
             q_in, k_out = qc * cum.exp(), kc * (last - cum).exp()
         else:
-            decay = pair_decay(cum, mask)  # (B, H, nc, C, C): the scores' and the WY form's
-            scores = (qc @ kc.mT) * decay
             q_in, k_out = qc * cum[..., None].exp(), kc * (last - cum)[..., None].exp()
+            if folds(cum):  # exp(b_t - b_s) = exp(b_t) exp(-b_s): in q_in and k_in
+                k_in, decay = kc * (-cum)[..., None].exp(), None
+                scores = (q_in @ k_in.mT).masked_fill_(~mask, 0.0)
+            else:  # (B, H, nc, C, C): the scores' and the WY form's
+                decay = pair_decay(cum, mask)
+                scores = (qc @ kc.mT) * decay
         a_end = last.squeeze(3).exp()  # (B, H, nc) or (B, H, nc, Dk)
     if beta is not None:  # the WY form: U = t_v - t_k S0 for each chunk's start state S0
         betac = beta.reshape(b, h, nc, c)
-        a = (betac[..., None] * kc) @ kc.mT  # beta_t (k_t . k_s): A is its strictly lower
-        # part, the only part a unit-lower solve reads (or sends gradient to): no mask
-        if log_decay is not None:  # one per head and token: the delta rule takes no other
-            a = a * decay
+        # k' = k exp(b_t), the keys decayed since the chunk's start (k itself without decay)
+        k_dec = kc if log_decay is None else kc * cum[..., None].exp()
+        # A: beta_t exp(b_t - b_s) (k_t . k_s), its strictly lower part the only part the
+        # solve reads (or sends gradient to): no mask. One per head and token: the delta
+        # rule takes no other decay
+        if log_decay is None:
+            a = (betac[..., None] * kc) @ kc.mT
+        elif decay is None:
+            a = (betac[..., None] * k_dec) @ k_in.mT
+        else:
+            a = ((betac[..., None] * kc) @ kc.mT) * decay
         # T V and T K' with T = (I + A)^-1 diag(beta): one unit-lower triangular solve of
         # both (C^2 (Dk + Dv) work a chunk, where forming T takes log2(C) C^3 products)
-        k_dec = kc if log_decay is None else kc * cum[..., None].exp()
         rhs = betac[..., None] * torch.cat([vc, k_dec], -1)
         low = a.dtype in HALF
         solved = torch.linalg.solve_triangular(
@@ -212,6 +222,15 @@ def chunked_recurrence(
     return o[:, :, :n], s
 
 
+def folds(cum: Tensor) -> bool:
+    """Whether a chunk's decayed scores may be one product, (q_t exp(b_t)) . (k_s exp(-b_s)),
+    for the cumulative log decay ``cum`` (..., C) or (..., C, Dk): in float32 or float64
+    (e^+-60 overflows half precision), where no chunk decays by more than e^-SAFE_SPAN,
+    so every factor stays within e^+-SAFE_SPAN."""
+    wide = cum.dtype in (torch.float32, torch.float64)
+    return wide and bool((cum.detach() >= -SAFE_SPAN).all())
+
+
 def pair_decay(cum: Tensor, mask: Tensor) -> Tensor:
     """exp(b_t - b_s) for s <= t (zeros above the diagonal), of the cumulative log decay
     ``cum`` (..., C): differences that are <= 0, exponentiated after masking."""
@@ -232,8 +251,7 @@ def channel_decayed_scores(qc: Tensor, kc: Tensor, cum: Tensor) -> Tensor:
     and k_s exp(r - b_s), both <= 1; inside a diagonal block the explicit (S x S x Dk)
     sum. Both are exact."""
     c = qc.shape[-2]
-    wide = cum.dtype in (torch.float32, torch.float64)  # e^+-60 overflows half precision
-    if wide and bool((cum.detach() >= -SAFE_SPAN).all()):
+    if folds(cum):
         lower = torch.ones(c, c, dtype=torch.bool, device=qc.device).tril()
         return ((qc * cum.exp()) @ (kc * (-cum).exp()).mT).masked_fill(~lower, 0.0)
     return scores_by_blocks(qc, kc, cum)
