@@ -98,7 +98,7 @@ def test_both_paths_of_a_decay_match_the_recurrence(case, span, monkeypatch):
     chunk decays by more than e^-SAFE_SPAN; otherwise by sub-chunk blocks (a decay per
     channel) or through the (C x C) factor exp(b_t - b_s) (one per head and token). Both
     are the recurrence, outputs and gradients, in float64."""
-    monkeypatch.setattr(gated, "SAFE_SPAN", span)
+    monkeypatch.setattr(gated, "CHANNEL_SPAN" if case == "channel decay" else "SAFE_SPAN", span)
     slow = []
     name = "scores_by_blocks" if case == "channel decay" else "pair_decay"
     real = getattr(gated, name)
@@ -112,6 +112,25 @@ def test_both_paths_of_a_decay_match_the_recurrence(case, span, monkeypatch):
     for g, w in zip(grads, torch.autograd.grad(want.square().sum(), leaves), strict=True):
         torch.testing.assert_close(g, w)
     assert bool(slow) == (span == 0.0)  # the path the span asks for was taken
+
+
+def test_a_channel_decay_past_safe_span_still_folds_about_the_chunks_middle(monkeypatch):
+    """Chunks of a per-channel decay that span e^-60 to e^-80 (GLA's gates learn such) take
+    the one product, about each chunk's middle: in float32 finite and the recurrence."""
+    blocks = []
+    real = gated.scores_by_blocks
+    monkeypatch.setattr(gated, "scores_by_blocks", lambda *a: blocks.append(1) or real(*a))
+    q, k, v, _, _ = inputs(64, decay=None, delta=False)
+    log_decay = torch.full((B, H, 64, DK), -2.2, dtype=torch.float64)  # -70 a chunk of 32
+    want, _ = naive_recurrence(q, k, v, log_decay)
+    got, _ = chunked_recurrence(q.float(), k.float(), v.float(), log_decay.float(), chunk_size=32)
+    assert not blocks and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
+    got64, _ = chunked_recurrence(q, k, v, log_decay, chunk_size=32)
+    torch.testing.assert_close(got64, want)
+    # a span past CHANNEL_SPAN takes the blocks
+    chunked_recurrence(q, k, v, torch.full_like(log_decay, -3.0), chunk_size=32)
+    assert blocks
 
 
 def test_decoding_token_by_token_from_a_chunked_prefix_equals_the_whole():

@@ -34,8 +34,10 @@ out-of-memory kill or a timeout costs one row, never the whole run. The worker:
    kernel's FLOP bound, how far its products alone are from it, at the shapes it uses,
    and what the rest of its work (feature maps, copies, Python) costs.
 
-The loss is ``out.float().sum()``; the extra memory therefore includes the gradients of
-q, k and v (3 x B*H*N*D elements), the same for every variant.
+The backward starts from a gradient of ones held in memory, the gradient of
+``out.sum()`` made dense as a model's loss hands it over (``dense_backward``); the extra
+memory therefore includes it and the gradients of q, k and v (4 x B*H*N*D elements), the
+same for every variant.
 
 Outputs in ``--out``: ``kernels.csv``, ``kernels.md`` (the table and ratios to softmax) and
 ``kernels.png`` (time and memory against N, log-log).

@@ -19,14 +19,17 @@ Two paths, equal to rounding:
   decay since the chunk's start, a query reads the state of the chunk's start through
   q_t * exp(b_t) and the chunk's own keys through the decayed scores
   (q_t . k_s) exp(b_t - b_s), s <= t; the state moves to the chunk's end through
-  exp(b_C) and keys weighed by exp(b_C - b_s). In float32 or float64, where no chunk
-  decays by more than e^-60 (any that does, anywhere in the call, sends the whole call to
-  the second form), the scores are one product, (q_t exp(b_t)) . (k_s exp(-b_s)), every
-  factor within e^+-60. Otherwise every factor exponentiates a difference that is <= 0,
-  so nothing overflows whatever the decay: a decay per head and token through the
-  (C x C) factor exp(b_t - b_s); a decay per key channel, which has no such factor, block
-  by block (sub-chunks of 16), between blocks through a reference point that keeps both
-  factors <= 1, inside a diagonal block as the explicit (16 x 16 x Dk) sum.
+  exp(b_C) and keys weighed by exp(b_C - b_s). In float32 or float64 the scores are one
+  product, (q_t exp(b_t - r)) . (k_s exp(r - b_s)): for a decay per head and token with
+  r = 0 where no chunk decays by more than e^-60, every factor within e^+-60; for one per
+  key channel with r the middle of each chunk's range where no chunk spans more than
+  e^-80 in any channel, every factor within e^+-40. One chunk past its bound, anywhere in
+  the call, sends the whole call to the second form, where every factor exponentiates a
+  difference that is <= 0, so nothing overflows whatever the decay: a decay per head and
+  token through the (C x C) factor exp(b_t - b_s); a decay per key channel, which has no
+  such factor, block by block (sub-chunks of 16), between blocks through a reference
+  point that keeps both factors <= 1, inside a diagonal block as the explicit
+  (16 x 16 x Dk) sum.
   The delta rule is chunked through the WY representation: the pseudo-values U of a
   chunk solve (I + A) U = diag(beta) (V - diag(exp(b)) K S0), with A the strictly lower
   beta_t exp(b_t - b_s) (k_t . k_s); with T = (I + A)^-1 diag(beta), T V and
@@ -49,9 +52,12 @@ from torch import Tensor
 
 HALF = (torch.float16, torch.bfloat16)  # no triangular solve in these: it runs in float32
 SUB_CHUNK = 16  # the blocks of a per-channel decay's scores inside a chunk
-# a per-channel decay whose chunks all decay by at most e^-SAFE_SPAN takes the one-product
-# path: q exp(b) and k exp(-b) stay inside [e^-60, e^60], far from float32's limits
+# a decay per head and token whose chunks all decay by at most e^-SAFE_SPAN takes the
+# one-product path: q exp(b) and k exp(-b) stay inside [e^-60, e^60], far from float32's limits
 SAFE_SPAN = 60.0
+# a per-channel decay's one product, its factors taken about each chunk's middle, where no
+# chunk spans more than e^-CHANNEL_SPAN in a channel: every entry within e^80 (float32: e^88)
+CHANNEL_SPAN = 80.0
 
 
 def check_shapes(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, beta: Tensor | None):
@@ -224,7 +230,7 @@ def chunked_recurrence(
 
 def folds(cum: Tensor) -> bool:
     """Whether a chunk's decayed scores may be one product, (q_t exp(b_t)) . (k_s exp(-b_s)),
-    for the cumulative log decay ``cum`` (..., C) or (..., C, Dk): in float32 or float64
+    for the cumulative log decay per head and token ``cum`` (..., C): in float32 or float64
     (e^+-60 overflows half precision), where no chunk decays by more than e^-SAFE_SPAN,
     so every factor stays within e^+-SAFE_SPAN."""
     wide = cum.dtype in (torch.float32, torch.float64)
@@ -242,18 +248,24 @@ def channel_decayed_scores(qc: Tensor, kc: Tensor, cum: Tensor) -> Tensor:
     """(q_t . (k_s * exp(b_t - b_s))) for s <= t, zeros above: a decay per key channel,
     q, k and cum (..., C, Dk).
 
-    In float32 or float64, where every chunk decays by at most e^-SAFE_SPAN (``cum`` >=
-    -SAFE_SPAN: GLA's decays, alpha^(1/16), are meant to stay above it), one product per
-    chunk, (q_t exp(b_t)) . (k_s
-    exp(-b_s)): each factor within e^+-SAFE_SPAN, so nothing overflows and a product loses
-    no precision. Otherwise block by block (``SUB_CHUNK``): between blocks through a
+    In float32 or float64, where no chunk's cumulative decay spans more than
+    CHANNEL_SPAN in any channel, one product per chunk, (q_t exp(b_t - r)) .
+    (k_s exp(r - b_s)), r the middle of the chunk's range in that channel: each factor
+    within e^+-CHANNEL_SPAN/2, and every entry of the product, the discarded ones above
+    the diagonal included, within e^CHANNEL_SPAN, below float32's e^88. GLA's gates learn
+    to forget fast: in MAD's fuzzy recall a chunk of 16 spans e^-62 after nine epochs.
+    Otherwise block by block (``SUB_CHUNK``): between blocks through a
     reference point r, the cumulative decay at the end of the key block, q_t exp(b_t - r)
     and k_s exp(r - b_s), both <= 1; inside a diagonal block the explicit (S x S x Dk)
     sum. Both are exact."""
     c = qc.shape[-2]
-    if folds(cum):
+    wide = cum.dtype in (torch.float32, torch.float64)  # e^+-40 overflows half precision
+    first, last = cum[..., :1, :], cum[..., -1:, :]  # the chunk's range: cum decreases
+    if wide and bool(((first - last).detach() <= CHANNEL_SPAN).all()):
+        ref = (first + last).detach() / 2
         lower = torch.ones(c, c, dtype=torch.bool, device=qc.device).tril()
-        return ((qc * cum.exp()) @ (kc * (-cum).exp()).mT).masked_fill(~lower, 0.0)
+        scores = (qc * (cum - ref).exp()) @ (kc * (ref - cum).exp()).mT
+        return scores.masked_fill_(~lower, 0.0)
     return scores_by_blocks(qc, kc, cum)
 
 
