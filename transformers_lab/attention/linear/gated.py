@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 HALF = (torch.float16, torch.bfloat16)  # no triangular solve in these: it runs in float32
+WIDE = (torch.float32, torch.float64)  # the one-product scores' e^+-60 factors: not in half
 SUB_CHUNK = 16  # the blocks of a per-channel decay's scores inside a chunk
 # a decay per head and token whose chunks all decay by at most e^-SAFE_SPAN takes the
 # one-product path: q exp(b) and k exp(-b) stay inside [e^-60, e^60], far from float32's limits
@@ -233,8 +234,7 @@ def folds(cum: Tensor) -> bool:
     for the cumulative log decay per head and token ``cum`` (..., C): in float32 or float64
     (e^+-60 overflows half precision), where no chunk decays by more than e^-SAFE_SPAN,
     so every factor stays within e^+-SAFE_SPAN."""
-    wide = cum.dtype in (torch.float32, torch.float64)
-    return wide and bool((cum.detach() >= -SAFE_SPAN).all())
+    return cum.dtype in WIDE and bool((cum.detach() >= -SAFE_SPAN).all())
 
 
 def pair_decay(cum: Tensor, mask: Tensor) -> Tensor:
@@ -259,9 +259,8 @@ def channel_decayed_scores(qc: Tensor, kc: Tensor, cum: Tensor) -> Tensor:
     and k_s exp(r - b_s), both <= 1; inside a diagonal block the explicit (S x S x Dk)
     sum. Both are exact."""
     c = qc.shape[-2]
-    wide = cum.dtype in (torch.float32, torch.float64)  # e^+-40 overflows half precision
     first, last = cum[..., :1, :], cum[..., -1:, :]  # the chunk's range: cum decreases
-    if wide and bool(((first - last).detach() <= CHANNEL_SPAN).all()):
+    if cum.dtype in WIDE and bool(((first - last).detach() <= CHANNEL_SPAN).all()):
         ref = (first + last).detach() / 2
         lower = torch.ones(c, c, dtype=torch.bool, device=qc.device).tril()
         scores = (qc * (cum - ref).exp()) @ (kc * (ref - cum).exp()).mT
