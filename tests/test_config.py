@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -36,6 +39,19 @@ def test_call_gives_the_targets_own_error_in_one_line():
     missing = OmegaConf.create({"_target_": "torch.nn.NoSuchLayer"})
     with pytest.raises(ConfigError, match=r"^model: cannot import its _target_ 'torch.nn.No"):
         call(missing, "model")
+    refused = OmegaConf.create(  # Lightning's own refusal, a MisconfigurationException
+        {"_target_": "lightning.pytorch.callbacks.EarlyStopping", "monitor": "x", "mode": "up"}
+    )
+    with pytest.raises(ConfigError, match=r"^callbacks: Lightning refused it: .*mode"):
+        call(refused, "callbacks")
+
+
+def test_the_kernel_bench_imports_no_lightning():
+    """Each bench measurement is a process of its own: Lightning's imports (some 10 s on
+    2 busy cores) would outweigh a small measurement."""
+    code = "import sys, transformers_lab.bench.kernels; print('lightning' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip() == "False", proc.stderr[-2000:]
 
 
 def test_compose_flatten_and_sections(tmp_path):

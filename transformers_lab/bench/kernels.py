@@ -108,12 +108,16 @@ FLA_OPS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-@functools.cache
-def variants(dirs: tuple[Path, ...] = (CONF_DIR,)) -> dict[str, dict[str, Any]]:
+def variants(dirs: Sequence[Path] = (CONF_DIR,)) -> dict[str, dict[str, Any]]:
     """Variant name -> kernel config (``_target_`` and options): every option of the
     attention group in ``dirs`` (``conf/`` and the user's config dirs; options that compose
     to the same config count once, under the last name: fastmax is fastmax_p2), softmax
     first, then ``PATH_VARIANTS``, then the compiled variants."""
+    return composed_variants(tuple(dirs))
+
+
+@functools.cache  # composing every option takes seconds: once a process, whatever the call
+def composed_variants(dirs: tuple[Path, ...]) -> dict[str, dict[str, Any]]:
     options = attention_configs(dirs)
     unique = {json.dumps(c, sort_keys=True): name for name, c in options.items()}
     names = sorted(unique.values(), key=lambda n: (n != BASELINE, n))  # the baseline first
@@ -1041,6 +1045,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--worker"] and len(argv) == 2:  # a measurement's own process (call_worker)
+        return worker_main(argv[1])  # its spec carries its config: no parser, no composing
     args = parse_args(argv)
     if args.worker is not None:
         return worker_main(args.worker)
