@@ -34,8 +34,9 @@ mad: install  ## MAD's six tasks at CPU scale for softmax (sweep=mad; ARGS="atte
 	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=mad trainer.enable_progress_bar=false $(ARGS)
 
 # The default suite in two worker processes of one thread each (a test file stays on one
-# worker, so its module fixtures are built once); the slow suite likewise.
-TEST_RUN = WANDB_MODE=offline OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
+# worker, so its module fixtures are built once; a test class too: the README's commands
+# are two classes, one a worker); the slow suite likewise.
+TEST_RUN = WANDB_MODE=offline OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadscope
 
 test: install  ## the default suite, every test not marked slow (under 10 min on 2 cores)
 	$(TEST_RUN) -m "not slow" $(PYTEST_ARGS)

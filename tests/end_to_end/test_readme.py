@@ -133,7 +133,8 @@ def budget(command: str) -> list[str]:
 
 
 ALL_LINES = {page.name: page_commands(page) for page in PAGES}
-COMMANDS = [c for lines in ALL_LINES.values() for c in lines if runnable(c)]
+# each distinct line once: a command that two pages show runs once
+COMMANDS = list(dict.fromkeys(c for lines in ALL_LINES.values() for c in lines if runnable(c)))
 
 
 def test_the_readme_commands_are_found_and_the_skip_table_is_current():
@@ -247,9 +248,7 @@ def fill_in(command: str, runs: dict[str, Path]) -> str:
     return command
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("command", COMMANDS)
-def test_a_readme_command_runs_as_written(command, runs):
+def run_as_written(command: str, runs: dict[str, Path]) -> None:
     if (why := skip_reason(command)) is not None:
         pytest.skip(why)
     words = shlex.split(fill_in(command, runs))
@@ -266,3 +265,26 @@ def test_a_readme_command_runs_as_written(command, runs):
         assert proc.stdout.strip(), "no text came out"
     if "--curves" in args:
         assert (Path(args[0]) / "curves.png").is_file()
+
+
+# The commands in two classes, every other one in each: the slow suite keeps a module's
+# tests on one worker and a class's on one (make test-slow: --dist loadscope), so the two
+# halves of this, its longest file, run on both workers, each building ``runs`` once.
+HALVES = [
+    [pytest.param(c, id=f"command{i}") for i, c in enumerate(COMMANDS) if i % 2 == half]
+    for half in (0, 1)
+]
+
+
+@pytest.mark.slow
+class TestEvenCommands:
+    @pytest.mark.parametrize("command", HALVES[0])
+    def test_a_readme_command_runs_as_written(self, command, runs):
+        run_as_written(command, runs)
+
+
+@pytest.mark.slow
+class TestOddCommands:
+    @pytest.mark.parametrize("command", HALVES[1])
+    def test_a_readme_command_runs_as_written(self, command, runs):
+        run_as_written(command, runs)
