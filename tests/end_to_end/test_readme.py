@@ -83,6 +83,10 @@ BUDGET = [
             "data.vocab_size=256",
         ],
     ),  # fmt: skip
+    # Zoology's batch of 512 over a vocabulary of 8192: 2 s a step; a small batch runs the
+    # same code (the commands set trainer.max_epochs=10: 30 steps)
+    ("tlab-train experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
+    ("tlab-train -m experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
     ("tlab-train", TINY),
     ("tlab-sample", ["max_new_tokens=20"]),
     ("tlab-eval", []),
