@@ -77,7 +77,7 @@ def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
             raise ConfigError(f"{what}: {cause}") from cause
         # Lightning's own refusal: only a target that imported Lightning raises it, so this
         # module leaves it unimported (10 s of imports for each bench worker and tool)
-        lightning = sys.modules.get("lightning.pytorch.utilities.exceptions")
+        lightning = sys.modules.get("lightning.fabric.utilities.exceptions")  # pytorch's too
         if lightning and isinstance(cause, lightning.MisconfigurationException):
             raise ConfigError(f"{what}: Lightning refused it: {cause}") from cause
         if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError):
