@@ -1014,7 +1014,6 @@ def build_parser() -> argparse.ArgumentParser:
         "nothing is interrupted: a variant whose passes at one N took over --timeout is "
         "not measured at the longer ones",
     )
-    parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     return parser
 
 
@@ -1022,15 +1021,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and check the arguments; unknown variants exit with the list of valid ones."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.worker is not None:  # the spec carries its kernel's config
-        return args
     try:
         dirs = tuple(config_dirs(args.config_dir))
         args.kernels = list(dict.fromkeys(args.kernels or default_variants(dirs)))
         args.configs = variant_configs(args.kernels, dirs)
     except ValueError as exc:
         fail(str(exc))  # one line: the kernel named and the valid ones
-    if args.device == "cuda" and args.worker is None and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
     fla = [name for name in args.kernels if name.endswith(FLA)]
     if fla and (why := unavailable() if args.device == "cuda" else "they run on --device cuda"):
@@ -1049,8 +1046,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["--worker"] and len(argv) == 2:  # a measurement's own process (call_worker)
         return worker_main(argv[1])  # its spec carries its config: no parser, no composing
     args = parse_args(argv)
-    if args.worker is not None:
-        return worker_main(args.worker)
     rate = matmul_rate(args.device, args.dtype, RATE_SIZE)
     print(f"matmul rate: {rate:.0f} GFLOP/s", file=sys.stderr, flush=True)
     rows = run_bench(args)
