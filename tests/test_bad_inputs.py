@@ -340,7 +340,12 @@ CASES = [
     case(
         "train",
         ["experiment=mqar", "attention=retnet", "attention.gamma=[0.9,1.5]"],
-        "retnet: gamma must hold one decay in (0, 1] per head (2), got [0.9, 1.5]",
+        "retnet: gamma must be one decay in (0, 1], or one per head (2), got [0.9, 1.5]",
+    ),
+    case(
+        "train",
+        ["experiment=mqar", "attention=retnet", "attention.gamma=1.5"],
+        "retnet: gamma must be one decay in (0, 1], or one per head (2), got 1.5",
     ),
     case(
         "train",

@@ -165,6 +165,18 @@ def test_the_recurrences_are_the_published_formulas():
     torch.testing.assert_close(after - before, 0.25 * (v1[0, 0, 0] - before))
 
 
+def test_retnet_takes_one_decay_for_every_head_or_one_per_head():
+    def gammas(**options):
+        return build_kernel("retnet", head_dim=8, num_heads=3, **options).log_gamma.exp()
+
+    torch.testing.assert_close(gammas(gamma=0.9), torch.full((3,), 0.9))
+    torch.testing.assert_close(gammas(gamma=[0.5, 0.9, 1]), torch.tensor([0.5, 0.9, 1.0]))
+    torch.testing.assert_close(gammas(), 1 - 2.0 ** (-5 - torch.arange(3.0)))
+    for bad in (0, 1.5, True, "0.9", [0.9, 0.9]):
+        with pytest.raises(ValueError, match="gamma must be one decay in \\(0, 1\\]"):
+            gammas(gamma=bad)
+
+
 def test_the_unit_lower_inverse_is_the_inverse():
     a = torch.randn(3, 19, 19, dtype=torch.float64).tril(-1)
     eye = torch.eye(19, dtype=torch.float64)

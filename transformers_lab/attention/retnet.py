@@ -19,7 +19,8 @@ class RetNetAttention(GatedKernel):
 
     Args:
         chunk_size, backend: as for every gated kernel (``GatedKernel``).
-        gamma: the decay of each head, in (0, 1]; None: RetNet's 1 - 2^(-5 - h).
+        gamma: the decay of each head, in (0, 1]; one number: the same decay for every
+            head; None: RetNet's 1 - 2^(-5 - h).
     """
 
     name = "retnet"
@@ -31,19 +32,23 @@ class RetNetAttention(GatedKernel):
         num_heads: int,
         dropout: float = 0.0,
         chunk_size: int = 64,
-        gamma: Sequence[float] | None = None,
+        gamma: float | Sequence[float] | None = None,
         backend: str | None = None,
     ) -> None:
         super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
+        given = gamma
         if gamma is None:
             gamma = [1 - 2.0 ** (-5 - h) for h in range(num_heads)]
-        gamma = list(gamma)
-        if len(gamma) != num_heads or not all(
-            isinstance(g, (int, float)) and not isinstance(g, bool) and 0 < g <= 1 for g in gamma
+        elif isinstance(gamma, (int, float)):
+            gamma = [gamma] * num_heads
+        elif isinstance(gamma, Sequence) and not isinstance(gamma, str):
+            gamma = list(gamma)
+        if not (
+            isinstance(gamma, list) and len(gamma) == num_heads and all(_is_decay(g) for g in gamma)
         ):
             raise ValueError(
-                f"retnet: gamma must hold one decay in (0, 1] per head ({num_heads}), got "
-                f"{gamma}; leave it null for RetNet's 1 - 2^(-5 - h)"
+                f"retnet: gamma must be one decay in (0, 1], or one per head ({num_heads}), "
+                f"got {given!r}; leave it null for RetNet's 1 - 2^(-5 - h)"
             )
         self.register_buffer(
             "log_gamma", torch.tensor([math.log(g) for g in gamma]), persistent=False
@@ -52,3 +57,7 @@ class RetNetAttention(GatedKernel):
     def decay_and_rate(self, gates: dict[str, Tensor], like: Tensor):  # type: ignore[override]
         b, h, n, _ = like.shape
         return self.log_gamma.to(like)[None, :, None].expand(b, h, n), None
+
+
+def _is_decay(g: object) -> bool:
+    return isinstance(g, (int, float)) and not isinstance(g, bool) and 0 < g <= 1
