@@ -331,9 +331,9 @@ def accepts(kind: Any, value: Any) -> bool:
     if kind is bool:
         return isinstance(value, bool)
     if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_int(value)
     if kind is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+        return is_number(value)
     if kind is str:
         return isinstance(value, str)
     return True
