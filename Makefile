@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install train ablate zoology mad test test-slow test-gpu bench-gpu lint format docs bench bench-long bench-training bench-study notebooks clean
+.PHONY: help install train ablate zoology mad test test-slow test-gpu bench-gpu gpu-window lint format docs bench bench-long bench-training bench-study notebooks clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -47,17 +47,23 @@ test-slow: install  ## the tests marked slow: end-to-end trainings, notebooks, e
 test-gpu: install  ## the tests marked gpu, on a machine with a CUDA GPU (elsewhere they skip): every kernel's contract, bf16 autocast, GPT steps eager and compiled, fla's kernels where installed
 	WANDB_MODE=offline $(PY) -m pytest -m gpu -n $(or $(GPU_WORKERS),8) tests/gpu $(PYTEST_ARGS)
 
-# the GPU bench: softmax through SDPA's flash backend (bf16), the linear and gated kernels,
-# linear also compiled, and fla's Triton kernels beside them (pip install
-# flash-linear-attention; they autotune at each new shape, a minute or more on first use).
+# the GPU bench: softmax through SDPA's flash backend (bf16), every kernel a fused kernel covers
+# on our loop (_loop), on its backends (_fla, _flex: attention.backend) and fla's op alone
+# (_fla_op), each warmed up at the timed N (fla autotunes at each new shape).
 # fastmax_p2_compiled took over 150 s to compile at head_dim 64 on an H200: name it to try.
-GPU_KERNELS ?= softmax linear linear_compiled linear_fla based based_fla fastmax_p1 fastmax_p2 \
-	performer cosformer retnet retnet_fla gla gla_fla simple_gla simple_gla_fla deltanet \
-	deltanet_fla gated_deltanet gated_deltanet_fla
+GPU_KERNELS ?= softmax linear_loop linear_fla linear_fla_op linear_compiled based_loop based_fla \
+	based_flex based_fla_op fastmax_p1_loop fastmax_p1_fla fastmax_p1_flex fastmax_p1_fla_op \
+	fastmax_p2_loop fastmax_p2_fla fastmax_p2_flex fastmax_p2_fla_op performer_loop performer_fla \
+	cosformer_loop cosformer_fla retnet_loop retnet_fla gla_loop gla_fla simple_gla_loop \
+	simple_gla_fla deltanet_loop deltanet_fla gated_deltanet_loop gated_deltanet_fla \
+	sliding_window_loop sliding_window_flex
 GPU_BENCH_ARGS ?= --n 4096 16384 65536 --batch 2 --heads 8 --head-dim 64 --repeats 10
 
 bench-gpu: install  ## the kernel bench on a CUDA GPU, in bf16, beside SDPA's flash attention and fla's kernels: bench_out/gpu/
 	$(PY) -m transformers_lab.bench.kernels --device cuda --in-process --causal causal --dtype bfloat16 --kernels $(GPU_KERNELS) $(GPU_BENCH_ARGS) --out bench_out/gpu $(BENCH_ARGS)
+
+gpu-window: install  ## one prepared GPU run, under 10 min: env, the bench at N=4096/16384/65536, the gpu tests, every backend in bf16; a result after each step in bench_out/gpu_window (ARGS="--dry-run" walks it anywhere)
+	$(PY) -m transformers_lab.bench.gpu_window --out bench_out/gpu_window $(ARGS)
 
 docs: install  ## rewrite the README's kernel table from the registered kernels (ARGS="--config-dir my_conf": yours too)
 	$(PY) -m transformers_lab.attention --readme README.md $(ARGS)

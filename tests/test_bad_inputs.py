@@ -62,13 +62,30 @@ CASES = [
     case("bench-generation", ["--kernels", "relu3"], "unknown variant(s) 'relu3'"),
     case("bench-long-context", ["--kernels", "relu3"], "unknown kernel 'relu3'; valid: additive"),
     case("bench", ["--config-dir", "{tmp}"], "no attention/ folder in the config dir"),
-    case("bench", ["--kernels", "gla_fla"], "gla_fla: fla's kernels cannot run here: they run on"),
+    case("bench", ["--kernels", "gla_fla"], "gla_fla: the fused backends are timed on --device"),
     case("bench", ["--in-process"], "--in-process measures on --device cuda only"),
     case("check", ["gla", "--device", "tpu9"], "--device 'tpu9' is not a device; use cpu or cuda"),
     # the model and its attention kernel
     case("train", ["attention=fastmx"], "unknown attention 'fastmx'; valid options are"),
     case("train", ["model.attention=fastmx"], "unknown attention kernel 'fastmx'; valid kernels"),
     case("train", ["attention=fastmax", "attention.p=3"], "unsupported Taylor order p=3"),
+    # attention.backend: one that cannot run here, one that does not cover the kernel
+    case(
+        "train",
+        ["attention=fastmax", "attention.backend=fla"],
+        "fastmax: attention.backend=fla cannot run on this machine: no CUDA GPU is visible",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here"),
+    ),
+    case(
+        "train",
+        ["attention=softmax", "+attention.backend=fla"],
+        "softmax: attention.backend=fla is not a fused kernel for softmax (no fused kernel covers",
+    ),
+    case(
+        "train",
+        ["attention=linear", "attention.backend=flex"],
+        "linear: attention.backend=flex is not a fused kernel for linear (it takes auto, loop, fla",
+    ),
     case("train", ["model.dropout=-0.1"], "model.dropout must be a number in [0, 1), got -0.1"),
     case("train", ["attention.dropout=1.5"], "attention: dropout must be in [0, 1), got 1.5"),
     case("train", ["model.d_model=33"], "d_model=33 must be divisible by num_heads=2"),
@@ -329,13 +346,13 @@ CASES = [
     case(  # fla's Triton kernels: CUDA only (CI has none: the refusal is what it sees)
         "train",
         ["experiment=mqar", "attention=gla", "attention.backend=fla"],
-        "gla: attention.backend=fla cannot run here: no CUDA GPU is visible",
+        "gla: attention.backend=fla cannot run on this machine: no CUDA GPU is visible",
         marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible"),
     ),
     case(
         "train",
         ["experiment=mqar", "attention=deltanet", "attention.backend=triton"],
-        "deltanet: backend='triton' is not one of null, fla",
+        "deltanet: unknown attention.backend='triton'; deltanet takes one of auto, loop, fla",
     ),
     case(
         "train",

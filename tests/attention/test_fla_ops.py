@@ -1,84 +1,232 @@
-"""fla's kernels behind the gated recurrence, and the GPU bench's variants: what a machine
-without a GPU can check (the GPU side is tests/gpu/)."""
+"""``attention.backend=fla`` equals our loop: fla's Triton kernels, run on the CPU under
+Triton's interpreter (tests/triton_cpu.py), against our chunk loops in float32, outputs and
+every gradient, at two lengths (one leaving a remainder chunk), with padding, and in the
+layer with its parts on. bf16 waits for a GPU (tests/gpu).
+
+The delta rule without a decay runs in float32 only with fla's assertion lifted (fla's
+``chunk_delta_rule`` refuses float32, and so do we, ``fla_ops.DELTA_RULE_HALF_ONLY``):
+the tests lift both, nothing else does.
+"""
 
 from __future__ import annotations
 
+import copy
+import importlib
+import json
+import sys
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
+from hydra.utils import get_class
 
-from transformers_lab.attention import build_kernel
+from transformers_lab.attention import check
 from transformers_lab.attention.linear import fla_ops
-from transformers_lab.bench import kernels as bench
 from transformers_lab.config import attention_configs
+from transformers_lab.nn.attention import MultiHeadAttention
 
-GATED = sorted(name for name, c in attention_configs().items() if "backend" in c)
-no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here")
-
-
-@pytest.mark.parametrize("name", GATED)
-def test_a_gated_kernel_trains_on_our_chunk_loop_unless_told(name):
-    assert len(GATED) == 5
-    kernel = build_kernel(name, head_dim=8, num_heads=2)
-    assert kernel.backend is None and "backend=None" in repr(kernel)
-
-
-def test_an_unknown_backend_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"^gla: backend='triton' is not one of null, fla;"):
-        build_kernel("gla", head_dim=8, num_heads=2, backend="triton")
+CONFIGS = attention_configs()
+# the options fla covers, each config once (fastmax is fastmax_p2)
+FLA = sorted(
+    {
+        json.dumps(c, sort_keys=True): name
+        for name, c in sorted(CONFIGS.items(), reverse=True)
+        if "fla" in get_class(c["_target_"]).fused_backends
+    }.values()
+)
+LENGTHS = (37, 80)  # fla's chunks are 64 tokens, ours 16 here: 37 leaves a remainder in both
+TOL = 2e-5  # relative, |a - b| / |b| over the whole tensor, float32
 
 
-@no_cuda
-def test_the_fla_backend_without_cuda_is_refused_when_the_kernel_is_built():
-    with pytest.raises(ValueError) as info:
-        build_kernel("deltanet", head_dim=8, num_heads=2, backend="fla")
-    message = str(info.value)
-    assert "\n" not in message
-    assert "attention.backend=fla cannot run here: no CUDA GPU" in message
-    assert message.endswith("use attention.backend=null")
+@pytest.fixture(scope="module")
+def interpreter():
+    """fla's ops interpreted on the CPU, the delta rule's float32 refusals lifted, for this
+    module's tests only."""
+    if "fla" in sys.modules and "triton_cpu" not in sys.modules:
+        pytest.fail("fla was imported before Triton's interpreter was on: its kernels are compiled")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        import triton_cpu
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # fla: "Triton is not supported ... CPU"
+                ops = triton_cpu.fla_ops()
+        except ImportError as exc:
+            pytest.fail(f"fla-core is not installed ({exc}): make install installs it")
+        chunk = importlib.import_module("fla.ops.delta_rule.chunk")
+        mp.setattr(chunk, "torch", NoFloat32Torch())
+        mp.setattr(fla_ops, "DELTA_RULE_HALF_ONLY", False)
+        yield ops
 
 
-def test_fla_refuses_cpu_tensors_in_one_line():
-    q = torch.randn(1, 2, 5, 4)
-    with pytest.raises(ValueError, match="runs on CUDA only, got tensors on cpu"):
-        fla_ops.fla_recurrence(q, q, q, scale=0.5)
+class NoFloat32Torch:
+    """torch, but for ``float32``: fla's delta rule asserts ``q.dtype != torch.float32``."""
+
+    def __getattr__(self, name):
+        return torch.float64 if name == "float32" else getattr(torch, name)
 
 
-def test_the_bench_names_fla_variants_for_the_gated_kernels_and_leaves_them_out_by_default():
-    found = bench.variants()
-    fla = {name for name in found if name.endswith(bench.FLA)}
-    assert fla == {f"{name}_fla" for name in GATED} | {"linear_fla", "based_fla"}
-    for name in GATED:
-        assert found[f"{name}_fla"] == {**found[name], "backend": "fla"}
-    assert not fla & set(bench.default_variants())
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def test_measuring_in_process_turns_failures_into_rows_and_slow_variants_stop(monkeypatch):
-    spec = bench.Spec(variant="softmax", causal=True, n=64)
-
-    def broken(_spec):
-        raise RuntimeError("CUDA out of memory")
-
-    monkeypatch.setattr(bench, "measure_once", broken)
-    row = bench.measure_here(spec, timeout=60)
-    assert row["status"] == "error: RuntimeError: CUDA out of memory"
-    assert not bench.too_slow(row, spec, timeout=60)
-
-    monkeypatch.setattr(bench, "measure_once", lambda s: s.row(time_ms=5000.0, peak_mib=1.0))
-    row = bench.measure_here(spec, timeout=60)
-    assert row["status"] == "ok" and row["time_ms"] == 5000.0  # a slow row keeps its figure
-    assert not bench.too_slow(row, spec, timeout=60)  # 5 passes of 5 s: 25 s
-    assert bench.too_slow(row, spec, timeout=20)  # the variant's longer N is left out
+def kernels(name: str, **options):
+    """Our loop's kernel and fla's, the same parameters."""
+    factory = check.kernel_factory(name, {"chunk_size": 16, **options, "backend": "loop"})
+    loop = factory(head_dim=16, num_heads=2)
+    fla = check.kernel_factory(name, {"chunk_size": 16, **options, "backend": "fla"})(
+        head_dim=16, num_heads=2
+    )
+    fla.load_state_dict(loop.state_dict())
+    return loop, fla
 
 
-def test_a_checkpoint_saved_before_the_option_existed_still_resumes():
-    from transformers_lab.run.checkpoints import RESUME_MAY_CHANGE, differences
+def inputs(kernel, n: int, padded: bool):
+    torch.manual_seed(1)
+    q = torch.randn(2, 2, n, kernel.qk_dim)
+    k = torch.randn(2, 2, n, kernel.qk_dim)
+    if "beta" in kernel.gate_inputs:  # the delta rule takes unit keys, as its layer gives
+        k = F.normalize(k, dim=-1)
+    v = torch.randn(2, 2, n, kernel.head_dim)
+    gates = kernel.sample_gates(2, n)
+    mask = None
+    if padded:  # one sequence padded at its end, the other at its start
+        mask = torch.zeros(2, n, dtype=torch.bool)
+        mask[0, -7:], mask[1, :3] = True, True
+    leaves = [t.requires_grad_() for t in (q, k, v, *gates.values())]
+    return (q, k, v), gates, mask, leaves
 
-    new = attention_configs(names=["gla"])["gla"]
-    old = {key: value for key, value in new.items() if key != "backend"}
-    assert new["backend"] is None
-    assert differences({"attention": old}, {"attention": new}) == []
-    fla = {"attention": {**new, "backend": "fla"}}
-    assert differences({"attention": old}, fla) == ["attention.backend: (absent) -> 'fla'"]
-    # the same recurrence either way: a run trained on fla resumes on our loop (a CPU)
-    saved, here = {"model": {"attention": fla["attention"]}}, {"model": {"attention": new}}
-    assert differences(saved, here, RESUME_MAY_CHANGE) == []
+
+def compare(loop, fla, n: int, padded: bool) -> tuple[float, float]:
+    """The relative errors of fla's output and gradients (inputs, gates and the kernel's
+    parameters, one vector) against our loop's, on the rows that are not padding."""
+    qkv, gates, mask, leaves = inputs(loop, n, padded)
+    results = []
+    for kernel in (loop, fla):
+        out = kernel(*qkv, causal=True, key_padding_mask=mask, **gates)
+        if mask is not None:
+            out = out.masked_fill(mask[:, None, :, None], 0.0)  # padded queries: don't-care
+        weights = torch.linspace(-1, 1, out.numel()).view_as(out)
+        wrt = [*leaves, *kernel.parameters()]
+        grads = torch.autograd.grad((out * weights).sum(), wrt, allow_unused=True)
+        flat = torch.cat([(torch.zeros_like(t) if g is None else g).flatten()
+                          for t, g in zip(wrt, grads, strict=True)])  # fmt: skip
+        results.append((out, flat))
+    (want, want_grad), (got, got_grad) = results
+    return rel(got, want), rel(got_grad, want_grad)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("name", FLA)
+def test_the_fla_backend_equals_our_loop_outputs_and_gradients(interpreter, name, n, padded):
+    assert len(FLA) >= 11  # linear, performer, cosformer, based, fastmax p=1, p=2, 5 gated
+    loop, fla = kernels(name)
+    errors = compare(loop, fla, n, padded)
+    assert max(errors) < TOL, errors
+
+
+def test_auto_takes_our_loop_where_fla_refuses_the_dtype(interpreter, monkeypatch):
+    """fla's delta rule takes no float32: ``auto`` runs our loop there (on CUDA too),
+    ``fla`` says so in one line."""
+    monkeypatch.setattr(fla_ops, "DELTA_RULE_HALF_ONLY", True)
+    loop, fla = kernels("deltanet")
+    auto = kernels("deltanet")[0]
+    auto.backend = "auto"
+
+    def as_on_cuda(backend, *_):
+        return None if backend == "loop" else "fla"
+
+    monkeypatch.setattr("transformers_lab.attention.linear.gated_kernel.choose", as_on_cuda)
+    qkv, gates, _, _ = inputs(loop, 20, padded=False)
+    assert torch.equal(auto(*qkv, causal=True, **gates), loop(*qkv, causal=True, **gates))
+    with pytest.raises(ValueError, match="fla's delta rule runs in bf16 or fp16 only"):
+        fla(*qkv, causal=True, **gates)
+
+
+def test_fastmax_with_a_learned_scale_takes_it_into_fla(interpreter):
+    loop, fla = kernels("fastmax", learn_scale=True, scale=0.7)
+    with torch.no_grad():
+        for kernel in (loop, fla):
+            kernel.log_scale.copy_(torch.tensor([-0.5, 0.2]).view(2, 1, 1))
+    errors = compare(loop, fla, 37, padded=False)
+    assert max(errors) < TOL, errors
+
+
+PARTS = {"short_conv": 4, "qk_activation": "silu", "output_norm": True, "output_gate": True}
+
+
+@pytest.mark.parametrize("name", ["fastmax", "fastmax_p1", "based", "gated_deltanet", "gla"])
+def test_in_the_layer_with_its_parts_on_fla_equals_our_loop(interpreter, name):
+    """The multi-head layer (its short convolution, activation, output norm and gate on),
+    one built on fla, one on our loop, the same weights: the output and the gradients of
+    the input and of every parameter."""
+    parts = {} if name in ("gated_deltanet", "gla") else PARTS  # the presets have theirs
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(64, 4, check.kernel_factory(name, {**parts, "backend": "loop"}))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    theirs = copy.deepcopy(layer)
+    theirs.kernel = check.kernel_factory(name, {**parts, "backend": "fla"})(
+        head_dim=16, num_heads=4
+    )
+    theirs.kernel.load_state_dict(layer.kernel.state_dict())
+    x = torch.randn(2, 45, 64)
+    found = []
+    for module in (layer, theirs):
+        xi = x.clone().requires_grad_()
+        out = module(xi, causal=True)
+        out.pow(2).mean().backward()
+        grads = torch.cat([xi.grad.flatten(), *(p.grad.flatten() for p in module.parameters())])
+        found.append((out, grads))
+    assert layer.kernel.backend == "loop" and theirs.kernel.backend == "fla"
+    assert rel(found[1][0], found[0][0]) < TOL
+    assert rel(found[1][1], found[0][1]) < TOL
+
+
+# ------------------------------------------------------------------ they can fail
+
+
+def test_a_wrong_scale_fails_the_comparison(interpreter, monkeypatch):
+    loop, fla = kernels("retnet")
+    real = fla_ops.fla_recurrence
+    monkeypatch.setattr(
+        fla_ops, "fla_recurrence", lambda *a, scale, **kw: real(*a, scale=scale * 1.05, **kw)
+    )
+    assert compare(loop, fla, 37, padded=False)[0] > 1e-3
+
+
+def test_a_wrong_normalisation_fails_the_comparison(interpreter, monkeypatch):
+    loop, fla = kernels("linear")
+    chunk = interpreter.linear_attn.chunk_linear_attn
+    monkeypatch.setattr(
+        interpreter.linear_attn,
+        "chunk_linear_attn",
+        lambda *a, **kw: chunk(*a, **{**kw, "normalize": False}),
+    )
+    assert compare(loop, fla, 37, padded=False)[0] > 1e-3
+
+
+def test_a_dropped_gate_fails_the_comparison(interpreter, monkeypatch):
+    loop, fla = kernels("gla")
+    real = fla_ops.fla_recurrence
+    monkeypatch.setattr(
+        fla_ops,
+        "fla_recurrence",
+        lambda q, k, v, log_decay=None, beta=None, **kw: real(q, k, v, None, beta, **kw),
+    )
+    assert compare(loop, fla, 37, padded=False)[0] > 1e-3
+
+
+def test_a_dropped_padding_fails_the_comparison(interpreter, monkeypatch):
+    loop, fla = kernels("fastmax")
+    real = fla_ops.fla_polynomial
+    monkeypatch.setattr(
+        "transformers_lab.attention.linear.feature_kernel.fla_polynomial",
+        lambda qs, ks, v, p, keep=None: real(qs, ks, v, p, None),
+    )
+    assert compare(loop, fla, 37, padded=True)[0] > 1e-3

@@ -19,10 +19,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 
 from transformers_lab.attention import check
-from transformers_lab.attention.linear import fla_ops
+from transformers_lab.attention.linear import backends
 from transformers_lab.config import attention_configs, compose_config
 from transformers_lab.nn.attention import MultiHeadAttention
 from transformers_lab.run.build import build_model, compile_model
@@ -34,8 +34,14 @@ pytestmark = [
 
 CONFIGS = attention_configs()  # every option of conf/attention, composed once
 OPTIONS = sorted(CONFIGS)
-GATED = sorted(n for n, c in CONFIGS.items() if "backend" in c)  # fla has their ops
+# (option, fused backend): every fused kernel of every option it covers
+FUSED = [
+    (name, backend)
+    for name, c in sorted(CONFIGS.items())
+    for backend in get_class(c["_target_"]).fused_backends
+]
 FP32_TOL, BF16_TOL = 1e-3, 5e-2
+FUSED_FP32_TOL = 1e-2  # a Triton kernel's fp32 products may be tf32
 D_MODEL, HEADS, N = 128, 4, 48  # head_dim 32: fla takes it
 
 
@@ -106,7 +112,10 @@ def test_a_layer_on_cuda_matches_float64_in_fp32_and_under_bf16_autocast(name):
         assert out.is_cuda and torch.isfinite(out).all() and torch.isfinite(grad).all()
         errors[precision] = (rel(out, want), rel(grad, want_grad))
     record("layer", kernel=name, causal=causal, errors=errors)
-    assert max(errors["fp32"]) < FP32_TOL, errors
+    kernel = layer.kernel
+    fused = kernel.fused_backends and backends.choose(kernel.backend, kernel.fused_backends,
+                                                      torch.device("cuda"))  # fmt: skip
+    assert max(errors["fp32"]) < (FUSED_FP32_TOL if fused else FP32_TOL), errors
     assert max(errors["bf16"]) < BF16_TOL, errors
 
 
@@ -220,27 +229,31 @@ def test_tlab_train_runs_on_the_gpu_in_bf16_mixed(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ fla's kernels
 
 
-@pytest.mark.skipif(fla_ops.unavailable() is not None, reason="flash-linear-attention absent")
-@pytest.mark.parametrize("name", GATED)
-def test_the_fla_backend_computes_what_our_chunk_loop_does(name):
-    """``attention.backend=fla``: fla's Triton kernel for the kernel's recurrence gives our
-    chunked path's output and gradients under bf16 autocast, and in fp32 where fla runs
-    fp32 (not its delta rule: refused in one line)."""
-    layer, x, _ = layer_and_inputs(name)
+@pytest.mark.parametrize(("name", "backend"), FUSED)
+def test_every_fused_backend_equals_our_loop_in_bf16(name, backend):
+    """``attention.backend=fla`` / ``flex``: the fused kernel gives our loop's output and
+    gradients in the layer (the input's and every parameter's) under bf16 autocast, and in
+    fp32 where it runs fp32 (fla's delta rule without a decay does not: refused in one
+    line; ``auto`` takes our loop there)."""
+    if why := backends.unavailable(backend):
+        pytest.skip(why)
+    layer, x, _ = layer_and_inputs(name, backend="loop")
     ours = copy.deepcopy(layer).cuda()
     theirs = copy.deepcopy(layer).cuda()
-    theirs.kernel.backend = "fla"
-    delta = "beta" in layer.kernel.gate_inputs
-    if delta:
+    theirs.kernel.backend = backend
+    delta = set(layer.kernel.gate_inputs) == {"beta"}  # the delta rule without a decay
+    precisions = ("fp32", "bf16")
+    if delta and backend == "fla":
         with pytest.raises(ValueError, match="fla's delta rule runs in bf16 or fp16 only"):
             run_layer(theirs, x.cuda(), True, autocast=False)
         theirs.zero_grad()
+        precisions = ("bf16",)
     errors = {}
-    for precision in ("bf16",) if delta else ("fp32", "bf16"):
+    for precision in precisions:
         want, want_grad = run_layer(ours, x.cuda(), True, autocast=precision == "bf16")
         got, got_grad = run_layer(theirs, x.cuda(), True, autocast=precision == "bf16")
         errors[precision] = (rel(got, want), rel(got_grad, want_grad))
         ours.zero_grad(), theirs.zero_grad()
-    record("fla_backend", kernel=name, errors=errors)
+    record("fused_backend", kernel=name, backend=backend, errors=errors)
     assert max(errors["bf16"]) < BF16_TOL, errors
-    assert delta or max(errors["fp32"]) < 1e-2, errors  # fla's fp32 products may be tf32
+    assert "fp32" not in errors or max(errors["fp32"]) < FUSED_FP32_TOL, errors

@@ -59,11 +59,13 @@ def presets(config_dirs: Sequence[Path] = ()) -> dict[str, list[str]]:
 
 def kernel_table(config_dirs: Sequence[Path] = ()) -> str:
     """One row per kernel of this package, and of the attention options in the user's
-    ``config_dirs``: name, weights, what it is, rows, decode state, and its options with
-    the layer parts each switches on (``attention.parts``)."""
+    ``config_dirs``: name, weights, what it is, rows, decode state, the fused kernels that
+    ``attention.backend`` may name (``linear.backends``), and its options with the layer
+    parts each switches on (``attention.parts``)."""
     lines = [
-        "| name | weights | what | rows sum to 1 | decode state | options (layer parts on) |",
-        "|---|---|---|---|---|---|",
+        "| name | weights | what | rows sum to 1 | decode state | fused backends | options "
+        "(layer parts on) |",
+        "|---|---|---|---|---|---|---|",
     ]
     by_class = presets(config_dirs)
     theirs = set(user_kernels(config_dirs)) if config_dirs else set()
@@ -74,7 +76,8 @@ def kernel_table(config_dirs: Sequence[Path] = ()) -> str:
         summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".").replace("``", "`")
         rows = "yes" if cls.normalized else "no"
         options = ", ".join(by_class.get(f"{cls.__module__}.{cls.__qualname__}", [])) or "—"
-        cells = [f"`{name}`", cls.formula, summary, rows, state(cls), options]
+        fused = ", ".join(cls.fused_backends) or "none: our loop"
+        cells = [f"`{name}`", cls.formula, summary, rows, state(cls), fused, options]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)
 

@@ -24,6 +24,7 @@ the fast paths. A new kernel is one file and one yaml.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -161,10 +162,18 @@ def takes_layer_parts(init: Any) -> Any:
     """A kernel class's ``__init__`` that also takes the layer's switches
     (``attention.parts``: ``short_conv=4``, ...), as an attention config carries them beside
     the kernel's own options, and keeps them on the kernel as ``parts`` for the multi-head
-    layer to build; the kernel's own code never sees them."""
+    layer to build; the kernel's own code never sees them. A kernel that takes no
+    ``backend`` takes ``backend=auto`` or ``loop`` (its own code, a sweep's setting for
+    every kernel) and refuses a fused one in one line (``linear.backends``)."""
+
+    takes_backend = "backend" in inspect.signature(init).parameters
 
     @functools.wraps(init)
     def init_with_parts(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not takes_backend and "backend" in kwargs:  # auto and loop are ours; no fused one
+            from transformers_lab.attention.linear.backends import check_backend  # (a cycle)
+
+            check_backend(self.name, kwargs.pop("backend"), ())
         given = {key: kwargs.pop(key) for key in PART_KEYS if key in kwargs}
         parts = LayerParts(**given) if given else None  # refused before anything is built
         init(self, *args, **kwargs)
@@ -208,6 +217,8 @@ class AttentionKernel(nn.Module):
     linear: ClassVar[bool] = False  # decode keeps a state whose size does not grow with n
     forms_scores: ClassVar[bool] = False  # adds score_bias to its q-k scores (ALiBi): opt in
     causal_only: ClassVar[bool] = False  # reads the sequence in order: no encoder, no cross
+    # the fused kernels for its math that ``attention.backend`` may name (linear.backends)
+    fused_backends: ClassVar[tuple[str, ...]] = ()
     # per-token, per-head inputs projected from the layer's input (``GateInput``), passed to
     # ``forward`` and ``decode`` as keyword arguments of these names
     gate_inputs: ClassVar[dict[str, GateInput]] = {}

@@ -25,10 +25,12 @@ class BasedAttention(FeatureKernel):
     Args:
         feature_dim: d, the width of q and k a head (Based uses 16); the layer projects
             x to it (``qk_dim``).
-        chunk_size, impl, compiled, dropout: as for every linear kernel (``FeatureKernel``).
+        chunk_size, impl, compiled, dropout, backend: as for every linear kernel
+            (``FeatureKernel``).
     """
 
     name = "based"
+    fused_backends = ("fla", "flex")
     formula = "1 + x + x²/2, x = q·k/√d, q and k d = feature_dim wide, normalised over keys"
 
     def __init__(
@@ -40,6 +42,7 @@ class BasedAttention(FeatureKernel):
         chunk_size: int = 128,
         impl: str = "auto",
         compiled: bool = False,
+        backend: str | None = "auto",
     ) -> None:
         super().__init__(
             head_dim,
@@ -49,6 +52,7 @@ class BasedAttention(FeatureKernel):
             chunk_size=chunk_size,
             impl=impl,
             compiled=compiled,
+            backend=backend,
         )
         if isinstance(feature_dim, bool) or not (isinstance(feature_dim, int) and feature_dim > 0):
             raise ValueError(f"based: feature_dim must be a positive int, got {feature_dim!r}")

@@ -37,7 +37,8 @@ class CosFormerAttention(FeatureKernel):
     Args:
         max_len: M, the longest sequence (positions 0 .. M - 1); distances are measured
             in quarter turns of M.
-        chunk_size, impl, compiled, dropout: as for every linear kernel (``FeatureKernel``).
+        chunk_size, impl, compiled, dropout, backend: as for every linear kernel
+            (``FeatureKernel``).
     """
 
     name = "cosformer"
@@ -53,6 +54,7 @@ class CosFormerAttention(FeatureKernel):
         chunk_size: int = 128,
         impl: str = "auto",
         compiled: bool = False,
+        backend: str | None = "auto",
     ) -> None:
         super().__init__(
             head_dim,
@@ -62,6 +64,7 @@ class CosFormerAttention(FeatureKernel):
             chunk_size=chunk_size,
             impl=impl,
             compiled=compiled,
+            backend=backend,
         )
         if not (isinstance(max_len, int) and max_len > 0):
             raise ValueError(f"cosformer: max_len must be a positive int, got {max_len!r}")

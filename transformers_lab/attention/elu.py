@@ -17,7 +17,8 @@ class LinearAttention(FeatureKernel):
     """Linear attention, phi(x) = elu(x) + 1 (Katharopoulos et al., 2020).
 
     Args:
-        chunk_size, impl, compiled, dropout: as for every linear kernel (``FeatureKernel``).
+        chunk_size, impl, compiled, dropout, backend: as for every linear kernel
+            (``FeatureKernel``).
     """
 
     name = "linear"
@@ -31,6 +32,7 @@ class LinearAttention(FeatureKernel):
         chunk_size: int = 128,
         impl: str = "auto",
         compiled: bool = False,
+        backend: str | None = "auto",
     ) -> None:
         super().__init__(
             head_dim,
@@ -40,6 +42,7 @@ class LinearAttention(FeatureKernel):
             chunk_size=chunk_size,
             impl=impl,
             compiled=compiled,
+            backend=backend,
         )
 
     def features(self, x: Tensor, role: str) -> Tensor:

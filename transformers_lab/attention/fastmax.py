@@ -53,11 +53,15 @@ class FastmaxAttention(FeatureKernel):
             expected output is unchanged. Dropping single (query, key) weights would need
             the N x N matrix that the linear paths never build.
         eps: guards the norm of an all-zero query or key.
+        backend: what runs the training forward (``FeatureKernel``): ``auto``, ``loop``,
+            ``fla`` (p=1: ``chunk_linear_attn`` on [1, s q], [1, k]; p=2: ``parallel_based``
+            on s q and k, D <= 128) or ``flex`` (softmax of log f(x), FlexAttention).
 
     Under autocast (fp16 / bf16) the states are accumulated in float32.
     """
 
     name = "fastmax"
+    fused_backends = ("fla", "flex")
     formula = "Σ_{m≤p} (s q·k)^m / m!, normalised over keys"
 
     def __init__(
@@ -72,6 +76,7 @@ class FastmaxAttention(FeatureKernel):
         chunk_size: int = 128,
         impl: str = "auto",
         compiled: bool = False,
+        backend: str | None = "auto",
         eps: float = 1e-6,
     ) -> None:
         super().__init__(
@@ -82,6 +87,7 @@ class FastmaxAttention(FeatureKernel):
             chunk_size=chunk_size,
             impl=impl,
             compiled=compiled,
+            backend=backend,
         )
         if p not in SUPPORTED_P:
             raise ValueError(

@@ -40,7 +40,7 @@ class GatedDeltaNetAttention(GatedKernel):
         num_heads: int,
         dropout: float = 0.0,
         chunk_size: int = 64,
-        backend: str | None = None,
+        backend: str | None = "auto",
     ) -> None:
         super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
         a = torch.empty(num_heads).uniform_(1, 16)

@@ -50,7 +50,8 @@ class PerformerAttention(FeatureKernel):
         seed: draw the directions from a generator of this seed; None draws them from
             torch's global generator (deterministic under the run's ``seed``, and
             different in every layer).
-        chunk_size, impl, compiled, dropout: as for every linear kernel (``FeatureKernel``).
+        chunk_size, impl, compiled, dropout, backend: as for every linear kernel
+            (``FeatureKernel``).
     """
 
     name = "performer"
@@ -67,6 +68,7 @@ class PerformerAttention(FeatureKernel):
         chunk_size: int = 128,
         impl: str = "auto",
         compiled: bool = False,
+        backend: str | None = "auto",
     ) -> None:
         super().__init__(
             head_dim,
@@ -76,6 +78,7 @@ class PerformerAttention(FeatureKernel):
             chunk_size=chunk_size,
             impl=impl,
             compiled=compiled,
+            backend=backend,
         )
         if not (isinstance(num_features, int) and num_features > 0):
             raise ValueError(

@@ -33,7 +33,7 @@ class RetNetAttention(GatedKernel):
         dropout: float = 0.0,
         chunk_size: int = 64,
         gamma: float | Sequence[float] | None = None,
-        backend: str | None = None,
+        backend: str | None = "auto",
     ) -> None:
         super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
         given = gamma

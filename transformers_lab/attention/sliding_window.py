@@ -20,6 +20,8 @@ from torch import Tensor
 
 from transformers_lab.attention import naive
 from transformers_lab.attention.base import AttentionKernel, attention_mask, masked_softmax
+from transformers_lab.attention.linear.backends import check_backend, choose
+from transformers_lab.attention.linear.flex_ops import flex_window
 
 
 def window_mask(nq: int, nk: int, window: int, causal: bool, device: Any = None) -> Tensor:
@@ -36,6 +38,11 @@ class SlidingWindowAttention(AttentionKernel):
         window: W >= 1, the keys a query sees (itself included): the last W with a causal
             mask, those less than W away on either side without one.
         scale: multiplies q.k before the softmax; None means 1/sqrt(head_dim).
+        backend: what runs ``forward`` (``attention.linear.backends``): ``auto``
+            (FlexAttention on CUDA, our blocks elsewhere), ``loop`` (our blocks) or
+            ``flex`` (FlexAttention's block mask of the band: it skips every block outside
+            the window; ``flex_ops``). FlexAttention has no dropout: ``auto`` takes our
+            blocks while dropout is on, ``flex`` is refused with dropout.
     """
 
     name = "sliding_window"
@@ -43,6 +50,7 @@ class SlidingWindowAttention(AttentionKernel):
     forms_scores = True
     linear = True  # decoding keeps W keys, whatever the context
     positional = True  # the window is a distance within one sequence: no cross-attention
+    fused_backends = ("flex",)
 
     def __init__(
         self,
@@ -51,8 +59,15 @@ class SlidingWindowAttention(AttentionKernel):
         dropout: float = 0.0,
         window: int = 64,
         scale: float | None = None,
+        backend: str | None = "auto",
     ) -> None:
         super().__init__(head_dim, num_heads, dropout)
+        self.backend = check_backend(self.name, backend, self.fused_backends)
+        if self.backend == "flex" and dropout:
+            raise ValueError(
+                f"sliding_window: attention.backend=flex has no dropout, got dropout={dropout}; "
+                "use attention.backend=auto (our blocks while dropout is on) or dropout=0"
+            )
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(
                 f"attention.window must be a positive integer (the keys a query sees), got "
@@ -62,7 +77,8 @@ class SlidingWindowAttention(AttentionKernel):
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, window={self.window}, scale={self.scale:.4g}"
+        backend = "" if self.backend == "auto" else f", backend={self.backend}"
+        return f"{super().extra_repr()}, window={self.window}, scale={self.scale:.4g}{backend}"
 
     # ------------------------------------------------------------ reference and weights
 
@@ -111,8 +127,16 @@ class SlidingWindowAttention(AttentionKernel):
         causal: bool = False,
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
-        """Blocks of W queries against the keys around them: O(N W) scores."""
+        """Blocks of W queries against the keys around them: O(N W) scores (or
+        FlexAttention's band of blocks, ``backend``)."""
         self.check_inputs(q, k, v, key_padding_mask)
+        dropping = self.training and self.dropout > 0
+        if not dropping and choose(self.backend, self.fused_backends, q.device) == "flex":
+            slopes = self.alibi_slopes.to(q.device, q.dtype) if self.alibi else None
+            return flex_window(
+                q, k, v, self.window, self.scale, causal=causal,
+                key_padding_mask=key_padding_mask, slopes=slopes,
+            )  # fmt: skip
         b, h, nq, _ = q.shape
         nk, w = k.shape[2], self.window
         if nk <= 2 * w:  # the keys fit in two windows: the whole matrix is no larger

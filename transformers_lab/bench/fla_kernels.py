@@ -1,13 +1,15 @@
-"""fla's Triton kernels for linear attention and Based, as kernels the bench can time.
+"""fla's Triton ops alone, as kernels the bench can time: the reference that our
+``backend=fla`` (``attention.linear.fla_ops``), which adds our feature maps, layout and
+normalisation around the same op, is held to on a GPU.
 
-The kernel bench (``bench.kernels``) times these beside ours on a GPU: ``fla_linear`` is
-fla's ``chunk_linear_attn`` on elu + 1 features (our ``linear``), ``fla_based`` its
-``fused_chunk_based`` on 16-wide queries and keys (our ``based``). The gated kernels need
-no adapter: their ``backend=fla`` option runs fla's op for their recurrence
-(``attention.linear.fla_ops``; the bench's ``<option>_fla`` variants).
+- ``linear_fla_op``: ``chunk_linear_attn``, normalised, on elu + 1 features (our ``linear``);
+- ``based_fla_op``: ``fused_chunk_based`` on 16-wide queries and keys (our ``based``);
+- ``fastmax_p2_fla_op``: ``parallel_based`` on unit queries and keys (our ``fastmax_p2``);
+- ``fastmax_p1_fla_op``: ``chunk_linear_attn`` on [1, unit q] and [1, unit k] (``fastmax_p1``).
 
-Bench-only: causal self-attention, no padding, no decoding; CUDA with
-flash-linear-attention installed (refused in one line otherwise).
+The gated kernels' ``backend=fla`` is fla's op with only a change of layout around it.
+Bench-only: causal self-attention, no padding, no decoding; CUDA with fla installed
+(refused in one line otherwise).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from transformers_lab.attention.base import AttentionKernel
-from transformers_lab.attention.linear.fla_ops import unavailable
+from transformers_lab.attention.linear.backends import unavailable
 
 
 class _FlaKernel(AttentionKernel, register=False):
@@ -27,7 +30,7 @@ class _FlaKernel(AttentionKernel, register=False):
 
     def __init__(self, head_dim: int, num_heads: int, dropout: float = 0.0) -> None:
         super().__init__(head_dim, num_heads, dropout)
-        if why := unavailable():
+        if why := unavailable("fla"):
             raise ValueError(f"{type(self).__name__} cannot run here: {why}")
 
     def op(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -48,7 +51,7 @@ class FlaLinearAttention(_FlaKernel):
 
     def op(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ops = importlib.import_module("fla.ops.linear_attn")
-        o, _ = ops.chunk_linear_attn(F.elu(q) + 1, F.elu(k) + 1, v, normalize=True)
+        o, _ = ops.chunk_linear_attn(F.elu(q) + 1, F.elu(k) + 1, v, scale=1.0, normalize=True)
         return o
 
 
@@ -62,4 +65,27 @@ class FlaBasedAttention(_FlaKernel):
 
     def op(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ops = importlib.import_module("fla.ops.based")
-        return ops.fused_chunk_based(q, k, v, use_norm=True)
+        return ops.fused_chunk_based(q, k, v, scale=0.25, use_norm=True)
+
+
+class FlaFastmaxP2(_FlaKernel):
+    """fla's ``parallel_based`` on unit queries and keys: 1 + x + x^2/2 of their cosine,
+    normalised, our ``fastmax_p2`` (scale 1)."""
+
+    def op(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        ops = importlib.import_module("fla.ops.based")
+        return ops.parallel_based(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, scale=1.0)
+
+
+class FlaFastmaxP1(_FlaKernel):
+    """fla's ``chunk_linear_attn`` on [1, unit q] and [1, unit k]: 1 + cos(q, k),
+    normalised, our ``fastmax_p1`` (scale 1)."""
+
+    def op(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        ops = importlib.import_module("fla.ops.linear_attn")
+
+        def lifted(x: Tensor) -> Tensor:
+            return torch.cat([torch.ones_like(x[..., :1]), F.normalize(x, dim=-1)], dim=-1)
+
+        o, _ = ops.chunk_linear_attn(lifted(q), lifted(k), v, scale=1.0, normalize=True)
+        return o

@@ -15,7 +15,8 @@ Every (variant, causal, N) is measured in a fresh worker process
 out-of-memory kill or a timeout costs one row, never the whole run. The worker:
 
 1. builds the kernel, and q, k, v ~ randn (B, H, N, D) with ``requires_grad``;
-2. runs one tiny fwd+bwd at N = 64 to load the libraries and start the thread pool;
+2. runs one tiny fwd+bwd at N = 64 to load the libraries and start the thread pool (on
+   cuda one at the timed N: Triton kernels compile and autotune for their shape);
 3. measures the extra peak memory of ONE fwd+bwd at the real N:
 
    - cuda: ``max_memory_allocated`` minus ``memory_allocated`` before the pass;
@@ -70,7 +71,7 @@ from hydra.utils import get_class, instantiate
 from torch import Tensor
 
 from transformers_lab.attention import AttentionKernel
-from transformers_lab.attention.linear.fla_ops import unavailable
+from transformers_lab.attention.linear.backends import unavailable
 from transformers_lab.attention.resolve import UnknownKernel, config_dirs, kernel_config
 from transformers_lab.cli import fail
 from transformers_lab.config import CONF_DIR, attention_configs
@@ -97,15 +98,19 @@ FUSED_VARIANTS = frozenset({"fastmax_p2_fused"})  # and every variant with a sho
 # kernels): its chunk steps through torch.compile, compiled in the warm-up pass (not
 # timed). Run only when named: the default run leaves them out.
 COMPILED = "_compiled"
-# ... and fla's Triton kernels beside ours, also only when named: ``<option>_fla`` for the
-# gated kernels (their ``backend=fla``), and fla's ops for linear attention and Based
-FLA = "_fla"
+# ... and the fused backends beside our loops, also only when named (``linear.backends``):
+# ``<option>_fla`` and ``<option>_flex`` for every option whose kernel a fused kernel covers
+# (its ``backend: fla`` / ``flex``), ``<option>_loop`` for our loop on any device (on CUDA
+# the option itself, ``backend: auto``, takes the fused kernel), and fla's ops alone, fed
+# what our kernel would feed them: ``<option>_fla_op`` (``bench.fla_kernels``), the
+# reference our ``_fla`` is held to (goal: within 1.2x)
+FLA, FLEX, LOOP, FLA_OP = "_fla", "_flex", "_loop", "_fla_op"
 FLA_OPS: dict[str, dict[str, Any]] = {
-    "linear_fla": {"_target_": "transformers_lab.bench.fla_kernels.FlaLinearAttention",
-                   "_partial_": True},
-    "based_fla": {"_target_": "transformers_lab.bench.fla_kernels.FlaBasedAttention",
-                  "_partial_": True},
+    name + FLA_OP: {"_target_": f"transformers_lab.bench.fla_kernels.{cls}", "_partial_": True}
+    for name, cls in (("linear", "FlaLinearAttention"), ("based", "FlaBasedAttention"),
+                      ("fastmax_p1", "FlaFastmaxP1"), ("fastmax_p2", "FlaFastmaxP2"))
 }  # fmt: skip
+GPU_ONLY = (FLA, FLEX, FLA_OP)  # suffixes of the variants that need --device cuda
 
 
 def variants(dirs: Sequence[Path] = (CONF_DIR,)) -> dict[str, dict[str, Any]]:
@@ -137,18 +142,23 @@ def compiled_variants(options: dict[str, dict[str, Any]]) -> dict[str, dict[str,
 
 
 def fla_variants(options: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``<option>_fla`` -> its config with ``backend: fla`` (fla's Triton kernel for its
-    recurrence, ``attention.linear.fla_ops``), for every option of ``options`` with a
-    ``backend`` option (the gated kernels); and fla's ops for linear attention and Based
-    (``bench.fla_kernels``). CUDA with flash-linear-attention only."""
-    found = {name + FLA: {**c, "backend": "fla"} for name, c in options.items() if "backend" in c}
+    """``<option>_<backend>`` -> its config with that ``backend`` (``loop`` and each fused
+    kernel its class lists in ``fused_backends``), for every option of ``options``; and
+    fla's ops alone (``FLA_OPS``)."""
+    found = {}
+    for name, c in options.items():
+        covers = getattr(get_class(c["_target_"]), "fused_backends", ())
+        if covers and "backend" in c:
+            for backend in ("loop", *covers):
+                found[f"{name}_{backend}"] = {**c, "backend": backend}
     return {**found, **FLA_OPS}
 
 
 def default_variants(dirs: tuple[Path, ...] = (CONF_DIR,)) -> list[str]:
     """What a run without ``--kernels`` measures: every variant but the compiled ones
-    (each compiles for every N, 10-20 s apiece) and fla's (a GPU with fla installed)."""
-    return [name for name in variants(dirs) if not name.endswith((COMPILED, FLA))]
+    (each compiles for every N, 10-20 s apiece) and the backends' (a GPU's; our loop is
+    the option itself on a CPU)."""
+    return [name for name in variants(dirs) if not name.endswith((COMPILED, LOOP, *GPU_ONLY))]
 
 
 QUADRATIC_VARIANTS = frozenset({"additive", "fastmax_p2_quadratic"})
@@ -486,6 +496,10 @@ def prepare(spec: Spec) -> Callable[[], None]:
         gates = make_gates(kernel, spec, n)
         return lambda: fwd_bwd(kernel, q, k, v, spec.causal, gates)
 
+    if spec.device.startswith("cuda"):  # warmed up at the timed N: a Triton kernel (fla's,
+        run = run_at(spec.n)  # FlexAttention's) compiles and autotunes for its shape, which
+        run()  # then is neither the peak's nor the time's
+        return run
     run_at(min(WARMUP_N, spec.n))()  # load libraries, start threads; inputs freed after
     run = run_at(spec.n)
     if getattr(kernel, "compiled", False):
@@ -1029,8 +1043,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         fail(str(exc))  # one line: the kernel named and the valid ones
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
-    fla = [name for name in args.kernels if name.endswith(FLA)]
-    if fla and (why := unavailable() if args.device == "cuda" else "they run on --device cuda"):
+    gpu = [name for name in args.kernels if name.endswith(GPU_ONLY)]
+    if gpu and args.device != "cuda":
+        fail(f"{', '.join(gpu)}: the fused backends are timed on --device cuda; drop them here")
+    fla = [name for name in gpu if name.endswith((FLA, FLA_OP))]
+    if fla and (why := unavailable("fla")):
         fail(f"{', '.join(fla)}: fla's kernels cannot run here: {why}")
     if args.in_process and args.device != "cuda":
         fail(

@@ -19,9 +19,12 @@ import torch
 from torch import Tensor
 
 from transformers_lab.attention.base import AttentionKernel, Memory, attention_mask
+from transformers_lab.attention.linear.backends import check_backend, choose, compute_dtype
 from transformers_lab.attention.linear.chunked import chunked_causal
 from transformers_lab.attention.linear.factorized import factorized
 from transformers_lab.attention.linear.features import feature_dim, read_state, weighted_state
+from transformers_lab.attention.linear.fla_ops import fla_polynomial, polynomial_refusal
+from transformers_lab.attention.linear.flex_ops import flex_polynomial
 from transformers_lab.attention.linear.quadratic import polynomial_matrix, quadratic
 from transformers_lab.attention.linear.recurrent import recurrent_step
 
@@ -59,6 +62,11 @@ class FeatureKernel(AttentionKernel):
             normaliser is unchanged, so, as with dropout on an attention matrix, the
             expected output is unchanged. Dropping single (query, key) weights would need
             the N x N matrix that the linear paths never build.
+        backend: what runs the training forward (``linear.backends``): ``auto`` (fla's
+            kernel on CUDA where installed, our paths elsewhere), ``loop`` (our paths),
+            ``fla`` (its op for the kernel's polynomial, ``fla_ops``: causal
+            self-attention; other calls run our paths) or, for a polynomial of order 1 or
+            2, ``flex`` (FlexAttention, ``flex_ops``: every call but decoding).
 
     Under autocast (fp16 / bf16) the states are accumulated in float32.
     """
@@ -67,6 +75,7 @@ class FeatureKernel(AttentionKernel):
     positional: ClassVar[bool] = False  # features depend on positions (``place``)
     pools_queries = False  # a query's features depend on the other queries (a max over them)
     IMPLS: ClassVar[tuple[str, ...]] = ("auto", "linear", "quadratic")
+    fused_backends: ClassVar[tuple[str, ...]] = ("fla",)  # the order-1 and -2 kernels: flex too
 
     def __init__(
         self,
@@ -78,8 +87,10 @@ class FeatureKernel(AttentionKernel):
         chunk_size: int = 128,
         impl: str = "auto",
         compiled: bool = False,
+        backend: str | None = "auto",
     ) -> None:
         super().__init__(head_dim, num_heads, dropout)
+        self.backend = check_backend(self.name, backend, self.fused_backends)
         if chunk_size < 1:
             raise ValueError(f"{self.name}: chunk_size must be >= 1, got {chunk_size}")
         if impl not in self.IMPLS:
@@ -137,7 +148,39 @@ class FeatureKernel(AttentionKernel):
 
     def extra_repr(self) -> str:
         compiled = ", compiled=True" if self.compiled else ""
-        return f"{super().extra_repr()}, chunk_size={self.chunk_size}, impl={self.impl}{compiled}"
+        backend = "" if self.backend == "auto" else f", backend={self.backend}"
+        return (
+            f"{super().extra_repr()}, chunk_size={self.chunk_size}, impl={self.impl}{compiled}"
+            f"{backend}"
+        )
+
+    def fused(self, q: Tensor, k: Tensor, causal: bool) -> str | None:
+        """The fused kernel this call takes (None: our paths): fla's covers causal
+        self-attention, FlexAttention every call."""
+        fused = choose(self.backend, self.fused_backends, q.device)
+        if fused == "fla" and not (causal and q.shape[2] == k.shape[2]):
+            return None
+        if fused == "fla" and (why := polynomial_refusal(self.p, self.feature_count)):
+            if self.backend == "fla":
+                raise ValueError(f"{self.name}: attention.backend=fla: {why}; use auto")
+            return None  # auto: our paths
+        return fused
+
+    def fused_forward(
+        self, fused: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, pad: Tensor | None
+    ) -> Tensor:
+        """``forward`` by the fused kernel ``fused``, in autocast's dtype: our features,
+        dropped and padded keys as ``prepare`` gives them."""
+        dtype = compute_dtype(v)
+        with torch.autocast(q.device.type, enabled=False):
+            qs, ks, _ = self.prepare(q, k, None, pad, k.shape[2] - q.shape[2] if causal else 0)
+            qs, ks, vd = (t.to(dtype) for t in (qs, ks, self.drop_keys(v)))
+            if fused == "fla":
+                keep = None if pad is None else ~pad
+                out = fla_polynomial(qs, ks, vd, self.p, keep)
+            else:
+                out = flex_polynomial(qs, ks, vd, self.p, causal=causal, key_padding_mask=pad)
+            return out.to(v.dtype)
 
     def prepare(
         self,
@@ -168,13 +211,18 @@ class FeatureKernel(AttentionKernel):
             k = k.masked_fill(pad, 0.0)
         if v is None:
             return q, k, None
-        if self.training and self.dropout > 0:
-            keep = torch.rand(*v.shape[:3], 1, device=v.device) >= self.dropout
-            v = v * keep.to(v.dtype) / (1.0 - self.dropout)
+        v = self.drop_keys(v)
         v_aug = torch.cat([v, v.new_ones(*v.shape[:3], 1)], dim=-1)  # (B, H, Nk, Dv + 1)
         if pad is not None:
             v_aug = v_aug.masked_fill(pad, 0.0)
         return q, k, v_aug
+
+    def drop_keys(self, v: Tensor) -> Tensor:
+        """The values with whole keys dropped while training (``dropout``, the class doc)."""
+        if not (self.training and self.dropout > 0):
+            return v
+        keep = torch.rand(*v.shape[:3], 1, device=v.device) >= self.dropout
+        return v * keep.to(v.dtype) / (1.0 - self.dropout)
 
     def forward(
         self,
@@ -186,6 +234,8 @@ class FeatureKernel(AttentionKernel):
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
         self.check_inputs(q, k, v, key_padding_mask)
+        if fused := self.fused(q, k, causal):
+            return self.fused_forward(fused, q, k, v, causal, key_padding_mask)
         q_start = k.shape[2] - q.shape[2] if causal else 0  # queries end with the keys
         with torch.autocast(q.device.type, enabled=False):
             qs, ks, v_aug = self.prepare(q, k, v, key_padding_mask, q_start)

@@ -1,58 +1,63 @@
-"""fla's Triton kernels behind the gated recurrence: ``attention.backend=fla``.
+"""fla's Triton kernels for our kernels' math: ``attention.backend=fla`` (``backends``).
 
-flash-linear-attention (fla, ``pip install flash-linear-attention``) has a chunked Triton
-kernel for each form of ``gated.chunked_recurrence`` that a gated kernel trains with:
+flash-linear-attention's ops (``fla-core``: ``pip install -e '.[gpu]'``) compute, for
+causal self-attention, what our loops compute:
 
-| our recurrence                        | fla's op                         |
-|---------------------------------------|----------------------------------|
-| decay one number a head (B, H, N)     | ``chunk_simple_gla`` (``g``)      |
-| decay one number a key channel        | ``chunk_gla`` (``g``)             |
-| the delta rule, no decay              | ``chunk_delta_rule``              |
-| the delta rule, decay a head          | ``chunk_gated_delta_rule``        |
+| our kernel                                   | fla's op                                  |
+|----------------------------------------------|-------------------------------------------|
+| features u, f(x) = x (linear, Performer,     | ``chunk_linear_attn(u_q, u_k, v,          |
+| cosFormer)                                   | normalize=True)``                          |
+| f(x) = 1 + x (fastmax p=1)                   | the same on [1, u_q], [1, u_k]            |
+| f(x) = 1 + x + x^2 / 2 (fastmax p=2, Based)  | ``fused_chunk_based`` (q and k at most 16 |
+|                                              | wide) or ``parallel_based`` (up to 128)   |
+| decay one number a head (B, H, N)            | ``chunk_simple_gla`` (``g``)              |
+| decay one number a key channel               | ``chunk_gla`` (``g``)                     |
+| the delta rule, no decay                     | ``chunk_delta_rule``                      |
+| the delta rule, decay a head                 | ``chunk_gated_delta_rule``                |
 
-Each takes the same log decay, rate beta and scale, in fla's layout (B, N, H, D) where
-ours is (B, H, N, D), and should compute the same output: tests/gpu holds the two to
-bf16's tolerance, a test that has not yet run to its end on a GPU (docs/benchmarks.md).
-fla runs on CUDA only; decoding stays on our recurrence (one token: O(1) work, no kernel
-to launch but a few products).
+Each op takes our features (scale folded into the queries), log decay and rate in fla's
+layout (B, N, H, D) where ours is (B, H, N, D). A padded key is zeroed as our loop zeroes
+it; the polynomial of order 2 gives a zeroed key the weight 1, so with padding it runs on
+[v, 1, 0...] unnormalised and divides as our loop does. tests/attention/test_fla_ops.py holds
+each op equal to our loop in float32, outputs and gradients, under Triton's interpreter on
+the CPU; tests/gpu in bf16 on a GPU. Decoding stays on our recurrence (one token: O(1)
+work, no kernel to launch but a few products).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 import torch
 from torch import Tensor
 
-# attention.backend: null, our chunk loop (any device), or fla, fla's Triton kernels (CUDA).
-# null, not a name, so that a checkpoint saved before the option existed resumes
-BACKENDS = (None, "fla")
-INSTALL = "pip install flash-linear-attention"
+from transformers_lab.attention.linear.backends import interpreted
+
+# fla's delta rule (``chunk_delta_rule``) asserts q is not float32: refused in our words
+# first. The tests lift both, under Triton's interpreter, to check it in float32.
+DELTA_RULE_HALF_ONLY = True
 
 
-def unavailable() -> str | None:
-    """Why fla's kernels cannot run here (None: they can)."""
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (fla's kernels are Triton kernels for CUDA)"
-    try:
-        importlib.import_module("fla.ops")
-    except Exception as exc:  # not installed, or a Triton/torch it cannot work with
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return f"flash-linear-attention cannot be imported ({type(exc).__name__}: {why}); {INSTALL}"
-    return None
+def fla_layout(t: Tensor) -> Tensor:
+    """(B, H, N, ...) -> fla's (B, N, H, ...), contiguous."""
+    return t.transpose(1, 2).contiguous()
 
 
-def check_backend(name: str, backend: Any) -> None:
-    """One line if ``backend`` is not one of ``BACKENDS``, or is fla where fla cannot run."""
-    if backend not in BACKENDS:
+def refuses(dtype: torch.dtype, log_decay: Tensor | None, beta: Tensor | None) -> bool:
+    """fla's op for this form refuses ``dtype`` (its delta rule without a decay, float32):
+    ``auto`` then takes our loop, an explicit ``fla`` says so (``fla_recurrence``)."""
+    return (
+        DELTA_RULE_HALF_ONLY and beta is not None and log_decay is None and dtype == torch.float32
+    )
+
+
+def check_device(t: Tensor) -> None:
+    """One line unless ``t`` is on CUDA (or Triton's interpreter runs kernels on the CPU)."""
+    if t.device.type != "cuda" and not interpreted():
         raise ValueError(
-            f"{name}: backend={backend!r} is not one of null, fla; use attention.backend=null "
-            "(our chunk loop, any device) or attention.backend=fla (fla's Triton kernels, CUDA)"
+            f"attention.backend=fla runs on CUDA only, got tensors on {t.device.type}; move "
+            "the model to a GPU (trainer=gpu) or use attention.backend=auto"
         )
-    if backend == "fla" and (why := unavailable()):
-        raise ValueError(f"{name}: attention.backend=fla cannot run here: {why}; "
-                         "use attention.backend=null")  # fmt: skip
 
 
 def fla_recurrence(
@@ -66,21 +71,13 @@ def fla_recurrence(
 ) -> Tensor:
     """``gated.chunked_recurrence``'s output o (B, H, N, Dv), from zero state, by fla's op
     for its form (the module doc's table), in q's dtype (the delta rule: bf16 or fp16)."""
-    if q.device.type != "cuda":
-        raise ValueError(
-            f"attention.backend=fla runs on CUDA only, got tensors on {q.device.type}; move "
-            "the model to a GPU (trainer=gpu) or use attention.backend=null"
-        )
-    if beta is not None and q.dtype == torch.float32:  # fla asserts it, in no words of ours
+    check_device(q)
+    if refuses(q.dtype, log_decay, beta):  # fla asserts it, in no words of ours
         raise ValueError(
             "attention.backend=fla: fla's delta rule runs in bf16 or fp16 only; train with "
-            "trainer.precision=bf16-mixed (trainer=gpu does) or use attention.backend=null"
+            "trainer.precision=bf16-mixed (trainer=gpu does) or use attention.backend=loop"
         )
     ops = importlib.import_module("fla.ops")
-
-    def fla_layout(t: Tensor) -> Tensor:  # (B, H, N, ...) -> (B, N, H, ...)
-        return t.transpose(1, 2).contiguous()
-
     q, k, v = fla_layout(q), fla_layout(k), fla_layout(v)
     g = None if log_decay is None else fla_layout(log_decay.float())
     if beta is None:
@@ -99,3 +96,55 @@ def fla_recurrence(
         else:
             raise ValueError("the delta rule takes a decay of one number a head, (B, H, N)")
     return o.transpose(1, 2)
+
+
+def polynomial_refusal(p: int, width: int) -> str | None:
+    """Why fla's op for the polynomial of order ``p`` cannot take features ``width`` wide
+    (None: it can)."""
+    if p == 2 and width > 128:
+        return f"fla's Based kernels take queries and keys at most 128 wide, got {width}"
+    return None
+
+
+def even(t: Tensor) -> Tensor:
+    """``t`` with a zero column more where its last dim is odd: fla's backward in 16 bits
+    takes even widths only, and a zero feature changes no product."""
+    return torch.nn.functional.pad(t, (0, t.shape[-1] % 2))
+
+
+def fla_polynomial(qs: Tensor, ks: Tensor, v: Tensor, p: int, keep: Tensor | None = None) -> Tensor:
+    """Causal ``sum_j f(qs_i . ks_j) v_j / sum_j f(qs_i . ks_j)``, j <= i, with f the
+    engine's polynomial of order ``p`` (``features.poly``: 0 x, 1 1 + x, 2 1 + x + x^2/2),
+    by fla's op for p (the module doc's table); ``keep`` (B, N) bool, False where a key is
+    padding (its features are already zero). (B, H, N, Dv), in ``qs``' dtype."""
+    check_device(qs)
+    if why := polynomial_refusal(p, qs.shape[-1]):
+        raise ValueError(f"attention.backend=fla: {why}; use attention.backend=auto")
+    ops = importlib.import_module("fla.ops")
+    dv = v.shape[-1]
+    if p == 2:
+        based = ops.based.fused_chunk_based if qs.shape[-1] <= 16 else ops.based.parallel_based
+        if keep is None:  # fla's normaliser
+            o = based(fla_layout(qs), fla_layout(ks), fla_layout(v), scale=1.0, use_norm=True)
+            return o.transpose(1, 2)
+        # [v, 1, 0 ...]: fla's Based kernels take a width of a power of two
+        width = 1 << dv.bit_length()  # > Dv
+        v_aug = torch.cat([v, v.new_ones(*v.shape[:3], 1)], dim=-1) * keep[:, None, :, None]
+        v_aug = torch.nn.functional.pad(v_aug, (0, width - v_aug.shape[-1]))
+        o = based(fla_layout(qs), fla_layout(ks), fla_layout(v_aug), scale=1.0, use_norm=False)
+        o = o.transpose(1, 2)
+        den = o[..., dv : dv + 1]
+        return o[..., :dv] / den.masked_fill(den == 0, 1.0)
+    if p == 1:  # 1 + x = [1, u_q] . [1, u_k]; a padded key's 1 is zero too
+        one_k = ks.new_ones(*ks.shape[:3], 1)
+        if keep is not None:
+            one_k = one_k * keep[:, None, :, None]
+        qs = torch.cat([qs.new_ones(*qs.shape[:3], 1), qs], dim=-1)
+        ks = torch.cat([one_k, ks], dim=-1)
+    elif p != 0:
+        raise ValueError(f"fla covers the polynomials of order 0, 1 and 2, got p={p}")
+    o, _ = ops.linear_attn.chunk_linear_attn(
+        fla_layout(even(qs)), fla_layout(even(ks)), fla_layout(even(v)), scale=1.0,
+        normalize=True,
+    )  # fmt: skip
+    return o.transpose(1, 2)[..., :dv]

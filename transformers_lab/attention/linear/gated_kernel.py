@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformers_lab.attention.base import AttentionKernel
-from transformers_lab.attention.linear.fla_ops import check_backend, fla_recurrence
+from transformers_lab.attention.linear import fla_ops
+from transformers_lab.attention.linear.backends import check_backend, choose, compute_dtype
 from transformers_lab.attention.linear.gated import (
     HALF,
     chunked_recurrence,
@@ -38,15 +39,17 @@ class GatedKernel(AttentionKernel):
     Args:
         chunk_size: C, the tokens of a chunk of the chunked path.
         dropout: not supported (0 only): a gated state has no weights to drop.
-        backend: what trains: None, our chunk loop (any device), or ``fla``, fla's
-            Triton kernel for the same recurrence (CUDA, flash-linear-attention installed;
-            ``fla_ops``; its own chunk size, not ``chunk_size``). Decoding runs our
-            recurrence either way.
+        backend: what trains (``linear.backends``): ``auto`` (fla's kernel on CUDA where
+            installed, our chunk loop elsewhere), ``loop`` (our chunk loop, any device;
+            null too) or ``fla``, fla's Triton kernel for the same recurrence (``fla_ops``;
+            its own chunk size, not ``chunk_size``). Decoding runs our recurrence either
+            way.
     """
 
     normalized = False
     linear = True
     causal_only = True
+    fused_backends = ("fla",)
 
     def __init__(
         self,
@@ -54,7 +57,7 @@ class GatedKernel(AttentionKernel):
         num_heads: int,
         dropout: float = 0.0,
         chunk_size: int = 64,
-        backend: str | None = None,
+        backend: str | None = "auto",
     ) -> None:
         super().__init__(head_dim, num_heads, dropout)
         if dropout:
@@ -65,8 +68,7 @@ class GatedKernel(AttentionKernel):
         if not (isinstance(chunk_size, int) and chunk_size >= 1):
             raise ValueError(f"{self.name}: chunk_size must be an integer >= 1, got {chunk_size!r}")
         self.chunk_size = chunk_size
-        check_backend(self.name, backend)
-        self.backend = backend
+        self.backend = check_backend(self.name, backend, self.fused_backends)
         self.scale = head_dim**-0.5
 
     # ------------------------------------------------------------ what a subclass gives
@@ -140,13 +142,14 @@ class GatedKernel(AttentionKernel):
     ) -> Tensor:
         self.check_inputs(q, k, v, key_padding_mask)
         q, k, v, log_decay, beta, skip = self.inputs(q, k, v, causal, key_padding_mask, gates)
-        if self.backend == "fla":  # in autocast's dtype (bf16-mixed) or the inputs' own
-            device, dtype = q.device.type, v.dtype
-            if torch.is_autocast_enabled(device):
-                dtype = torch.get_autocast_dtype(device)
-            with torch.autocast(device, enabled=False):
+        fla = choose(self.backend, self.fused_backends, q.device) == "fla"
+        dtype = compute_dtype(v)  # autocast's (bf16-mixed) or the inputs' own
+        if fla and self.backend == "auto" and fla_ops.refuses(dtype, log_decay, beta):
+            fla = False  # fla's delta rule takes no float32: our loop does
+        if fla:
+            with torch.autocast(q.device.type, enabled=False):
                 q, k, v = (t.to(dtype) for t in (q, k, v))
-                out = fla_recurrence(q, k, v, log_decay, beta, scale=self.scale)
+                out = fla_ops.fla_recurrence(q, k, v, log_decay, beta, scale=self.scale)
             return out[:, :, skip:]
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
@@ -278,7 +281,7 @@ class TemperedDecayKernel(GatedKernel):
         dropout: float = 0.0,
         chunk_size: int = 64,
         gate_normalizer: float = 16.0,
-        backend: str | None = None,
+        backend: str | None = "auto",
     ) -> None:
         super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
         if not gate_normalizer > 0:

@@ -1,0 +1,72 @@
+"""The prepared GPU window (``make gpu-window``): its steps walked without a GPU
+(``--dry-run``), its bench's variants, and the autotune cache it carries between windows."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+
+import pytest
+import torch
+
+from transformers_lab.bench import gpu_window
+from transformers_lab.bench import kernels as bench
+
+
+def test_a_dry_run_walks_every_step_in_order_and_writes_the_results(tmp_path, capsys):
+    assert gpu_window.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    steps = [s["step"] for s in results["steps"]]
+    assert steps == ["env", "bench_4096", "bench_16384", "bench_65536", "gpu_tests",
+                     "bf16_backends"]  # fmt: skip
+    assert all(s["status"] == "dry-run ok" for s in results["steps"]), results["steps"]
+    assert sum(s["limit_s"] for s in results["steps"]) <= 600  # one call of a lent machine
+    env = json.loads(results["steps"][0]["summary"])
+    assert env["fla-core"] == gpu_window.PINNED["fla-core"]
+    assert "collected" in results["steps"][-1]["summary"]  # the backend tests were found
+
+
+def test_the_bench_times_each_covered_kernel_on_our_loop_and_each_of_its_backends():
+    names = gpu_window.bench_kernels()
+    assert names[0] == "softmax"
+    found = bench.variants()
+    for name in ("linear", "based", "fastmax_p1", "fastmax_p2"):
+        assert {f"{name}_loop", f"{name}_fla", f"{name}_fla_op"} <= set(names)
+    assert {"fastmax_p2_flex", "sliding_window_loop", "sliding_window_flex"} <= set(names)
+    for gated in ("retnet", "gla", "simple_gla", "deltanet", "gated_deltanet"):
+        assert {f"{gated}_loop", f"{gated}_fla"} <= set(names)
+    assert set(names) <= set(found)
+    step = gpu_window.steps(gpu_window.PROJECT_ROOT)[1]
+    args = bench.build_parser().parse_args(step.command[3:])
+    assert args.n == [4096] and args.device == "cuda" and args.dtype == "bfloat16"
+
+
+def test_without_a_gpu_the_window_says_so_in_one_line(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible here")
+    assert gpu_window.main(["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: no CUDA GPU is visible; run this on a GPU machine, or --dry-run to "
+                   "walk the steps here"]  # fmt: skip
+    assert gpu_window.main(["--dry-run", "--only", "bench_9", "--out", str(tmp_path)]) == 2
+    assert "unknown step(s) bench_9" in capsys.readouterr().err
+
+
+def test_only_the_autotune_files_travel_and_come_back_where_triton_looks(tmp_path):
+    cache, saved = tmp_path / "cache", tmp_path / "saved"
+    for key, kernel in (("abc123", "chunk_fwd"), ("def456", "based_bwd")):
+        (cache / key).mkdir(parents=True)
+        (cache / key / f"{kernel}.autotune.json").write_text(json.dumps({"key": key}))
+        (cache / key / f"{kernel}.cubin").write_bytes(b"\0" * 64)  # compiled code stays
+    archive = tmp_path / "autotune.tar.gz"
+    assert gpu_window.save_autotune(cache, saved, archive) == 2
+    files = sorted(str(p.relative_to(saved)) for p in saved.rglob("*") if p.is_file())
+    assert files == ["abc123/chunk_fwd.autotune.json", "def456/based_bwd.autotune.json"]
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == files
+    fresh = tmp_path / "fresh"
+    assert gpu_window.restore_autotune(saved, fresh) == 2
+    assert json.loads((fresh / "def456" / "based_bwd.autotune.json").read_text()) == {
+        "key": "def456"
+    }
+    assert gpu_window.restore_autotune(tmp_path / "none", fresh) == 0
