@@ -9,8 +9,7 @@ import pytest
 import torch
 from hydra.utils import get_class
 
-from transformers_lab.attention import KERNELS, build_kernel, check
-from transformers_lab.attention.linear import backends
+from transformers_lab.attention import KERNELS, backends, build_kernel, check
 from transformers_lab.bench import kernels as bench
 from transformers_lab.config import attention_configs
 

@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import get_class, instantiate
 
-from transformers_lab.attention import check
-from transformers_lab.attention.linear import backends
+from transformers_lab.attention import backends, check
 from transformers_lab.config import attention_configs, compose_config
 from transformers_lab.nn.attention import MultiHeadAttention
 from transformers_lab.run.build import build_model, compile_model

@@ -60,7 +60,7 @@ def presets(config_dirs: Sequence[Path] = ()) -> dict[str, list[str]]:
 def kernel_table(config_dirs: Sequence[Path] = ()) -> str:
     """One row per kernel of this package, and of the attention options in the user's
     ``config_dirs``: name, weights, what it is, rows, decode state, the fused kernels that
-    ``attention.backend`` may name (``linear.backends``), and its options with the layer
+    ``attention.backend`` may name (``attention.backends``), and its options with the layer
     parts each switches on (``attention.parts``)."""
     lines = [
         "| name | weights | what | rows sum to 1 | decode state | fused backends | options "

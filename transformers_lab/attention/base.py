@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from transformers_lab.attention import naive
+from transformers_lab.attention.backends import check_backend
 from transformers_lab.attention.parts import PART_KEYS, LayerParts
 
 
@@ -164,15 +165,13 @@ def takes_layer_parts(init: Any) -> Any:
     the kernel's own options, and keeps them on the kernel as ``parts`` for the multi-head
     layer to build; the kernel's own code never sees them. A kernel that takes no
     ``backend`` takes ``backend=auto`` or ``loop`` (its own code, a sweep's setting for
-    every kernel) and refuses a fused one in one line (``linear.backends``)."""
+    every kernel) and refuses a fused one in one line (``attention.backends``)."""
 
     takes_backend = "backend" in inspect.signature(init).parameters
 
     @functools.wraps(init)
     def init_with_parts(self: Any, *args: Any, **kwargs: Any) -> None:
         if not takes_backend and "backend" in kwargs:  # auto and loop are ours; no fused one
-            from transformers_lab.attention.linear.backends import check_backend  # (a cycle)
-
             check_backend(self.name, kwargs.pop("backend"), ())
         given = {key: kwargs.pop(key) for key in PART_KEYS if key in kwargs}
         parts = LayerParts(**given) if given else None  # refused before anything is built
@@ -217,7 +216,7 @@ class AttentionKernel(nn.Module):
     linear: ClassVar[bool] = False  # decode keeps a state whose size does not grow with n
     forms_scores: ClassVar[bool] = False  # adds score_bias to its q-k scores (ALiBi): opt in
     causal_only: ClassVar[bool] = False  # reads the sequence in order: no encoder, no cross
-    # the fused kernels for its math that ``attention.backend`` may name (linear.backends)
+    # the fused kernels for its math that ``attention.backend`` may name (attention.backends)
     fused_backends: ClassVar[tuple[str, ...]] = ()
     # per-token, per-head inputs projected from the layer's input (``GateInput``), passed to
     # ``forward`` and ``decode`` as keyword arguments of these names

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformers_lab.attention import naive
+from transformers_lab.attention.backends import check_backend, choose
 from transformers_lab.attention.base import AttentionKernel, attention_mask, masked_softmax
-from transformers_lab.attention.linear.backends import check_backend, choose
 from transformers_lab.attention.linear.flex_ops import flex_window
 
 
@@ -38,7 +38,7 @@ class SlidingWindowAttention(AttentionKernel):
         window: W >= 1, the keys a query sees (itself included): the last W with a causal
             mask, those less than W away on either side without one.
         scale: multiplies q.k before the softmax; None means 1/sqrt(head_dim).
-        backend: what runs ``forward`` (``attention.linear.backends``): ``auto``
+        backend: what runs ``forward`` (``attention.backends``): ``auto``
             (FlexAttention on CUDA, our blocks elsewhere), ``loop`` (our blocks) or
             ``flex`` (FlexAttention's block mask of the band: it skips every block outside
             the window; ``flex_ops``). FlexAttention has no dropout: ``auto`` takes our

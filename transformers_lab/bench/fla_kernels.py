@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformers_lab.attention.backends import unavailable
 from transformers_lab.attention.base import AttentionKernel
-from transformers_lab.attention.linear.backends import unavailable
 
 
 class _FlaKernel(AttentionKernel, register=False):

@@ -71,7 +71,7 @@ from hydra.utils import get_class, instantiate
 from torch import Tensor
 
 from transformers_lab.attention import AttentionKernel
-from transformers_lab.attention.linear.backends import unavailable
+from transformers_lab.attention.backends import unavailable
 from transformers_lab.attention.resolve import UnknownKernel, config_dirs, kernel_config
 from transformers_lab.cli import fail
 from transformers_lab.config import CONF_DIR, attention_configs
@@ -98,7 +98,7 @@ FUSED_VARIANTS = frozenset({"fastmax_p2_fused"})  # and every variant with a sho
 # kernels): its chunk steps through torch.compile, compiled in the warm-up pass (not
 # timed). Run only when named: the default run leaves them out.
 COMPILED = "_compiled"
-# ... and the fused backends beside our loops, also only when named (``linear.backends``):
+# ... and the fused backends beside our loops, also only when named (``attention.backends``):
 # ``<option>_fla`` and ``<option>_flex`` for every option whose kernel a fused kernel covers
 # (its ``backend: fla`` / ``flex``), ``<option>_loop`` for our loop on any device (on CUDA
 # the option itself, ``backend: auto``, takes the fused kernel), and fla's ops alone, fed

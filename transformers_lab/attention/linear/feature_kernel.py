@@ -18,8 +18,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from transformers_lab.attention.backends import check_backend, choose, compute_dtype
 from transformers_lab.attention.base import AttentionKernel, Memory, attention_mask
-from transformers_lab.attention.linear.backends import check_backend, choose, compute_dtype
 from transformers_lab.attention.linear.chunked import chunked_causal
 from transformers_lab.attention.linear.factorized import factorized
 from transformers_lab.attention.linear.features import feature_dim, read_state, weighted_state
@@ -62,7 +62,7 @@ class FeatureKernel(AttentionKernel):
             normaliser is unchanged, so, as with dropout on an attention matrix, the
             expected output is unchanged. Dropping single (query, key) weights would need
             the N x N matrix that the linear paths never build.
-        backend: what runs the training forward (``linear.backends``): ``auto`` (fla's
+        backend: what runs the training forward (``attention.backends``): ``auto`` (fla's
             kernel on CUDA where installed, our paths elsewhere), ``loop`` (our paths),
             ``fla`` (its op for the kernel's polynomial, ``fla_ops``: causal
             self-attention; other calls run our paths) or, for a polynomial of order 1 or

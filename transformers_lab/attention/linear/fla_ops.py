@@ -31,7 +31,7 @@ import importlib
 import torch
 from torch import Tensor
 
-from transformers_lab.attention.linear.backends import interpreted
+from transformers_lab.attention.backends import interpreted
 
 # fla's delta rule (``chunk_delta_rule``) asserts q is not float32: refused in our words
 # first. The tests lift both, under Triton's interpreter, to check it in float32.

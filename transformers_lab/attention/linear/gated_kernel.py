@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformers_lab.attention.backends import check_backend, choose, compute_dtype
 from transformers_lab.attention.base import AttentionKernel
 from transformers_lab.attention.linear import fla_ops
-from transformers_lab.attention.linear.backends import check_backend, choose, compute_dtype
 from transformers_lab.attention.linear.gated import (
     HALF,
     chunked_recurrence,
@@ -39,7 +39,7 @@ class GatedKernel(AttentionKernel):
     Args:
         chunk_size: C, the tokens of a chunk of the chunked path.
         dropout: not supported (0 only): a gated state has no weights to drop.
-        backend: what trains (``linear.backends``): ``auto`` (fla's kernel on CUDA where
+        backend: what trains (``attention.backends``): ``auto`` (fla's kernel on CUDA where
             installed, our chunk loop elsewhere), ``loop`` (our chunk loop, any device;
             null too) or ``fla``, fla's Triton kernel for the same recurrence (``fla_ops``;
             its own chunk size, not ``chunk_size``). Decoding runs our recurrence either
