@@ -144,6 +144,20 @@ def test_flex_with_alibi_equals_our_loop():
         assert torch.allclose(flex(q, k, v, causal=True), loop(q, k, v, causal=True), atol=2e-6)
 
 
+def test_a_window_on_flex_decodes_on_its_ring_buffer():
+    loop, flex = flex_pair("sliding_window", window=4)
+    q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))
+    states = [None, None]
+    with torch.no_grad():
+        for t in range(9):
+            step = [x[:, :, t : t + 1] for x in (q, k, v)]
+            (want, states[0]), (got, states[1]) = (
+                kernel.decode(*step, state)
+                for kernel, state in zip((loop, flex), states, strict=True)
+            )
+            assert torch.equal(got, want)
+
+
 def test_a_wrong_window_fails_the_flex_comparison():
     loop, _ = flex_pair("sliding_window", window=8)
     _, flex = flex_pair("sliding_window", window=9)

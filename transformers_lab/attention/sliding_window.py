@@ -41,8 +41,9 @@ class SlidingWindowAttention(AttentionKernel):
         backend: what runs ``forward`` (``attention.backends``): ``auto``
             (FlexAttention on CUDA, our blocks elsewhere), ``loop`` (our blocks) or
             ``flex`` (FlexAttention's block mask of the band: it skips every block outside
-            the window; ``flex_ops``). FlexAttention has no dropout: ``auto`` takes our
-            blocks while dropout is on, ``flex`` is refused with dropout.
+            the window; ``flex_ops``), for self-attention; decoding stays on the ring
+            buffer. FlexAttention has no dropout: ``auto`` takes our blocks while dropout
+            is on, ``flex`` is refused with dropout.
     """
 
     name = "sliding_window"
@@ -130,8 +131,10 @@ class SlidingWindowAttention(AttentionKernel):
         """Blocks of W queries against the keys around them: O(N W) scores (or
         FlexAttention's band of blocks, ``backend``)."""
         self.check_inputs(q, k, v, key_padding_mask)
-        dropping = self.training and self.dropout > 0
-        if not dropping and choose(self.backend, self.fused_backends, q.device) == "flex":
+        # FlexAttention serves self-attention (training, a prompt); a decoding step, a few
+        # queries against the ring buffer, stays on the blocks: no block mask a token
+        fits = q.shape[2] == k.shape[2] and not (self.training and self.dropout > 0)
+        if fits and choose(self.backend, self.fused_backends, q.device) == "flex":
             slopes = self.alibi_slopes.to(q.device, q.dtype) if self.alibi else None
             return flex_window(
                 q, k, v, self.window, self.scale, causal=causal,
