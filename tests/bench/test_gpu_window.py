@@ -22,7 +22,8 @@ def test_a_dry_run_walks_every_step_in_order_and_writes_the_results(tmp_path, ca
     assert all(s["status"] == "dry-run ok" for s in results["steps"]), results["steps"]
     assert sum(s["limit_s"] for s in results["steps"]) <= 600  # one call of a lent machine
     env = json.loads(results["steps"][0]["summary"])
-    assert env["fla-core"] == gpu_window.PINNED["fla-core"]
+    assert gpu_window.pinned() == {"fla-core": "0.6.0", "triton": "3.8.0"}  # pyproject's
+    assert env["fla-core"] == "0.6.0" and env["cache_fits"] is True
     assert "collected" in results["steps"][-1]["summary"]  # the backend tests were found
 
 

@@ -7,7 +7,7 @@ limit, a result written after each, in at most 9 min 20 s of steps on an H100 or
 The steps, in order (``STEPS``):
 
 1. ``env``: the GPU, the driver, torch, Triton and fla, and whether the carried autotune
-   cache was made by this Triton and this fla (``PINNED``);
+   cache was made by this Triton and this fla (``pinned``);
 2. ``bench_4096``, ``bench_16384``, ``bench_65536``: the kernel bench on CUDA in bf16,
    causal forward+backward, B=2, H=8, D=64: flash softmax, every kernel a fused kernel
    covers on our loop (``_loop``), on each of its backends (``_fla``, ``_flex``) and fla's
@@ -50,9 +50,19 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 AUTOTUNE_DIR = PROJECT_ROOT / "tests" / "gpu" / "autotune"
 AUTOTUNE_SUFFIX = ".autotune.json"
-PINNED = {"fla-core": "0.6.0", "triton": "3.8.0"}  # pyproject's gpu extra; the cache's key
 BENCH_NS = (4096, 16384, 65536)
 BENCH_SHAPE = ["--batch", "2", "--heads", "8", "--head-dim", "64", "--repeats", "10"]
+
+
+def pinned() -> dict[str, str]:
+    """The versions pyproject's ``gpu`` extra pins (fla-core, Triton): the autotune cache's
+    key holds them."""
+    import re
+
+    text = (PROJECT_ROOT / "pyproject.toml").read_text()
+    extra = re.search(r"^gpu = \[(.*?)^\]", text, re.S | re.M)
+    found = re.findall(r'"([A-Za-z0-9_.-]+)==([^"]+)"', extra.group(1) if extra else "")
+    return dict(found)
 
 
 def bench_kernels() -> list[str]:
@@ -205,9 +215,10 @@ def environment() -> dict[str, object]:
         if torch.cuda.is_available()
         else None,
     }
-    for package in PINNED:
+    pins = pinned()
+    for package in pins:
         found[package] = version(package)
-    found["cache_fits"] = all(found[p] == v for p, v in PINNED.items())
+    found["cache_fits"] = bool(pins) and all(found[p] == v for p, v in pins.items())
     try:
         smi = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
