@@ -124,14 +124,19 @@ def fla_polynomial(qs: Tensor, ks: Tensor, v: Tensor, p: int, keep: Tensor | Non
     dv = v.shape[-1]
     if p == 2:
         based = ops.based.fused_chunk_based if qs.shape[-1] <= 16 else ops.based.parallel_based
+
+        def based_layout(t: Tensor) -> Tensor:  # fla's Based ops turn (B, N, H, D) back to
+            return t.transpose(1, 2)  # (B, H, N, D) for their kernels: a view, no copy
+
         if keep is None:  # fla's normaliser
-            o = based(fla_layout(qs), fla_layout(ks), fla_layout(v), scale=1.0, use_norm=True)
+            o = based(based_layout(qs), based_layout(ks), based_layout(v), scale=1.0, use_norm=True)
             return o.transpose(1, 2)
         # [v, 1, 0 ...]: fla's Based kernels take a width of a power of two
         width = 1 << dv.bit_length()  # > Dv
         v_aug = torch.cat([v, v.new_ones(*v.shape[:3], 1)], dim=-1) * keep[:, None, :, None]
         v_aug = torch.nn.functional.pad(v_aug, (0, width - v_aug.shape[-1]))
-        o = based(fla_layout(qs), fla_layout(ks), fla_layout(v_aug), scale=1.0, use_norm=False)
+        o = based(based_layout(qs), based_layout(ks), based_layout(v_aug), scale=1.0,
+                  use_norm=False)  # fmt: skip
         o = o.transpose(1, 2)
         den = o[..., dv : dv + 1]
         return o[..., :dv] / den.masked_fill(den == 0, 1.0)
