@@ -135,18 +135,14 @@ def without_default_parts(config: dict[str, Any]) -> dict[str, Any]:
 def layer_config(name: str, dirs: Sequence[Path] | None = None) -> dict[str, Any]:
     """The config of a hybrid stack's layer ``name`` (``model.hybrid``): an option of the
     attention group, composed as ``attention=<name>`` would be, or of the mixer group
-    (``base_conv``). Inside a Hydra run it is composed with the run's own search path (the
-    user's config dirs included); outside one, from ``dirs`` (default: ``conf/``)."""
+    (``base_conv``), found in and composed with ``dirs``: by default ``conf/`` and the
+    config dirs of the run's ``hydra.searchpath`` (``run_search_dirs``), the user's own."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     running = GlobalHydra.instance().is_initialized()
-    if running:
-        loader = GlobalHydra.instance().config_loader()
-        options = {g: loader.get_group_options(g) for g in ("attention", "mixer")}
-    else:
-        dirs = [CONF_DIR] if dirs is None else list(dirs)
-        options = {g: group_options(g, dirs) for g in ("attention", "mixer")}
+    dirs = run_search_dirs() if dirs is None else list(dirs)
+    options = {g: group_options(g, dirs) for g in ("attention", "mixer")}
     if name not in options["attention"] and name not in options["mixer"]:
         valid = ["attention", *options["attention"], *options["mixer"]]
         raise ConfigError(
@@ -157,7 +153,7 @@ def layer_config(name: str, dirs: Sequence[Path] | None = None) -> dict[str, Any
     group = "attention" if name in options["attention"] else "mixer"
     override = f"attention={name}" if group == "attention" else f"+mixer={name}"
     if running:
-        cfg = compose("train", overrides=[override])
+        cfg = compose("train", overrides=[override, *searchpath_override(dirs)])
     else:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("train", overrides=[override, *searchpath_override(dirs)])
@@ -192,6 +188,19 @@ def expand_hybrid(model: DictConfig, dirs: Sequence[Path] | None = None) -> Dict
     plain_model = OmegaConf.to_container(model, resolve=True)
     plain_model["hybrid"] = expanded
     return OmegaConf.create(plain_model)
+
+
+def run_search_dirs() -> list[Path]:
+    """``conf/`` and the config dirs on the running job's ``hydra.searchpath`` (the
+    command line's, a sweep's or a composed config's), where a job runs; ``conf/`` alone
+    elsewhere."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return [CONF_DIR]
+    entries = list(HydraConfig.get().searchpath or [])
+    found = search_dirs([f"hydra.searchpath=[{','.join(entries)}]"] if entries else [])
+    return found or [CONF_DIR]
 
 
 def searchpath_override(dirs: Sequence[Path]) -> list[str]:

@@ -89,6 +89,20 @@ def test_the_users_kernel_takes_the_layers_parts(user_path, capsys, tmp_path):
     assert outcome.layers == ["relu2(short_conv=4)"] * 2
 
 
+def test_a_hybrid_stack_names_the_users_kernel_found_on_the_searchpath(user_path, tmp_path):
+    """``model.hybrid={1: relu2}`` finds relu2 where ``attention=relu2`` does: in the config
+    dirs of the run's ``hydra.searchpath``."""
+    from transformers_lab.config import compose_config
+    from transformers_lab.run.fit import fit_and_test
+
+    overrides = [
+        "experiment=mqar", "attention=softmax", "model.hybrid={1: relu2}", "debug=fdr",
+        "logger=csv", *searchpath_override([MY_CONF]),
+    ]  # fmt: skip
+    outcome = fit_and_test(compose_config("train", overrides, tmp_path / "run"))
+    assert outcome.layers == ["softmax", "relu2"]
+
+
 class FormulaOnly(AttentionKernel, register=False):
     """A kernel that writes its weights from the formula and has no reference."""
 
