@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
@@ -12,7 +13,6 @@ from transformers_lab.run.record import JobRecord, Monitor, write_record
 from transformers_lab.sweeps.report.cli import summarize
 from transformers_lab.sweeps.report.stats import (
     best_of,
-    bootstrap_interval,
     compare,
     interval,
     metric_range,
@@ -105,14 +105,14 @@ def test_best_over_lr_then_the_mean_over_seeds_and_the_test(tmp_path):
     assert comparison.test == "paired t" and comparison.significant()  # p = 0.044
     expected = scipy_stats.ttest_rel([0.52, 0.50, 0.48], [0.99, 0.98, 0.70]).pvalue
     assert comparison.p == pytest.approx(expected)
-    spread = bootstrap_interval([0.52, 0.50, 0.48])
+    spread = t_interval([0.52, 0.50, 0.48])  # inside [0, 1]: nothing to clip
     assert fastmax["ci"] == pytest.approx((spread.low, spread.high))
     chosen = [r["job"] for r in summary["jobs"] if r["best of cell"] == "yes"]
     assert chosen == ["0", "2", "4", "7", "9", "11"]
     md = (tmp_path / "grid" / "summary.md").read_text()
     assert "Each cell is the setting of optimizer.lr with the best mean over seeds" in md
     line = next(x for x in md.splitlines() if x.startswith("| attention=fastmax |"))
-    assert "(paired t)" in line and "0.5 ± 0.02 [0.484, 0.516] (n=3)" in line
+    assert "(paired t)" in line and "0.5 ± 0.02 [0.45, 0.55] (n=3)" in line  # t(2) = 4.30
 
 
 def test_a_sweep_and_its_repeat_with_the_same_seeds_count_every_run(tmp_path):
@@ -292,17 +292,34 @@ def test_a_baseline_that_every_run_shares_compares_nothing(tmp_path):
 def test_an_interval_on_a_bounded_metric_stays_in_its_range():
     assert metric_range("val/acc") == (0.0, 1.0) and metric_range("test/bleu") == (0.0, 100.0)
     assert metric_range("val/loss") is None
-    # every resample of two seeds, 0 and 1: means 0, 0.5, 0.5, 1 (numpy's linear quantiles)
-    both = bootstrap_interval([0.0, 1.0])
-    assert (both.low, both.high) == pytest.approx((0.0375, 0.9625))
     accs = [0.28, 0.98, 0.99]
     assert t_interval(accs).high > 1.0  # Student's interval runs past an accuracy of 1
-    bounded = interval(accs, metric_range("val/acc"))
-    assert bounded.method == "bootstrap" and 0.28 <= bounded.low < bounded.high <= 0.99
+    bounded = interval(accs, metric_range("val/acc"))  # t: [-0.26, 1.76]
+    assert bounded.method == "t, clipped" and (bounded.low, bounded.high) == (0.0, 1.0)
+    inside = [0.80, 0.85, 0.90]
+    assert interval(inside, (0.0, 1.0)).low == pytest.approx(t_interval(inside).low)
     assert interval(accs, None) == t_interval(accs)  # a loss keeps Student's t
-    many = [0.1 * i for i in range(9)]  # beyond 6 seeds: a fixed-seed Monte Carlo bootstrap
-    assert bootstrap_interval(many) == bootstrap_interval(many)
-    assert bootstrap_interval([0.7]).low is None
+    assert t_interval([0.7]).low is None
+
+
+@pytest.mark.parametrize("values", [[0.293, 0.318], [0.5], [2.0, 2.2]])
+def test_below_three_seeds_no_interval_is_given(values):
+    """Two seeds' bootstrap interval is their range, narrower than one sd (0.3053 in
+    [0.293, 0.318] where Student's gives [0.15, 0.46]); Student's own at n=2 spans 12.7
+    standard errors. Neither keeps 95%: none is given."""
+    for bounds in ((0.0, 1.0), None):
+        spread = interval(values, bounds)
+        assert (spread.low, spread.high, spread.method) == (None, None, "none")
+        assert spread.mean == pytest.approx(sum(values) / len(values))
+
+
+def test_the_interval_keeps_its_coverage_at_three_seeds():
+    """Of 4,000 draws of three accuracies around 0.6 (sd 0.05), the clipped t-interval
+    holds the true mean about 95% of the time."""
+    rng = np.random.default_rng(0)
+    draws = rng.normal(0.6, 0.05, size=(4000, 3)).clip(0, 1)
+    held = [(s.low <= 0.6 <= s.high) for s in (interval(d, (0.0, 1.0)) for d in draws)]
+    assert 0.93 < np.mean(held) < 0.97
 
 
 def test_seeds_are_paired_only_where_each_seed_started_both_runs_alike(tmp_path):
@@ -351,8 +368,9 @@ def test_one_seed_shows_n1_and_two_give_no_test(tmp_path):
     cosine = next(x for x in lines if x.startswith("| attention=cosine |"))
     assert "| 0.2 (n=1) |" in cosine and "±" not in cosine
     linear = next(x for x in lines if x.startswith("| attention=linear |"))
-    assert "0.35 ± 0.071 [0.304, 0.396] (n=2)" in linear and "| — (paired t, n<3) |" in linear
-    assert any("Fewer than 3 seeds a side: no test is meaningful" in x for x in lines)
+    # two seeds: the mean and sd, no interval (a bootstrap gave their range, [0.304, 0.396])
+    assert "| 0.35 ± 0.071 (n=2) |" in linear and "| — (paired t, n<3) |" in linear
+    assert any("Fewer than 3 seeds: no interval or test is meaningful" in x for x in lines)
 
 
 def test_the_grouped_table_shows_parameters_and_flags_an_unequal_count(tmp_path):

@@ -49,8 +49,8 @@ def group_rows(
 ) -> list[dict[str, Any]]:
     """The mean of ``metric`` (final and best) over the finished jobs of each choice (runs
     with the same settings, ``settings.IDENTITY``), its std and its 95% interval over seeds
-    (``stats.interval``: a bootstrap for a bounded metric), the ``ignore`` keys (a grid
-    searched over) aside; ``seeds`` maps each seed to its
+    (``stats.interval``: Student's t, clipped for a bounded metric, none below 3 seeds),
+    the ``ignore`` keys (a grid searched over) aside; ``seeds`` maps each seed to its
     final value and ``starts`` to what the seed fixed (``by_seed``); the choice's parameter
     count and decoding state."""
     bounds = metric_range(metric)

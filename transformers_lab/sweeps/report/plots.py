@@ -58,8 +58,8 @@ def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -
 
 
 def error_bar(g: dict[str, Any]) -> tuple[float, float]:
-    """How far a group's interval reaches below and above its mean (0 with one seed; a
-    bootstrap interval need not be symmetric)."""
+    """How far a group's interval reaches below and above its mean (0 without an
+    interval; one clipped to the metric's range need not be symmetric)."""
     if g.get("ci") is None:
         return (0.0, 0.0)
     return (max(0.0, g["mean"] - g["ci"][0]), max(0.0, g["ci"][1] - g["mean"]))

@@ -88,15 +88,14 @@ def grouping_notes(
     """The lines that say how the grouped table was made, and what it cannot show."""
     notes = []
     methods = {g["ci_method"] for g in groups if g.get("ci") is not None}
-    if "bootstrap" in methods:
+    if "t, clipped" in methods:
         low, high = metric_range(metric) or (0, 1)
         notes.append(
-            f"`{metric}` lies in [{low:g}, {high:g}]: its interval is the percentile "
-            "bootstrap over seeds (every resample for up to 6 seeds), which stays in that "
-            "range; few seeds give a narrow one."
+            f"The interval is Student's t over seeds (95%); `{metric}` lies in "
+            f"[{low:g}, {high:g}], and its interval is clipped to that range."
         )
     elif methods:
-        notes.append("The interval is Student's t over seeds.")
+        notes.append("The interval is Student's t over seeds (95%).")
     if over:
         notes.append(
             f"Each cell is the setting of {', '.join(over)} with the best mean over seeds, "
@@ -112,8 +111,8 @@ def grouping_notes(
         )
     if any(0 < g["n"] < MIN_FOR_TEST for g in groups):
         notes.append(
-            f"Fewer than {MIN_FOR_TEST} seeds a side: no test is meaningful, and none is "
-            "given (—); n=1 has no spread."
+            f"Fewer than {MIN_FOR_TEST} seeds: no interval or test is meaningful, and none "
+            "is given (—); n=1 has no spread."
         )
     params = [g for g in groups if g.get("params_off")]
     if params:
