@@ -546,3 +546,15 @@ def test_mlp_ratio_zero_makes_attention_only_blocks():
     torch.testing.assert_close(torch.cat(steps, dim=1), bare(idx), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="mlp_ratio must be >= 0"):
         tiny_gpt(mlp_ratio=-1)
+
+
+def test_the_recorded_layer_names_tell_fastmax_p1_from_p2():
+    from transformers_lab.models.common import layer_names
+
+    def gpt(attention) -> GPT:
+        return GPT(vocab_size=11, block_size=8, n_layer=2, n_head=2, d_model=16,
+                   attention=attention, hybrid={1: "sliding_window"})  # fmt: skip
+
+    assert layer_names(gpt("fastmax")) == ["fastmax(p=2)", "sliding_window(window=64)"]
+    p1 = functools.partial(FastmaxAttention, p=1)
+    assert layer_names(gpt(p1))[0] == "fastmax(p=1)"  # once recorded as "fastmax" alone

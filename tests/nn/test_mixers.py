@@ -347,7 +347,7 @@ def test_a_hybrid_gpt_builds_each_layer_as_chosen_and_generates_as_it_runs():
         attention=factory("fastmax", short_conv=3),
         hybrid=[partial(BaseConv, kernel_size=3), "attention"],
     ).double().eval()  # fmt: skip
-    assert layer_names(gpt) == ["base_conv", "fastmax(short_conv=3)"] * 2
+    assert layer_names(gpt) == ["base_conv", "fastmax(p=2, short_conv=3)"] * 2
     assert isinstance(gpt.blocks[0].attn, BaseConv)
     assert gpt.state_size(10) == gpt.state_size(1000)  # conv windows and a linear state
     idx = torch.randint(0, 50, (2, 11))
@@ -368,7 +368,7 @@ def test_a_hybrid_gpt_builds_each_layer_as_chosen_and_generates_as_it_runs():
 
 def test_fastmax_everywhere_but_one_layer():
     gpt = GPT(50, 16, n_layer=3, n_head=2, d_model=16, attention="fastmax", hybrid={1: "softmax"})
-    assert layer_names(gpt) == ["fastmax", "softmax", "fastmax"]
+    assert layer_names(gpt) == ["fastmax(p=2)", "softmax", "fastmax(p=2)"]
 
 
 @pytest.mark.parametrize("model", ["vit", "encoder"])
@@ -385,9 +385,9 @@ def test_an_encoder_takes_a_hybrid_stack_too(model):
         net = EncoderClassifier(vocab_size=20, hybrid=["fastmax", "attention"], **options)
         x = torch.randint(0, 20, (2, 7))
     want = (
-        ["softmax", "fastmax", "softmax", "linear"]
+        ["softmax", "fastmax(p=2)", "softmax", "linear"]
         if model == "vit"
-        else ["fastmax", "softmax"] * 2
+        else ["fastmax(p=2)", "softmax"] * 2
     )
     assert layer_names(net) == want
     assert net(x).shape == (2, 3)

@@ -216,6 +216,9 @@ class AttentionKernel(nn.Module):
     linear: ClassVar[bool] = False  # decode keeps a state whose size does not grow with n
     forms_scores: ClassVar[bool] = False  # adds score_bias to its q-k scores (ALiBi): opt in
     causal_only: ClassVar[bool] = False  # reads the sequence in order: no encoder, no cross
+    # the options that tell one setting of the kernel from another in a record's name
+    # (``fastmax(p=1)``: ``models.common.layer_names``)
+    labelled: ClassVar[tuple[str, ...]] = ()
     # the fused kernels for its math that ``attention.backend`` may name (attention.backends)
     fused_backends: ClassVar[tuple[str, ...]] = ()
     # per-token, per-head inputs projected from the layer's input (``GateInput``), passed to

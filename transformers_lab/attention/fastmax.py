@@ -62,6 +62,7 @@ class FastmaxAttention(FeatureKernel):
 
     name = "fastmax"
     fused_backends = ("fla", "flex")
+    labelled = ("p",)
     formula = "Σ_{m≤p} (s q·k)^m / m!, normalised over keys"
 
     def __init__(

@@ -52,6 +52,7 @@ class SlidingWindowAttention(AttentionKernel):
     linear = True  # decoding keeps W keys, whatever the context
     positional = True  # the window is a distance within one sequence: no cross-attention
     fused_backends = ("flex",)
+    labelled = ("window",)
 
     def __init__(
         self,

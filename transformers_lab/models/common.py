@@ -51,9 +51,9 @@ def layer_name(choice: Any) -> str:
 
 
 def layer_names(model: nn.Module) -> list[str] | None:
-    """Each layer's mixer as built, in order: its kernel's name and the parts switched on
-    (``fastmax(short_conv=4)``), or a mixer's name (``base_conv``); None for a model
-    without blocks."""
+    """Each layer's mixer as built, in order: its kernel's name, the options that tell its
+    settings apart (``labelled``) and the parts switched on (``fastmax(p=1, short_conv=4)``),
+    or a mixer's name (``base_conv``); None for a model without blocks."""
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         return None
@@ -64,8 +64,9 @@ def layer_names(model: nn.Module) -> list[str] | None:
         if kernel is None:
             names.append(getattr(mixer, "name", type(mixer).__name__))
             continue
-        parts = mixer.parts.switched_on()
-        names.append(f"{kernel.name}({', '.join(parts)})" if parts else kernel.name)
+        options = [f"{key}={getattr(kernel, key)}" for key in kernel.labelled]
+        options += mixer.parts.switched_on()
+        names.append(f"{kernel.name}({', '.join(options)})" if options else kernel.name)
     return names
 
 
