@@ -383,3 +383,29 @@ def test_translate_without_a_checkpoint_says_to_give_one(tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "Traceback" not in err
     assert "error: ckpt_path is required: give ckpt_path=... on the command line" in err
+
+
+def test_sample_takes_cpu_threads_and_says_its_tokens_per_second(
+    gpt_ckpt, tmp_path, monkeypatch, capsys
+):
+    before = torch.get_num_threads()
+    try:
+        code, err = sample_main(
+            gpt_ckpt, tmp_path, monkeypatch, capsys, "cpu_threads=2", "num_samples=2",
+            "max_new_tokens=5",
+        )  # fmt: skip
+        assert code == 0, err  # cpu_threads was an unknown key
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    rates = [line for line in err.splitlines() if "tokens/s" in line]
+    assert len(rates) == 2 and all(line.startswith("5 tokens in ") for line in rates)
+
+
+def test_translate_takes_cpu_threads(transformer_ckpt, tmp_path):
+    before = torch.get_num_threads()
+    try:
+        texts = translate_run(transformer_ckpt, tmp_path, f"text={SOURCES[1]}", "cpu_threads=2")
+        assert texts == TARGETS[1:] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -8,6 +8,7 @@ tlab-sample ckpt_path=... stream=false     # print each sample once it is comple
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import hydra
@@ -23,7 +24,7 @@ from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT
 from transformers_lab.run.build import build_datamodule, build_model
 from transformers_lab.run.checkpoints import load_checkpoint
-from transformers_lab.run.common import load_weights, saved_run
+from transformers_lab.run.common import load_weights, saved_run, use_cpu_threads
 
 
 def load_generator(cfg: DictConfig) -> tuple[torch.nn.Module, L.LightningDataModule]:
@@ -103,6 +104,7 @@ def sample(cfg: DictConfig) -> list[str]:
     check_config(cfg)
     if cfg.max_new_tokens is None:
         raise ConfigError("max_new_tokens=null: give the number of tokens to sample")
+    use_cpu_threads(cfg)
     L.seed_everything(cfg.seed)
     model, datamodule = load_generator(cfg)
     model.to(cfg.device)
@@ -123,6 +125,7 @@ def sample(cfg: DictConfig) -> list[str]:
     }
     texts = []
     for _ in range(cfg.num_samples):
+        start = time.perf_counter()
         if cfg.stream:
             pieces = TextStream(datamodule.detokenize)
             print(pieces.push(ids), end="", flush=True)
@@ -134,6 +137,10 @@ def sample(cfg: DictConfig) -> list[str]:
             out = model.generate(prompt, cfg.max_new_tokens, **options)
             texts.append(datamodule.detokenize(out[0].tolist()))
             print(texts[-1])
+        seconds = time.perf_counter() - start
+        rate = cfg.max_new_tokens / seconds if seconds > 0 else float("inf")
+        print(f"{cfg.max_new_tokens} tokens in {seconds:.2f} s: {rate:.0f} tokens/s",
+              file=sys.stderr, flush=True)  # fmt: skip
         print("-" * 40, flush=True)
     return texts
 

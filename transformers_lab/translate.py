@@ -27,7 +27,7 @@ from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT, Transformer
 from transformers_lab.run.build import build_datamodule, build_model
 from transformers_lab.run.checkpoints import load_checkpoint
-from transformers_lab.run.common import load_weights, saved_run
+from transformers_lab.run.common import load_weights, saved_run, use_cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ def translate(cfg: DictConfig) -> list[str]:
     check_config(cfg)  # the checks every entry point makes: ckpt_path given, device, types
     check_options(cfg)
     sentences = given_sentences(cfg)
+    use_cpu_threads(cfg)
     L.seed_everything(cfg.seed)
     model, datamodule = load_translator(cfg)
     model.to(cfg.device)
