@@ -248,12 +248,32 @@ def test_pca_finds_the_direction_of_most_variance():
 
 def test_plot_pca_draws_one_scatter_per_feature():
     features = {"a": torch.randn(2, 10, 8), "b": torch.randn(2, 2, 10, 4)}
-    fig = plot_pca(features, color=torch.arange(20))
+    fig = plot_pca(features, color=torch.linspace(0, 1, 20), color_label="position")
     scatters = [ax for ax in fig.axes if ax.collections and ax.get_label() != "<colorbar>"]
     assert len(scatters) == 2 and len(scatters[0].collections[0].get_offsets()) == 20
     assert re.search(r"PC1 \d+%", scatters[0].get_title())
+    bar = next(ax for ax in fig.axes if ax.get_label() == "<colorbar>")
+    assert bar.get_ylabel() == "position"  # a colour bar says what it shows
     with pytest.raises(ValueError, match="no recorded feature named \\['c'\\]"):
         plot_pca(features, names=["c"])
+
+
+def test_plot_pca_colours_by_a_label_a_sample_with_a_legend_of_classes():
+    """One label an image (3 images of 5 tokens): each token takes its image's class, each
+    class its own colour and legend entry; the colours were dropped (all blue) before."""
+    features = {"blocks.0": torch.randn(3, 5, 8), "pooled": torch.randn(3, 8)}
+    fig = plot_pca(features, color=torch.tensor([7, 2, 7]), color_label="digit")
+    ax = fig.axes[0]
+    counts = {c.get_label(): len(c.get_offsets()) for c in ax.collections}
+    assert counts == {"2": 5, "7": 10}
+    assert {c.get_label(): len(c.get_offsets()) for c in fig.axes[1].collections} == {
+        "2": 1, "7": 2
+    }  # fmt: skip
+    legend = fig.legends[0]
+    assert legend.get_title().get_text() == "digit"
+    assert [t.get_text() for t in legend.get_texts()] == ["2", "7"]
+    with pytest.raises(ValueError, match=r"^plot_pca: color has 4 values, but blocks.0 has 15 "):
+        plot_pca(features, color=torch.arange(4))
 
 
 # ------------------------------------------------------------------ plots

@@ -18,6 +18,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import matplotlib
 import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
@@ -139,6 +140,22 @@ def pca(points: Tensor, k: int = 2) -> tuple[Tensor, Tensor]:
     return (x @ components.T).float(), explained.float()
 
 
+MAX_CLASSES = 20  # integer colours with at most this many values are classes: a legend
+
+
+def point_colours(values: Tensor, points: int, name: str) -> Tensor:
+    """``values`` as one colour a point: one a token as given, or one a sample (an image's
+    label, a sequence's class) repeated over its tokens; one line otherwise."""
+    if len(values) == points:
+        return values
+    if len(values) and points % len(values) == 0:
+        return values.repeat_interleave(points // len(values))
+    raise ValueError(
+        f"plot_pca: color has {len(values)} values, but {name} has {points} points; give one "
+        "value a token (B·N) or one a sample (B)"
+    )
+
+
 def plot_pca(
     features: dict[str, Tensor],
     names: Sequence[str] | None = None,
@@ -146,11 +163,13 @@ def plot_pca(
     *,
     columns: int = 4,
     cell: float = 3.0,
-    color_label: str = "",
+    color_label: str = "colour",
 ) -> Figure:
     """One PCA scatter per feature: its first two components, one point per token,
-    titled with the variance they explain. ``color`` (one value per token, e.g. the
-    token ids, the positions or the class) colours the points."""
+    titled with the variance they explain. ``color`` colours the points: one value a
+    token (the token ids, the positions) or one a sample (an image's label, repeated over
+    its tokens). Integer values of at most 20 kinds are classes, each its own colour in a
+    legend titled ``color_label``; others run along a colour bar of that label."""
     names = list(names) if names is not None else list(features)
     missing = [n for n in names if n not in features]
     if missing:
@@ -161,18 +180,25 @@ def plot_pca(
     rows = math.ceil(len(names) / columns)
     fig = Figure(figsize=(cell * columns, cell * rows), layout="constrained")
     axes = fig.subplots(rows, columns, squeeze=False)
-    colour_values = None
-    if color is not None:
-        colour_values = torch.as_tensor(color).reshape(-1).float().numpy()
+    values = None if color is None else torch.as_tensor(color).reshape(-1)
+    classes = None
+    if values is not None and not values.is_floating_point():
+        kinds = values.unique()
+        classes = kinds.tolist() if len(kinds) <= MAX_CLASSES else None
     scatter = None
     for ax, name in zip(axes.flat, names, strict=False):
         coords, explained = pca(as_points(features[name]))
-        c = None
-        if colour_values is not None and len(colour_values) == len(coords):
-            c = colour_values
-        scatter = ax.scatter(
-            coords[:, 0], coords[:, 1], s=6, c=c, cmap="viridis" if c is not None else None
-        )
+        if values is None:
+            scatter = ax.scatter(coords[:, 0], coords[:, 1], s=6)
+        elif classes is not None:
+            c = point_colours(values, len(coords), name)
+            cmap = matplotlib.colormaps["tab10" if len(classes) <= 10 else "tab20"]
+            for i, kind in enumerate(classes):
+                at = c == kind
+                ax.scatter(coords[at, 0], coords[at, 1], s=6, color=cmap(i), label=str(kind))
+        else:
+            c = point_colours(values, len(coords), name).float().numpy()
+            scatter = ax.scatter(coords[:, 0], coords[:, 1], s=6, c=c, cmap="viridis")
         ax.set_title(
             f"{name}\nPC1 {100 * explained[0]:.0f}%, PC2 {100 * explained[-1]:.0f}%", fontsize=8
         )
@@ -180,6 +206,9 @@ def plot_pca(
         ax.set_yticks([])
     for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
-    if colour_values is not None and scatter is not None and scatter.get_array() is not None:
+    if classes is not None:
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, title=color_label, loc="outside right upper", fontsize=7)
+    elif values is not None and scatter is not None:
         fig.colorbar(scatter, ax=axes, shrink=0.6, label=color_label)
     return fig
