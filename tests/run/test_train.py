@@ -467,6 +467,26 @@ def item_value(item):
     return json.loads(item.value_json) if item.value_json else None
 
 
+def test_a_resumed_run_goes_on_in_the_same_wandb_run(tmp_path, monkeypatch):
+    """Resumed from its checkpoint in another run dir, and from that one again, a run logs
+    to the wandb run it began (the same id, ``resume="allow"``): one job, one run."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    common = [*SMALL, "logger=wandb"]
+    run_train(tmp_path, [*common, "trainer.max_epochs=1"], "first")
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    run_train(tmp_path, [*common, "trainer.max_epochs=2", f"ckpt_path={last}"], "second")
+    last = tmp_path / "second" / "checkpoints" / "last.ckpt"
+    run_train(tmp_path, [*common, "trainer.max_epochs=3", f"ckpt_path={last}"], "third")
+    ids = []
+    for name in ("first", "second", "third"):
+        (run_file,) = (tmp_path / name / "wandb").glob("offline-run-*/*.wandb")
+        ids.append(read_wandb_run(run_file)["run"].run_id)
+        assert (tmp_path / name / "wandb_id").read_text().strip() == ids[0]
+    assert ids == [ids[0]] * 3  # each resume took a new id before
+    fresh = run_train(tmp_path, [*common, "trainer.max_epochs=1"], "other")
+    assert fresh and (tmp_path / "other" / "wandb_id").read_text().strip() != ids[0]
+
+
 def read_wandb_run(path: Path) -> dict:
     """Run info, config keys, history rows, summary and whether the run exited."""
     out: dict = {"history": [], "summary": {}, "config": set(), "run": None, "exit": False}

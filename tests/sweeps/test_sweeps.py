@@ -129,6 +129,8 @@ def test_each_job_of_a_sweep_is_its_own_wandb_run_in_one_group(kernel_sweep):
     assert {r["run"].run_group for r in runs} == {f"train-{sweep.name}"}
     job_types = sorted(r["run"].job_type for r in runs)
     assert job_types == ["attention=fastmax_p1"] * 2 + ["attention=softmax"] * 2
+    names = [r["run"].display_name for r in runs]  # they shared one name before
+    assert len(set(names)) == 4 and all("seed=" in n and "attention=" in n for n in names)
 
 
 def test_tlab_summarize_reproduces_the_sweep_summary_and_is_idempotent(kernel_sweep, tmp_path):

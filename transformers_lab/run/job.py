@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -96,22 +97,56 @@ def sweep_parameters(sweep_dir: Path) -> set[str]:
 
 
 def name_wandb_run(cfg: DictConfig) -> None:
-    """Fill the wandb logger's group and job_type left null: in a multirun, one group
-    for the whole sweep (its directory's name) and a job_type per swept choice, seeds
-    aside; otherwise the run name and the task name."""
+    """Fill the wandb logger's settings left null: in a multirun, one group for the whole
+    sweep (its directory's name), a job_type per swept choice, seeds aside, and a name
+    with every swept setting, seeds included; otherwise the run name and the task name.
+    Its id is the job's (``wandb_run_id``), with ``resume="allow"``: a job resumed from
+    its checkpoint goes on in the same wandb run, not a second one."""
     node = (cfg.get("logger") or {}).get("wandb")
     if node is None:
         return
-    group, job_type = cfg.run_name, cfg.task_name
+    group, job_type, name = cfg.run_name, cfg.task_name, node.get("name")
     if in_multirun():
         sweep_dir = Path(cfg.paths.output_dir).parent
         group = f"{cfg.task_name}-{sweep_dir.name}"
-        swept = sweep_parameters(sweep_dir) - set(SEED_KEYS)
-        choice = [o for o in job_overrides() if override_key(o) in swept]
+        swept = sweep_parameters(sweep_dir)
+        settings = [o for o in job_overrides() if override_key(o) in swept]
+        choice = [o for o in settings if override_key(o) not in SEED_KEYS]
         job_type = " ".join(choice)[:64] or cfg.task_name
+        name = " ".join([name or cfg.run_name, *settings])[:128]
     with open_dict(node):
         node.group = node.get("group") or group
         node.job_type = node.get("job_type") or job_type
+        node.name = name
+        node.id = node.get("id") or wandb_run_id(cfg)
+        node.resume = node.get("resume") or "allow"
+
+
+WANDB_ID = "wandb_id"  # a job dir's file: the wandb run its job logs to, resumes included
+
+
+def wandb_run_id(cfg: DictConfig) -> str:
+    """The wandb run id of this job: the one of the run it resumes (the ``wandb_id`` file
+    beside the checkpoint's run dir, or that dir's hash), else a hash of its own run dir;
+    written to its run dir, so a resume of this run finds it in turn."""
+    out = Path(cfg.paths.output_dir)
+    start = out
+    if cfg.get("ckpt_path"):
+        checkpoint = Path(cfg.ckpt_path).resolve()
+        start = (
+            checkpoint.parent.parent
+            if checkpoint.parent.name == "checkpoints"
+            else checkpoint.parent
+        )
+    recorded = start / WANDB_ID
+    if recorded.is_file():
+        run_id = recorded.read_text().strip()
+    else:
+        run_id = hashlib.sha1(str(start.resolve()).encode()).hexdigest()[:16]
+    if rank_zero_only.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / WANDB_ID, run_id + "\n")
+    return run_id
 
 
 def run_job(cfg: DictConfig, fit: Callable[[DictConfig], Outcome]) -> float | None:
