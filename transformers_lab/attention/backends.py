@@ -12,10 +12,10 @@
 
 A kernel lists the fused kernels that cover it in ``fused_backends``; asking a kernel for
 one it does not list, or for one that cannot run on this machine, is refused in one line
-when the kernel is built. A fused kernel serves the calls it covers (the kernel's
-``fused_call`` says which: for most, causal self-attention, what a training step makes);
-every other call (decoding, ``weights``, cross-attention) runs our paths, on the same math,
-so a checkpoint moves between backends.
+when the kernel is built. A fused kernel serves the calls it covers (fla: causal
+self-attention, what a training step makes; FlexAttention: every call of the polynomial
+kernels, self-attention for the window); every other call (decoding, ``weights``) runs our
+paths, on the same math, so a checkpoint moves between backends.
 """
 
 from __future__ import annotations

@@ -147,10 +147,11 @@ def fla_variants(options: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
     fla's ops alone (``FLA_OPS``)."""
     found = {}
     for name, c in options.items():
+        if "backend" not in c:  # no fused kernel to name (and no class to import for it)
+            continue
         covers = getattr(get_class(c["_target_"]), "fused_backends", ())
-        if covers and "backend" in c:
-            for backend in ("loop", *covers):
-                found[f"{name}_{backend}"] = {**c, "backend": backend}
+        for backend in ("loop", *covers) if covers else ():
+            found[f"{name}_{backend}"] = {**c, "backend": backend}
     return {**found, **FLA_OPS}
 
 
