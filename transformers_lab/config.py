@@ -191,16 +191,19 @@ def expand_hybrid(model: DictConfig, dirs: Sequence[Path] | None = None) -> Dict
 
 
 def run_search_dirs() -> list[Path]:
-    """``conf/`` and the config dirs on the running job's ``hydra.searchpath`` (the
-    command line's, a sweep's or a composed config's), where a job runs; ``conf/`` alone
-    elsewhere."""
+    """``conf/`` and the config dirs of the running job: those on its ``hydra.searchpath``
+    (the command line's, a sweep's or a composed config's) and its other file config
+    sources (``--config-dir``); ``conf/`` alone outside a job."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
         return [CONF_DIR]
-    entries = list(HydraConfig.get().searchpath or [])
+    hydra_cfg = HydraConfig.get()
+    entries = list(hydra_cfg.searchpath or [])
     found = search_dirs([f"hydra.searchpath=[{','.join(entries)}]"] if entries else [])
-    return found or [CONF_DIR]
+    sources = hydra_cfg.runtime.get("config_sources") or []  # --config-dir's too
+    given = [Path(s.path) for s in sources if s.get("schema") == "file" and s.get("path")]
+    return list(dict.fromkeys([*(found or [CONF_DIR]), *given]))
 
 
 def searchpath_override(dirs: Sequence[Path]) -> list[str]:

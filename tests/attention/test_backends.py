@@ -144,6 +144,14 @@ def test_flex_with_alibi_equals_our_loop():
         assert torch.allclose(flex(q, k, v, causal=True), loop(q, k, v, causal=True), atol=2e-6)
 
 
+def test_flex_on_cuda_refuses_heads_narrower_than_its_kernel_takes():
+    from transformers_lab.attention.linear.flex_ops import refusal
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert refusal(8, 16, cuda).startswith("FlexAttention's CUDA kernel takes heads at least 16")
+    assert refusal(16, 16, cuda) is None and refusal(8, 8, cpu) is None
+
+
 def test_a_window_on_flex_decodes_on_its_ring_buffer():
     loop, flex = flex_pair("sliding_window", window=4)
     q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import tarfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,3 +72,25 @@ def test_only_the_autotune_files_travel_and_come_back_where_triton_looks(tmp_pat
         "key": "def456"
     }
     assert gpu_window.restore_autotune(tmp_path / "none", fresh) == 0
+
+
+def test_a_step_past_its_limit_is_stopped_with_its_children(tmp_path):
+    """A step that runs past its limit is stopped, the processes it started too (pytest's
+    workers in a window), and the window goes on."""
+    import os
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time; "
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)"
+    )
+    step = gpu_window.Step("slow", [sys.executable, "-c", script], 2, "sleeps")
+    start = time.monotonic()
+    status, _ = gpu_window.run_step(step, tmp_path / "window.log", dict(os.environ))
+    assert status == "stopped at its limit of 2 s" and time.monotonic() - start < 20
+    child = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    time.sleep(0.2)  # gone, or a zombie waiting for init to reap it: not running on
+    assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] in "ZX"

@@ -22,6 +22,7 @@ from transformers_lab.attention import naive
 from transformers_lab.attention.backends import check_backend, choose
 from transformers_lab.attention.base import AttentionKernel, attention_mask, masked_softmax
 from transformers_lab.attention.linear.flex_ops import flex_window
+from transformers_lab.attention.linear.flex_ops import refusal as flex_refusal
 
 
 def window_mask(nq: int, nk: int, window: int, causal: bool, device: Any = None) -> Tensor:
@@ -135,7 +136,12 @@ class SlidingWindowAttention(AttentionKernel):
         # FlexAttention serves self-attention (training, a prompt); a decoding step, a few
         # queries against the ring buffer, stays on the blocks: no block mask a token
         fits = q.shape[2] == k.shape[2] and not (self.training and self.dropout > 0)
-        if fits and choose(self.backend, self.fused_backends, q.device) == "flex":
+        flex = fits and choose(self.backend, self.fused_backends, q.device) == "flex"
+        if flex and (why := flex_refusal(q.shape[-1], v.shape[-1], q.device)):
+            if self.backend == "flex":
+                raise ValueError(f"sliding_window: attention.backend=flex: {why}; use auto")
+            flex = False  # auto: our blocks
+        if flex:
             slopes = self.alibi_slopes.to(q.device, q.dtype) if self.alibi else None
             return flex_window(
                 q, k, v, self.window, self.scale, causal=causal,

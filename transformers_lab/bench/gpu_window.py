@@ -34,10 +34,12 @@ its limit is stopped, said so in ``results.json``, and the next step runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -178,7 +180,9 @@ def save_autotune(cache: Path, saved: Path, archive: Path | None = None) -> int:
 
 
 def merge_bench(work: Path, out: Path) -> None:
-    """The bench's reports of every N so far as one ``bench.csv`` and one ``bench.md``."""
+    """The bench's reports of every N so far as one ``bench.csv`` and one ``bench.md``
+    (the csv holds the rows of a step stopped at its limit too: the bench writes them as
+    it goes)."""
     csvs = [work / f"bench_{n}" / "kernels.csv" for n in BENCH_NS]
     csvs = [p for p in csvs if p.exists()]
     if not csvs:
@@ -251,23 +255,29 @@ def dry_run(step: Step) -> tuple[str, str]:
 
 
 def run_step(step: Step, log: Path, env: dict[str, str]) -> tuple[str, str]:
-    """Run one step under its limit, its output appended to ``log``; status and summary."""
+    """Run one step under its limit, its output appended to ``log``; status and summary.
+    At the limit the step's whole process group is stopped (pytest's workers too): SIGTERM,
+    then SIGKILL 10 s later."""
     with log.open("a") as f:
         f.write(f"\n===== {step.name}: {' '.join(step.command)} (limit {step.limit_s} s)\n")
         f.flush()
+        proc = subprocess.Popen(
+            step.command, stdout=f, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
         try:
-            proc = subprocess.run(
-                step.command,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                cwd=PROJECT_ROOT,
-                env=env,
-                timeout=step.limit_s,
-            )
+            code = proc.wait(timeout=step.limit_s)
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):  # whatever of the group is left
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             return f"stopped at its limit of {step.limit_s} s", ""
     tail = log.read_text().strip().splitlines()[-1:] or [""]
-    return ("ok" if proc.returncode == 0 else f"exit {proc.returncode}"), tail[0][-300:]
+    return ("ok" if code == 0 else f"exit {code}"), tail[0][-300:]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

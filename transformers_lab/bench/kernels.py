@@ -744,6 +744,9 @@ def run_bench(args: argparse.Namespace) -> list[Row]:
             runs[i].append(row)
             done = r * len(specs) + i + 1
             print(f"[{done}/{total}] {describe(row)}", file=sys.stderr, flush=True)
+            if getattr(args, "out", None) is not None:  # the rows so far: a stopped run keeps them
+                args.out.mkdir(parents=True, exist_ok=True)
+                write_csv([rows[-1] for rows in runs if rows], args.out / "kernels.csv")
     rows = [median_round(rows) for rows in runs]
     return run_paired(rows, specs, args.timeout) if args.paired else rows
 

@@ -5,13 +5,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import shlex
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -126,23 +126,18 @@ WANDB_ID = "wandb_id"  # a job dir's file: the wandb run its job logs to, resume
 
 
 def wandb_run_id(cfg: DictConfig) -> str:
-    """The wandb run id of this job: the one of the run it resumes (the ``wandb_id`` file
-    beside the checkpoint's run dir, or that dir's hash), else a hash of its own run dir;
-    written to its run dir, so a resume of this run finds it in turn."""
+    """The wandb run id of this job: a resumed job's is the one its checkpoint's run dir
+    recorded (``wandb_id``), a new job's a fresh random one (a fresh run in a reused dir is
+    a new wandb run); written to the run dir, so a resume of this run finds it in turn."""
     out = Path(cfg.paths.output_dir)
-    start = out
+    run_id = uuid.uuid4().hex[:16]
     if cfg.get("ckpt_path"):
         checkpoint = Path(cfg.ckpt_path).resolve()
-        start = (
-            checkpoint.parent.parent
-            if checkpoint.parent.name == "checkpoints"
-            else checkpoint.parent
-        )
-    recorded = start / WANDB_ID
-    if recorded.is_file():
-        run_id = recorded.read_text().strip()
-    else:
-        run_id = hashlib.sha1(str(start.resolve()).encode()).hexdigest()[:16]
+        start = checkpoint.parent
+        if start.name == "checkpoints":
+            start = start.parent
+        if (start / WANDB_ID).is_file():
+            run_id = (start / WANDB_ID).read_text().strip()
     if rank_zero_only.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(out / WANDB_ID, run_id + "\n")

@@ -25,6 +25,7 @@ from transformers_lab.attention.linear.factorized import factorized
 from transformers_lab.attention.linear.features import feature_dim, read_state, weighted_state
 from transformers_lab.attention.linear.fla_ops import fla_polynomial, polynomial_refusal
 from transformers_lab.attention.linear.flex_ops import flex_polynomial
+from transformers_lab.attention.linear.flex_ops import refusal as flex_refusal
 from transformers_lab.attention.linear.quadratic import polynomial_matrix, quadratic
 from transformers_lab.attention.linear.recurrent import recurrent_step
 
@@ -160,11 +161,14 @@ class FeatureKernel(AttentionKernel):
         fused = choose(self.backend, self.fused_backends, q.device)
         if fused == "fla" and not (causal and q.shape[2] == k.shape[2]):
             return None
-        if fused == "fla" and (why := polynomial_refusal(self.p, self.feature_count)):
-            if self.backend == "fla":
-                raise ValueError(f"{self.name}: attention.backend=fla: {why}; use auto")
-            return None  # auto: our paths
-        return fused
+        why = None
+        if fused == "fla":
+            why = polynomial_refusal(self.p, self.feature_count)
+        elif fused == "flex":
+            why = flex_refusal(self.feature_count, self.head_dim, q.device)
+        if why and self.backend == fused:
+            raise ValueError(f"{self.name}: attention.backend={fused}: {why}; use auto")
+        return None if why else fused  # auto: our paths where the fused kernel cannot
 
     def fused_forward(
         self, fused: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, pad: Tensor | None

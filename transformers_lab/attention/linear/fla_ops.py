@@ -78,7 +78,11 @@ def fla_recurrence(
             "trainer.precision=bf16-mixed (trainer=gpu does) or use attention.backend=loop"
         )
     ops = importlib.import_module("fla.ops")
-    q, k, v = fla_layout(q), fla_layout(k), fla_layout(v)
+    dv = v.shape[-1]
+    # even widths (fla's 16-bit backward); a zero key channel writes and reads nothing
+    q, k, v = fla_layout(even(q)), fla_layout(even(k)), fla_layout(even(v))
+    if log_decay is not None and log_decay.dim() == 4:
+        log_decay = even(log_decay)  # the zero channel's decay: none
     g = None if log_decay is None else fla_layout(log_decay.float())
     if beta is None:
         if g is None:
@@ -95,7 +99,7 @@ def fla_recurrence(
             o, _ = ops.gated_delta_rule.chunk_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale)
         else:
             raise ValueError("the delta rule takes a decay of one number a head, (B, H, N)")
-    return o.transpose(1, 2)
+    return o.transpose(1, 2)[..., :dv]
 
 
 def polynomial_refusal(p: int, width: int) -> str | None:

@@ -40,12 +40,26 @@ def log_poly2(x: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
 LOG_POLYNOMIALS = {1: log_poly1, 2: log_poly2}
 
 
+MIN_CUDA_DIM = 16  # Inductor's FlexAttention kernel takes q, k and v at least 16 wide
+
+
 @functools.cache
 def flex_attention(cuda: bool) -> Callable:
-    """FlexAttention's function, compiled on CUDA (its fused kernel), eager on a CPU."""
+    """FlexAttention's function, compiled on CUDA (its fused kernel; shapes dynamic after a
+    second one, so new lengths do not recompile each time), eager on a CPU."""
     from torch.nn.attention.flex_attention import flex_attention as flex
 
-    return torch.compile(flex, dynamic=False) if cuda else flex
+    return torch.compile(flex) if cuda else flex
+
+
+def refusal(qk_dim: int, v_dim: int, device: torch.device) -> str | None:
+    """Why FlexAttention cannot take heads this wide on ``device`` (None: it can)."""
+    if device.type == "cuda" and min(qk_dim, v_dim) < MIN_CUDA_DIM:
+        return (
+            f"FlexAttention's CUDA kernel takes heads at least {MIN_CUDA_DIM} wide, got "
+            f"q/k {qk_dim} and v {v_dim}"
+        )
+    return None
 
 
 def without_grad(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -109,7 +123,10 @@ def make_mask(
         return ok
 
     batch = None if key_padding_mask is None else key_padding_mask.shape[0]
-    return create_block_mask(mask_mod, batch, None, nq, nk, device=device)
+    # compiled on CUDA: the mask is made block by block, never as an (Nq, Nk) tensor
+    return create_block_mask(
+        mask_mod, batch, None, nq, nk, device=device, _compile=device.type == "cuda"
+    )
 
 
 def flex_polynomial(
