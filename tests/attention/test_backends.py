@@ -152,6 +152,13 @@ def test_flex_on_cuda_refuses_heads_narrower_than_its_kernel_takes():
     assert refusal(16, 16, cuda) is None and refusal(8, 8, cpu) is None
 
 
+def test_a_call_a_fused_kernel_cannot_take_goes_to_our_loop_unless_it_was_named():
+    assert backends.settle("fastmax", "auto", "flex", "too narrow") is None
+    assert backends.settle("fastmax", "auto", "fla", None) == "fla"
+    with pytest.raises(ValueError, match=r"^fastmax: attention.backend=flex: too narrow; use "):
+        backends.settle("fastmax", "flex", "flex", "too narrow")
+
+
 def test_a_window_on_flex_decodes_on_its_ring_buffer():
     loop, flex = flex_pair("sliding_window", window=4)
     q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))

@@ -101,6 +101,16 @@ def choose(backend: str, covers: tuple[str, ...], device: torch.device) -> str |
     return next((b for b in covers if unavailable(b) is None), None)
 
 
+def settle(name: str, backend: str, fused: str | None, why: str | None) -> str | None:
+    """The fused kernel a call takes, given why it cannot take this call (``why``, None:
+    it can): under ``auto`` our loop then, one line where the user named it."""
+    if fused is None or why is None:
+        return fused
+    if backend == fused:
+        raise ValueError(f"{name}: attention.backend={fused}: {why}; use attention.backend=auto")
+    return None
+
+
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype a fused kernel runs in: autocast's where it is on, else the tensor's."""
     device = t.device.type

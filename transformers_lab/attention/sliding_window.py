@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformers_lab.attention import naive
-from transformers_lab.attention.backends import check_backend, choose
+from transformers_lab.attention.backends import check_backend, choose, settle
 from transformers_lab.attention.base import AttentionKernel, attention_mask, masked_softmax
 from transformers_lab.attention.linear.flex_ops import flex_window
 from transformers_lab.attention.linear.flex_ops import refusal as flex_refusal
@@ -136,12 +136,9 @@ class SlidingWindowAttention(AttentionKernel):
         # FlexAttention serves self-attention (training, a prompt); a decoding step, a few
         # queries against the ring buffer, stays on the blocks: no block mask a token
         fits = q.shape[2] == k.shape[2] and not (self.training and self.dropout > 0)
-        flex = fits and choose(self.backend, self.fused_backends, q.device) == "flex"
-        if flex and (why := flex_refusal(q.shape[-1], v.shape[-1], q.device)):
-            if self.backend == "flex":
-                raise ValueError(f"sliding_window: attention.backend=flex: {why}; use auto")
-            flex = False  # auto: our blocks
-        if flex:
+        fused = choose(self.backend, self.fused_backends, q.device) if fits else None
+        why = flex_refusal(q.shape[-1], v.shape[-1], q.device)
+        if settle(self.name, self.backend, fused, why) == "flex":
             slopes = self.alibi_slopes.to(q.device, q.dtype) if self.alibi else None
             return flex_window(
                 q, k, v, self.window, self.scale, causal=causal,

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from transformers_lab.attention.backends import check_backend, choose, compute_dtype
+from transformers_lab.attention.backends import check_backend, choose, compute_dtype, settle
 from transformers_lab.attention.base import AttentionKernel, Memory, attention_mask
 from transformers_lab.attention.linear.chunked import chunked_causal
 from transformers_lab.attention.linear.factorized import factorized
@@ -166,9 +166,7 @@ class FeatureKernel(AttentionKernel):
             why = polynomial_refusal(self.p, self.feature_count)
         elif fused == "flex":
             why = flex_refusal(self.feature_count, self.head_dim, q.device)
-        if why and self.backend == fused:
-            raise ValueError(f"{self.name}: attention.backend={fused}: {why}; use auto")
-        return None if why else fused  # auto: our paths where the fused kernel cannot
+        return settle(self.name, self.backend, fused, why)
 
     def fused_forward(
         self, fused: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, pad: Tensor | None
