@@ -38,6 +38,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -59,8 +60,6 @@ BENCH_SHAPE = ["--batch", "2", "--heads", "8", "--head-dim", "64", "--repeats", 
 def pinned() -> dict[str, str]:
     """The versions pyproject's ``gpu`` extra pins (fla-core, Triton): the autotune cache's
     key holds them."""
-    import re
-
     text = (PROJECT_ROOT / "pyproject.toml").read_text()
     extra = re.search(r"^gpu = \[(.*?)^\]", text, re.S | re.M)
     found = re.findall(r'"([A-Za-z0-9_.-]+)==([^"]+)"', extra.group(1) if extra else "")
@@ -247,8 +246,10 @@ def dry_run(step: Step) -> tuple[str, str]:
         args = bench.build_parser().parse_args(step.command[3:])
         configs = bench.variant_configs(args.kernels, (bench.CONF_DIR,))
         return "dry-run ok", f"{len(configs)} variants at N={args.n}: {' '.join(args.kernels)}"
-    collect = [*step.command, "--collect-only"]
-    collect = [c for c in collect if c not in ("-n", "8")]
+    command = step.command
+    workers = [i for i, c in enumerate(command) if c == "-n"]  # "-n N": collected in one
+    collect = [c for i, c in enumerate(command) if not {i, i - 1} & set(workers)]
+    collect.append("--collect-only")
     proc = subprocess.run(collect, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300)
     last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
     return ("dry-run ok" if proc.returncode in (0, 5) else f"collect failed: {last}"), last
