@@ -28,7 +28,7 @@ from transformers_lab.run.common import say
 from transformers_lab.run.fit import fit_and_test
 from transformers_lab.run.job import run_job
 from transformers_lab.run.record import Outcome
-from transformers_lab.sweeps.plugins import register_sweepers
+from transformers_lab.sweeps.plugins import register_plugins
 from transformers_lab.sweeps.pruning import pruning_callback
 
 
@@ -50,7 +50,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    register_sweepers()
+    register_plugins()
     run_hydra(hydra_main)
 
 

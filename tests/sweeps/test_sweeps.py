@@ -7,10 +7,12 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -19,6 +21,7 @@ from omegaconf import OmegaConf
 
 from transformers_lab.run.curves import history
 from transformers_lab.run.record import RESULT_FILE
+from transformers_lab.sweeps.plugins import register_plugins
 from transformers_lab.sweeps.report import cli as summary_module
 from transformers_lab.sweeps.report.cli import SUMMARY_FILES, summarize
 from transformers_lab.sweeps.report.plots import curve
@@ -290,7 +293,7 @@ def test_parallel_jobs_through_joblib_get_their_own_directories(tmp_path):
     ("preset", "target"),
     [
         ("launcher=slurm", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
-        ("launcher=joblib", "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"),
+        ("launcher=joblib", "hydra_plugins.tlab_joblib_launcher.JoblibLauncher"),
     ],
 )
 def test_launcher_presets_select_their_plugin(preset, target, monkeypatch, tmp_path):
@@ -306,7 +309,10 @@ def test_launcher_presets_select_their_plugin(preset, target, monkeypatch, tmp_p
         cfg = compose("train", [preset, "sweep=attention_kernels"], return_hydra_config=True)
     assert cfg.hydra.launcher._target_ == target
     assert cfg.hydra.mode.name == "MULTIRUN"
-    assert target.rsplit(".", 1)[1] in {p.__name__ for p in Plugins.instance().discover()}
+    register_plugins()  # as tlab-train does
+    assert target in Plugins.instance().class_name_to_class
+    if preset == "launcher=joblib":  # Hydra's joblib settings, the preset's n_jobs
+        assert cfg.hydra.launcher.n_jobs == 2 and cfg.hydra.launcher.pre_dispatch == "2*n_jobs"
 
 
 # ------------------------------------------------------------------ a sweep stopped mid-job
@@ -411,3 +417,84 @@ def test_a_sweep_stopped_mid_job_resumes_to_the_summary_of_an_uninterrupted_swee
         assert steps and steps == want_steps and values == pytest.approx(want_values, rel=1e-4), (
             metric
         )
+
+
+# ------------------------------------------------------------------ a joblib sweep stopped
+
+
+class Slowly(L.Callback):
+    """Mark that the job trains (a file ``training-<seed>`` in ``$TLAB_TEST_MARKS``) and
+    take a second a batch, so that a signal finds it training."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        (Path(os.environ["TLAB_TEST_MARKS"]) / f"training-{self.seed}").touch()
+        time.sleep(1.0)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signame", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_to_a_joblib_sweeps_main_process_stops_every_job(signame, code, tmp_path):
+    """4 jobs, 2 at a time: a signal to the main process alone (``kill PID``, what
+    ``timeout`` and ``make`` send) reaches both running jobs, which save and record
+    themselves; the 2 queued jobs do not start; the main process prints the line that
+    finishes the sweep and exits 128 + the signal's number; no process is left. That line
+    then finishes the sweep."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    command = [
+        "-m", "launcher=joblib", "seed=0,1,2,3", *TINY, "trainer.max_epochs=3", "logger=csv",
+        "+callbacks.slowly._target_=test_sweeps.Slowly", "+callbacks.slowly.seed=${seed}",
+    ]  # fmt: skip
+    env = {
+        **os.environ, **TESTS_ON_PATH, "WANDB_MODE": "offline", "TLAB_ROOT": str(tmp_path),
+        "TLAB_TEST_MARKS": str(marks),
+    }  # fmt: skip
+    main = subprocess.Popen(
+        [sys.executable, "-m", "transformers_lab.train", *command],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(marks.iterdir())) < 2 and main.poll() is None:
+            assert time.monotonic() < deadline, "the jobs never started training"
+            time.sleep(0.2)
+        os.kill(main.pid, getattr(signal, signame))  # the main process alone
+        said, _ = main.communicate(timeout=120)
+    finally:
+        if group_alive(main.pid):
+            os.killpg(main.pid, signal.SIGKILL)
+    assert main.returncode == code, said[-3000:]
+    deadline = time.monotonic() + 20
+    while group_alive(main.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not group_alive(main.pid), "the sweep left processes running"
+    sweep = sweep_dir_of(tmp_path)
+    statuses = {}
+    for job in "0123":
+        path = sweep / job / RESULT_FILE
+        statuses[job] = json.loads(path.read_text())["status"] if path.is_file() else None
+    assert sorted(map(str, statuses.values())) == ["None", "None", "interrupted", "interrupted"]
+    assert f"sweep stopped by {signame}: 2 running job(s) saved their checkpoints" in said
+    stop_line = said.split(f"sweep stopped by {signame}: ", 1)[1].splitlines()[0]
+    resume = stop_line.split("finish its sweep with ", 1)[1].split(" (its")[0]
+    assert resume.endswith(f"hydra.sweep.dir={sweep} skip_finished=true"), resume
+    assert "'+callbacks.slowly.seed=${seed}'" in resume  # as given, for each job to resolve
+    words = shlex.split(resume)[1:]  # after tlab-train
+    marks_env = {"TLAB_TEST_MARKS": str(marks), **TESTS_ON_PATH}
+    finished = tlab_train(*words, cwd=tmp_path, **marks_env)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    records = [json.loads((sweep / j / RESULT_FILE).read_text()) for j in "0123"]
+    assert [r["status"] for r in records] == ["ok"] * 4
+    assert finished.stdout.count("resuming from") == 2

@@ -54,19 +54,24 @@ def job_overrides() -> list[str]:
 RESUME_SETS = ("hydra.sweep.dir", "skip_finished", "hydra.mode")
 
 
-def sweep_resume() -> list[str] | None:
+def sweep_resume(
+    hydra_cfg: DictConfig | None = None, resumes: str = "this job resumes from it"
+) -> list[str] | None:
     """For a job of a multirun, what finishes its sweep (words of a sentence, the command
-    last): the sweep's own command (its ``hydra.*`` overrides included, such as the
+    second): the sweep's own command (its ``hydra.*`` overrides included, such as the
     search path of the user's configs) with its sweep dir, with ``skip_finished=true`` for
     Hydra's sweeper (the finished jobs are skipped, this one resumes from its
-    ``last.ckpt``); an Optuna study's command as it is (the study gives this trial up and
-    asks for its slot again). None outside a multirun."""
-    if not in_multirun():
+    ``last.ckpt``: ``resumes``); an Optuna study's command as it is (the study gives this
+    trial up and asks for its slot again). ``hydra_cfg``: Hydra's config of the sweep (a
+    launcher's), else this job's. None outside a multirun."""
+    hydra_cfg = hydra_cfg if hydra_cfg is not None else hydra_config()
+    if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
         return None
-    hydra_cfg = hydra_config()
     sweep_dir = Path(str(hydra_cfg.sweep.dir))
     path = sweep_dir / "multirun.yaml"
-    given = OmegaConf.load(path).hydra.overrides if path.is_file() else {}
+    saved = OmegaConf.load(path) if path.is_file() else OmegaConf.create()
+    # as given: an override's ${...} is the job's to resolve (+callbacks.x.seed=${seed})
+    given = OmegaConf.to_container(saved, resolve=False).get("hydra", {}).get("overrides", {})
     # the user's hydra.* overrides too: hydra.searchpath finds their kernels' configs
     master = [str(o) for part in ("hydra", "task") for o in given.get(part, ())]
     kept = [o for o in master if override_key(o) not in RESUME_SETS]
@@ -79,7 +84,7 @@ def sweep_resume() -> list[str] | None:
             "(this trial is given up, its slot asked again)",
         ]
     command = " ".join(shlex.quote(w) for w in [*words, "skip_finished=true"])
-    return ["finish its sweep with", f"tlab-train {command}", "(this job resumes from it)"]
+    return ["finish its sweep with", f"tlab-train {command}", f"({resumes})"]
 
 
 def sweep_parameters(sweep_dir: Path) -> set[str]:

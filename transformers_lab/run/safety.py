@@ -289,6 +289,34 @@ class NonFiniteGuard(L.Callback):
 # ---------------------------------------------------------------- signals
 
 
+_noted: list[str] = []  # the signal noted by ``note_signals``' handler, if one came
+
+
+def note_signals() -> None:
+    """From now on, SIGTERM and SIGINT are noted rather than fatal in this process, until
+    training takes them (``StopOnSignal`` starts from the note, stops after one batch and
+    saves). For a sweep's worker process, whose main process forwards a stop to it at
+    any moment of a job: while it builds the job's data, between jobs, or while it
+    trains. ``clear_noted_signal`` starts the next job afresh."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in StopOnSignal.SIGNALS:
+            signal.signal(signum, _note)
+
+
+def _note(signum: int, frame: Any) -> None:
+    if not _noted:
+        _noted.append(signal.Signals(signum).name)
+
+
+def noted_signal() -> str | None:
+    """The signal ``note_signals``' handler noted, or None."""
+    return _noted[0] if _noted else None
+
+
+def clear_noted_signal() -> None:
+    _noted.clear()
+
+
 class StopOnSignal(L.Callback):
     """SIGTERM and Ctrl+C (SIGINT) stop training after the current batch, on every process
     at the same step, so ``Checkpoint`` saves ``last.ckpt`` and the entry point exits
@@ -309,7 +337,9 @@ class StopOnSignal(L.Callback):
         self.previous: dict[int, Any] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.received = None
+        self.received = noted_signal()  # a sweep worker's, sent before training began
+        if self.received is not None:
+            log.warning("%s before training: saving a checkpoint after one batch", self.received)
         if threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self.on_signal) for s in self.SIGNALS}
 

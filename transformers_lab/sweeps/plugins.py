@@ -1,5 +1,5 @@
-"""The project's Hydra plugins (its sweepers), entered into Hydra's plugin namespace at
-start-up, so that no separate package has to be installed."""
+"""The project's Hydra plugins (its sweepers and its joblib launcher), entered into Hydra's
+plugin namespace at start-up, so that no separate package has to be installed."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ PLUGIN_PACKAGE = "hydra_plugins"
 
 
 def register(cls: type, module: str) -> None:
-    """Enter the sweeper ``cls`` into Hydra's plugins as ``hydra_plugins.<module>.<name>``,
-    the ``_target_`` its config gives (Hydra instantiates sweepers only from that
+    """Enter the plugin ``cls`` into Hydra's plugins as ``hydra_plugins.<module>.<name>``,
+    the ``_target_`` its config gives (Hydra instantiates plugins only from that
     namespace), so that no separate package has to be installed."""
     plugins = Plugins.instance()
     path = f"{PLUGIN_PACKAGE}.{module}"
@@ -23,11 +23,14 @@ def register(cls: type, module: str) -> None:
         plugins.register(cls)
 
 
-def register_sweepers() -> None:
-    """The grid sweeper (the default) and the Optuna study sweeper, as their configs'
-    ``_target_`` name them (``conf/hydra/sweeper/``)."""
+def register_plugins() -> None:
+    """The grid sweeper (the default), the Optuna study sweeper and the joblib launcher,
+    as their configs' ``_target_`` name them (``conf/hydra/sweeper/``,
+    ``conf/hydra/launcher/``)."""
     from transformers_lab.sweeps.grid_sweeper import GridSweeper
+    from transformers_lab.sweeps.joblib_launcher import JoblibLauncher
     from transformers_lab.sweeps.optuna_sweeper import StudySweeper
 
     register(GridSweeper, "tlab_grid_sweeper")
     register(StudySweeper, "tlab_optuna_sweeper")
+    register(JoblibLauncher, "tlab_joblib_launcher")
