@@ -79,3 +79,27 @@ def test_skip_finished_returns_the_recorded_value_without_fitting(tmp_path, monk
         run_job(cfg_for(tmp_path, skip_finished=True), lambda c: Outcome({}, None, 1, {})) is None
     )
     assert read_record(tmp_path).overrides == ["seed=1"]
+
+
+def test_a_resumed_job_s_wall_time_counts_its_earlier_parts(tmp_path):
+    """time_s of a job resumed from a checkpoint starts from the fitting time that
+    checkpoint recorded (a stopped job resumed counted only its second part)."""
+    import torch
+
+    from transformers_lab.run.safety import Checkpoint
+
+    earlier = Checkpoint(dirpath=str(tmp_path / "checkpoints"))
+    state = {**earlier.state_dict(), "time_s": 100.0}  # a part that fitted for 100 s
+    resumed = Checkpoint(dirpath=str(tmp_path / "checkpoints"))
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["time_s"] >= 100.0  # and counts on in its own saves
+    path = tmp_path / "last.ckpt"
+    torch.save({"global_step": 5, "callbacks": {"Checkpoint{'monitor': 'x'}": state}}, path)
+
+    def fit(cfg):
+        return Outcome({"val/acc": 0.5}, 0.5, 10, {"best": None, "last": None})
+
+    run_job(cfg_for(tmp_path / "run", ckpt_path=str(path)), fit)
+    assert 100.0 <= read_record(tmp_path / "run").time_s < 130.0
+    run_job(cfg_for(tmp_path / "fresh"), fit)  # a job that starts afresh starts from 0
+    assert read_record(tmp_path / "fresh").time_s < 30.0

@@ -54,6 +54,18 @@ def checkpoint_step(path: str | Path) -> int | None:
         return None
 
 
+def checkpoint_time(path: str | Path) -> float:
+    """The fitting time a checkpoint's run had spent when it was saved, its earlier
+    parts included (what ``safety.Checkpoint`` keeps); 0 where it holds none or cannot
+    be read (memory-mapped, as ``checkpoint_step``)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        states = checkpoint.get("callbacks", {}).values()
+        return next(float(s["time_s"]) for s in states if isinstance(s, dict) and "time_s" in s)
+    except Exception:  # gone, not a checkpoint, or none of ours: nothing earlier to count
+        return 0.0
+
+
 ABSENT = "(absent)"
 
 

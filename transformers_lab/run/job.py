@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from transformers_lab.errors import Interrupted
 from transformers_lab.files import atomic_write
-from transformers_lab.run.checkpoints import checkpoint_step
+from transformers_lab.run.checkpoints import checkpoint_step, checkpoint_time
 from transformers_lab.run.common import say
 from transformers_lab.run.curves import RESUMED_AT, retire, set_aside
 from transformers_lab.run.overrides import SEED_KEYS, identity, override_key, same_job
@@ -177,7 +177,8 @@ def run_job(cfg: DictConfig, fit: Callable[[DictConfig], Outcome]) -> float | No
         monitor=Monitor(cfg.monitor.metric, cfg.monitor.mode),
         trial=cfg.get("trial"),
     )
-    start = time.perf_counter()
+    # a resumed job's wall time counts its earlier parts' (its checkpoint's fitting time)
+    start = time.perf_counter() - (checkpoint_time(cfg.ckpt_path) if cfg.get("ckpt_path") else 0)
     save(record, start)
     try:
         outcome = fit(cfg)

@@ -22,6 +22,7 @@ import shlex
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -58,7 +59,20 @@ class Checkpoint(ModelCheckpoint):
     - A monitored metric the run does not log is a one-line ``ConfigError`` that lists the
       ones it does: after the sanity check for a ``val/`` metric, before any training, and
       otherwise at the first save (Lightning raises there, with a hint for code authors).
+    - Each checkpoint holds the run's fitting time so far, its earlier parts included
+      (``time_s``; ``checkpoint_time``), so that a resumed job's wall time counts them.
     """
+
+    TIME = "time_s"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self.started, self.earlier = time.perf_counter(), 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        started = getattr(self, "started", None)  # None: not set up (no fit yet)
+        elapsed = 0.0 if started is None else time.perf_counter() - started
+        return {**super().state_dict(), self.TIME: getattr(self, "earlier", 0.0) + elapsed}
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking and str(self.monitor).startswith("val/"):
@@ -92,6 +106,7 @@ class Checkpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.earlier = float(state_dict.get(self.TIME, 0.0))
         old = state_dict.get("dirpath")
         if self.dirpath and old and old != self.dirpath:
             state_dict = self.moved_state(state_dict)
