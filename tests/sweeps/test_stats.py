@@ -115,6 +115,38 @@ def test_best_over_lr_then_the_mean_over_seeds_and_the_test(tmp_path):
     assert "(paired t)" in line and "0.5 ± 0.02 [0.45, 0.55] (n=3)" in line  # t(2) = 4.30
 
 
+def test_a_sweep_over_rates_keeps_each_choice_at_its_best_rate_by_default(tmp_path, capsys):
+    """Without best_over, a sweep that varies the rate and the kernel keeps each kernel at
+    its best rate, and the grouped table (file and print) names the rate that won;
+    best_over=[] shows every rate; a sweep of the rate alone shows every rate."""
+    from transformers_lab.sweeps.report.tables import print_summary
+
+    sweep = grid(tmp_path)
+    summary = summarize(sweep, baseline="attention=softmax")
+    groups = {g["choice"]: g for g in summary["groups"]}
+    assert set(groups) == {"attention=softmax", "attention=fastmax"}
+    assert groups["attention=softmax"]["won"] == {"optimizer.lr": "1e-3"}
+    assert groups["attention=fastmax"]["won"] == {"optimizer.lr": "1e-2"}
+    md = (sweep / "summary.md").read_text()
+    assert "| choice | best optimizer.lr | runs ok |" in md
+    assert "| attention=fastmax | 1e-2 | 3/3 |" in md
+    print_summary(summary)
+    printed = capsys.readouterr().out
+    assert "| choice | best optimizer.lr | runs ok |" in printed and "| 1e-3 |" in printed
+    every = summarize(sweep, best_over=[])
+    assert (
+        len(every["groups"]) == 4 and "best optimizer.lr" not in (sweep / "summary.md").read_text()
+    )
+    alone = tmp_path / "rates"
+    for n, (lr, seed) in enumerate([("1e-3", 0), ("1e-3", 1), ("1e-2", 0), ("1e-2", 1)]):
+        job(alone / str(n), [f"seed={seed}", f"optimizer.lr={lr}"], 0.5 + n / 10)
+    rates = summarize(alone)
+    assert sorted(g["choice"] for g in rates["groups"]) == [
+        "optimizer.lr=1e-2",
+        "optimizer.lr=1e-3",
+    ]
+
+
 def test_a_sweep_and_its_repeat_with_the_same_seeds_count_every_run(tmp_path):
     """Two dirs summarized together, both with seeds 0 and 1: the group's statistics use
     all four runs (not the last dir's two), paired by dir and seed; the same seed run
@@ -184,7 +216,7 @@ def test_an_unknown_baseline_lists_the_choices(tmp_path):
         UnknownChoice,
         match=r"no choice 'attention=dot'.*choices are: 'attention=softmax optimizer.lr=1e-3'",
     ):
-        summarize(grid(tmp_path), baseline="attention=dot")
+        summarize(grid(tmp_path), baseline="attention=dot", best_over=[])
 
 
 def test_tlab_summarize_takes_the_baseline_and_the_grid(tmp_path, capsys):
@@ -194,7 +226,9 @@ def test_tlab_summarize_takes_the_baseline_and_the_grid(tmp_path, capsys):
     args = [str(sweep), "--best-over", "optimizer.lr", "--baseline", "attention=softmax"]
     assert summary_module.main(args) == 0
     out = capsys.readouterr().out
-    assert "| attention=fastmax | 3/3 |" in out and "(paired t)" in out
+    assert "| attention=fastmax | 1e-2 | 3/3 |" in out and "(paired t)" in out
+    assert summary_module.main([str(sweep), "--best-over"]) == 0  # none: every rate
+    assert "| attention=fastmax optimizer.lr=1e-2 | 3/3 |" in capsys.readouterr().out
     assert summary_module.main([str(sweep), "--baseline", "attention=nope"]) == 2
     assert capsys.readouterr().err.startswith("error: no choice 'attention=nope'")
 
@@ -420,7 +454,7 @@ def test_runs_group_by_what_they_ran_not_by_their_command_lines(tmp_path):
                   "attention": attention, "optimizer": {"lr": lr}}  # fmt: skip
         choices = {"attention": option, "optimizer": "adamw", "hydra/sweeper": "grid"}
         hydra_run(sweep / str(n), overrides, config, choices, acc)
-    groups = {g["choice"]: g for g in summarize(sweep)["groups"]}
+    groups = {g["choice"]: g for g in summarize(sweep, best_over=[])["groups"]}
     assert sorted(groups) == [
         "attention=fastmax optimizer.lr=0.001",
         "attention=fastmax optimizer.lr=0.01",

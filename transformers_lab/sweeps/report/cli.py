@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 
 from transformers_lab.errors import UnknownChoice, UnknownMetric
 from transformers_lab.files import atomic_write
-from transformers_lab.run.overrides import override_key, override_map
+from transformers_lab.run.overrides import SEED_KEYS, override_key, override_map
 from transformers_lab.run.record import RESULT_FILE, STATUSES
 from transformers_lab.sweeps.report.collect import collect, default_out, pick_metric, varying_keys
 from transformers_lab.sweeps.report.groups import (
@@ -56,6 +56,7 @@ from transformers_lab.sweeps.report.tables import (
     markdown_table,
     print_summary,
     score_section,
+    won_columns,
 )
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def summarize(
     out: str | Path | None = None,
     by_source: bool = False,
     baseline: str | None = None,
-    best_over: Sequence[str] = (),
+    best_over: Sequence[str] | None = None,
     grid: Sequence[str] = (),
     mean_over: Sequence[str] = (),
 ) -> dict[str, Any]:
@@ -83,7 +84,10 @@ def summarize(
     Each group gets its mean over seeds with a 95% t-interval. ``baseline`` (a choice's
     label, such as ``attention=softmax``) compares every other choice with it: a paired
     t-test over seeds when both have the same ones, else Welch's. ``best_over`` (keys such
-    as ``optimizer.lr``) first keeps the best finished run of each cell of that grid.
+    as ``optimizer.lr``) first keeps the best finished run of each cell of that grid, and
+    the grouped table names the values that won; None (the default): the learning rate,
+    where the runs vary it and something else (each kernel at its best rate), else
+    nothing; ``[]``: every run as it is.
     ``grid`` (X LINES [PANELS], override keys) also writes ``grid.png`` and ``grid.md``:
     the metric against X, a line per LINES value, a panel per PANELS value (Zoology's
     Figure 2 is ``model.d_model attention mqar_size``). ``mean_over`` (keys such as
@@ -98,7 +102,7 @@ def summarize(
     out = Path(out) if out is not None else default_out(dirs)
     metric, default_mode = pick_metric(runs, metric)
     mode = mode or default_mode
-    over = list(best_over)
+    over = default_best_over(runs) if best_over is None else list(best_over)
     keys = [k for k in varying_keys(runs) if k not in over]
     rows = job_rows(runs, metric)
     grouped = runs
@@ -152,7 +156,7 @@ def summarize(
         *([" ".join(notes), ""] if notes else []),
         markdown_table(
             [group_cells(g, metric) for g in groups],
-            ["choice", "runs ok", f"final {metric}", f"best {metric}"]
+            ["choice", *won_columns(over), "runs ok", f"final {metric}", f"best {metric}"]
             + (["vs baseline", "p (test)"] if baseline else [])
             + (["params"] if any(g["params"] for g in groups) else [])
             + (["state size"] if any(g["state_size"] for g in groups) else []),
@@ -181,6 +185,18 @@ def summarize(
     }
 
 
+# what a summary keeps the best value of by default: each choice at its best learning rate
+BEST_OVER_DEFAULT = ("optimizer.lr",)
+
+
+def default_best_over(runs: Sequence[Any]) -> list[str]:
+    """``BEST_OVER_DEFAULT``'s keys the runs vary, where they vary something else too (a
+    sweep of the rate alone shows every rate)."""
+    swept = [k for k in varying_keys(runs) if k not in SEED_KEYS]
+    over = [k for k in BEST_OVER_DEFAULT if k in swept]
+    return over if len(swept) > len(over) else []
+
+
 class SweepSummary(Callback):
     """Hydra callback (``hydra.callbacks.summary``): when a multirun ends, write its
     summary files and print the grouped table. A failure here never loses the jobs'
@@ -192,9 +208,10 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         options = config.get("summary") or {}  # summary.baseline=..., summary.best_over=[...]
+        best = options.get("best_over")  # null: the rate where it is swept with more
         settings = {
             "baseline": options.get("baseline"),
-            "best_over": list(options.get("best_over") or ()),
+            "best_over": None if best is None else list(best),
             "grid": list(options.get("grid") or ()),
             "mean_over": list(options.get("mean_over") or ()),
         }
@@ -258,11 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--best-over",
-        nargs="+",
-        default=[],
+        nargs="*",
+        default=None,
         metavar="KEY",
         help="keep the best run of each cell of a grid over these keys (e.g. optimizer.lr) "
-        "before averaging over seeds",
+        "before averaging over seeds (default: optimizer.lr where the runs vary it and "
+        "something else; --best-over alone: every run)",
     )
     parser.add_argument(
         "--mean-over",

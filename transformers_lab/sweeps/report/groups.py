@@ -51,8 +51,9 @@ def group_rows(
     with the same settings, ``settings.IDENTITY``), its std and its 95% interval over seeds
     (``stats.interval``: Student's t, clipped for a bounded metric, none below 3 seeds),
     the ``ignore`` keys (a grid searched over) aside; ``seeds`` maps each seed to its
-    final value and ``starts`` to what the seed fixed (``by_seed``); the choice's parameter
-    count and decoding state."""
+    final value and ``starts`` to what the seed fixed (``by_seed``); ``won`` the values of
+    the ``ignore`` keys its runs had (the winners of a searched grid); the choice's
+    parameter count and decoding state."""
     bounds = metric_range(metric)
     groups: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
@@ -72,6 +73,11 @@ def group_rows(
             {
                 "choice": choice_of(members[0], keys, by_source),
                 "values_of": choice_values(members[0], keys, by_source),
+                # the setting of the searched keys that won its cell (several: none finished)
+                "won": {
+                    k: ", ".join(sorted({r.values.get(k, "?") for r in members}, key=natural))
+                    for k in ignore
+                },  # fmt: skip
                 "runs": f"{len(ok)}/{len(members)}",
                 "params": params.pop() if len(params) == 1 else None,
                 "state_size": sizes.pop() if len(sizes) == 1 else None,

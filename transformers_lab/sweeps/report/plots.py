@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,41 +19,64 @@ from transformers_lab.sweeps.report.groups import grid_rows
 from transformers_lab.sweeps.report.tables import as_number, markdown_table, natural
 
 
-def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -> None:
-    """Bars: mean of ``metric`` per choice; error bars: its 95% t-interval over seeds
-    (none with one seed); dots: the seeds."""
+def summary_figure(groups: Sequence[dict[str, Any]], metric: str, title: str) -> Any:
+    """Each choice's mean of ``metric`` (a dot), its 95% interval over seeds (an error
+    bar, where there is one: 3 seeds or more) and each seed's value (small dots), on an
+    axis scaled to the values: choices 1% apart are told apart (bars from 0 hid that). A
+    searched grid's winning values (``won``) are named under each choice."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shown = [g for g in groups if g["mean"] is not None]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(groups) + 1.5), 3.6), dpi=120)
-    ax.bar(
-        range(len(shown)),
-        [g["mean"] for g in shown],
-        yerr=error_bars(shown),
-        capsize=4,
-        color="#4c72b0",
-    )
-    for i, g in enumerate(shown):  # each seed's value
-        ax.plot([i] * len(g["values"]), g["values"], "o", color="#222222", markersize=3.5)
-    ax.set_xticks(range(len(shown)), [g["choice"] for g in shown], rotation=30, ha="right")
-    ax.set_ylabel(f"final {metric} (mean, 95% interval)")
-    ax.set_title(title, fontsize=9)
+    width = max(4.5, 0.9 * len(shown) + 2.0)
+    fig, ax = plt.subplots(figsize=(width, 4.2), dpi=120, layout="constrained")
+    xs = range(len(shown))
+    ax.errorbar(xs, [g["mean"] for g in shown], yerr=error_bars(shown), fmt="o",
+                color="#4c72b0", markersize=7, capsize=5, elinewidth=1.5, zorder=3)  # fmt: skip
+    for i, g in enumerate(shown):  # each seed's value, beside its mean
+        ax.plot([i + 0.12] * len(g["values"]), g["values"], "o", color="#555555",
+                markersize=3, alpha=0.8, zorder=2)  # fmt: skip
+    labels, keys = tick_labels(shown)
+    long = max((len(line) for x in labels for line in x.splitlines()), default=0) > 16
+    ax.set_xticks(list(xs), labels, rotation=90 if long else 0, fontsize=8)
+    ax.set_xlabel(keys)
+    ax.set_xlim(-0.6, len(shown) - 0.4)
+    ax.margins(y=0.15)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_ylabel(f"final {metric}")
+    bars = "95% t-interval" if any(g.get("ci") for g in shown) else "no interval below 3 seeds"
+    ax.set_title(f"{title}\nmean (large dot), {bars}, seeds (small dots)", fontsize=8)
     failed = [g["choice"] for g in groups if g["mean"] is None]
     if failed:
-        ax.text(
-            0.99,
-            0.98,
-            "no result: " + ", ".join(failed),
-            transform=ax.transAxes,
-            ha="right",
-            va="top",
-            fontsize=7,
-            color="#c44e52",
-        )
-    fig.tight_layout()
+        ax.text(0.99, 0.98, "no result: " + ", ".join(failed), transform=ax.transAxes,
+                ha="right", va="top", fontsize=7, color="#c44e52", wrap=True)  # fmt: skip
+    return fig
+
+
+def tick_labels(groups: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
+    """The choices' labels under the axis, and the axis's name: where every choice sets the
+    same keys (``attention=...``), their values under the keys' name, else the whole
+    choices; each with the values of a searched grid that won its cell (``lr=0.001``)."""
+    pairs = [dict(p.split("=", 1) for p in g["choice"].split() if "=" in p) for g in groups]
+    same = bool(pairs) and all(p and p.keys() == pairs[0].keys() for p in pairs)
+    labels = []
+    for g, p in zip(groups, pairs, strict=True):
+        label = " ".join(p.values()) if same else g["choice"]
+        won = " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in g.get("won", {}).items())
+        labels.append(f"{label}\n{won}" if won else label)
+    return labels, " ".join(pairs[0]) if same else ""
+
+
+def plot(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -> None:
+    """``summary.png``: ``summary_figure``, saved."""
+    save(summary_figure(groups, metric, title), path)
+
+
+def save(fig: Any, path: Any) -> None:
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, format="png")
     plt.close(fig)
 
@@ -71,27 +95,43 @@ def error_bars(groups: Sequence[dict[str, Any]]) -> list[list[float]]:
     return [[b[0] for b in bars], [b[1] for b in bars]]
 
 
-def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -> None:
+def state_figure(groups: Sequence[dict[str, Any]], metric: str, title: str) -> Any:
     """``metric`` against the decoding state each choice keeps (log scale), as Zoology
-    and Based plot recall against state size: one point per choice, std as error bar."""
+    and Based plot recall against state size: one point per choice, its 95% interval as
+    error bar (3 seeds or more). The axis labels only its decades (the labels in between
+    ran into each other); choices of one state size are labelled one under another."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     shown = [g for g in groups if g["mean"] is not None and g["state_size"]]
-    fig, ax = plt.subplots(figsize=(6.0, 4.0), dpi=120)
-    for g in shown:
+    fig, ax = plt.subplots(figsize=(6.5, 4.4), dpi=120, layout="constrained")
+    stacked: dict[int, int] = {}  # labels so far at about each size (a fifth of a decade)
+    for g in sorted(shown, key=lambda g: -g["mean"]):
         ax.errorbar(g["state_size"], g["mean"], yerr=error_bars([g]), fmt="o", capsize=3)
+        near = round(5 * math.log10(g["state_size"]))
+        k = stacked[near] = stacked.get(near, -1) + 1
         ax.annotate(g["choice"], (g["state_size"], g["mean"]), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")  # fmt: skip
+                    xytext=(5, 3 - 9 * k), textcoords="offset points")  # fmt: skip
     ax.set_xscale("log")
+    sizes = [g["state_size"] for g in shown] or [1]
+    narrow = max(sizes) / min(sizes) < 30  # under a decade and a half: 1, 2, 5 of each
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if narrow else (1.0,)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}" if x >= 1 else f"{x:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.margins(x=0.15, y=0.12)
+    ax.grid(alpha=0.3)
     ax.set_xlabel("decoding state after block_size tokens (numbers per sequence)")
-    ax.set_ylabel(f"final {metric} (mean, 95% interval)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    ax.set_ylabel(f"final {metric}")
+    ax.set_title(f"{title}\nmean, 95% t-interval where 3 seeds or more", fontsize=8)
+    return fig
+
+
+def plot_state(groups: Sequence[dict[str, Any]], metric: str, title: str, path: Any) -> None:
+    """``state.png``: ``state_figure``, saved."""
+    save(state_figure(groups, metric, title), path)
 
 
 def plot_grid(

@@ -124,11 +124,18 @@ def grouping_notes(
     return [" ".join(notes), ""] if notes else []
 
 
+def won_columns(over: Sequence[str]) -> list[str]:
+    """The grouped table's columns for the keys of a searched grid: the value that won."""
+    return [f"best {k}" for k in over]
+
+
 def group_cells(g: dict[str, Any], metric: str) -> dict[str, Any]:
     """One row of the grouped table."""
     off = g.get("params_off")
+    won = g.get("won", {})
     row = {
         "choice": g["choice"],
+        **dict(zip(won_columns(won), won.values(), strict=True)),
         "runs ok": g["runs"],
         f"final {metric}": with_ci(g),
         f"best {metric}": pm(g["best mean"], g["best std"], g["n"]),
@@ -163,7 +170,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     metric = summary["metric"]
     rows = [group_cells(g, metric) for g in summary["groups"]]
     compared = any("vs baseline" in row for row in rows)
-    columns = ["choice", "runs ok", f"final {metric}"]
+    won = summary["groups"][0].get("won", {}) if summary["groups"] else {}
+    columns = ["choice", *won_columns(won), "runs ok", f"final {metric}"]
     columns += ["vs baseline", "p (test)"] if compared else []
     columns += [c for c in ("params", "state size") if any(row[c] for row in rows)]
     print(markdown_table(rows, columns))
