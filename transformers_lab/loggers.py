@@ -50,4 +50,10 @@ def wandb_logger(
         if offline and not mode:
             log.info("wandb: no account configured, logging offline to %s/wandb", save_dir)
     Path(save_dir).mkdir(parents=True, exist_ok=True)
-    return WandbLogger(project=project, save_dir=save_dir, offline=offline, **kwargs)
+    logger = WandbLogger(project=project, save_dir=save_dir, offline=offline, **kwargs)
+    # Lightning 2.6 always hands wandb.init an ``anonymous`` setting (None unless asked),
+    # which wandb 0.31 warns about at every run ("has no effect and will be removed"):
+    # hand it over only when one was asked for
+    if logger._wandb_init.get("anonymous") is None:
+        logger._wandb_init.pop("anonymous", None)
+    return logger

@@ -136,6 +136,22 @@ def test_each_job_of_a_sweep_is_its_own_wandb_run_in_one_group(kernel_sweep):
     assert len(set(names)) == 4 and all("seed=" in n and "attention=" in n for n in names)
 
 
+# what Lightning 2.6, torch 2.14 and wandb 0.31 said at every job, telling nothing
+KNOWN_NOISE = (
+    "isinstance(treespec, LeafSpec)` is deprecated",  # Lightning's own use of torch's
+    "💡 Tip",  # Lightning's advertisement for its cloud logger
+    "The anonymous setting has no effect",  # Lightning hands wandb anonymous=None
+    "You have overridden `transfer_batch_to_device`",  # the hook was the task's
+)
+
+
+def test_a_job_prints_none_of_the_known_warnings(kernel_sweep):
+    _, proc = kernel_sweep
+    said = proc.stdout + proc.stderr
+    assert "wandb" in said  # the jobs logged to wandb, where its warning came from
+    assert [n for n in KNOWN_NOISE if n in said] == []
+
+
 def test_tlab_summarize_reproduces_the_sweep_summary_and_is_idempotent(kernel_sweep, tmp_path):
     sweep, _ = kernel_sweep
     copy = tmp_path / sweep.name

@@ -259,11 +259,26 @@ def test_the_guard_s_gradient_norm_clips_as_lightning_does():
 
 
 def test_a_batch_already_on_the_cpu_is_handed_over_as_it_is():
-    task, _ = small_lm()
+    """By the data module (every one of ours), so Lightning does not warn that the task
+    overrides the data module's hook."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    task, dm = small_lm()
+    assert not is_overridden("transfer_batch_to_device", task)
     cpu = torch.device("cpu")
     batch = (torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
-    assert task.transfer_batch_to_device(batch, cpu, 0) is batch
-    moved = task.transfer_batch_to_device({"x": batch[0]}, cpu, 0)  # other shapes: Lightning's
+    assert dm.transfer_batch_to_device(batch, cpu, 0) is batch
+    import importlib
+
+    from omegaconf import OmegaConf
+
+    from transformers_lab.config import CONF_DIR
+    from transformers_lab.data.base import DataModule
+
+    for path in sorted((CONF_DIR / "data").glob("*.yaml")):  # every data set's module
+        module, name = OmegaConf.load(path)._target_.rsplit(".", 1)
+        assert issubclass(getattr(importlib.import_module(module), name), DataModule), path
+    moved = dm.transfer_batch_to_device({"x": batch[0]}, cpu, 0)  # other shapes: Lightning's
     assert isinstance(moved, dict) and torch.equal(moved["x"], batch[0])
     task._current_fx_name = "training_step"  # a plain attribute, not a module entry
     assert task._current_fx_name == "training_step" and "_current_fx_name" in vars(task)

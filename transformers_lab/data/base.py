@@ -70,7 +70,22 @@ class ResumableLoader(DataLoader):
             self.resume = state
 
 
-class InMemoryDataModule(L.LightningDataModule):
+class DataModule(L.LightningDataModule):
+    """The base of the project's data modules: a batch already on the CPU (a tuple or list
+    of CPU tensors) is handed over as it is when training on the CPU; Lightning would walk
+    it, every step. (The hook belongs to the data: defined on the task, Lightning warned at
+    every run that the task's overrides the data module's.)"""
+
+    def transfer_batch_to_device(
+        self, batch: Any, device: torch.device, dataloader_idx: int
+    ) -> Any:
+        on_cpu = device.type == "cpu" and isinstance(batch, tuple | list)
+        if on_cpu and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in batch):
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+
+class InMemoryDataModule(DataModule):
     """A data module whose ``setup`` fills ``train_set`` and ``val_set`` (generated from a
     seed, held in memory) and which loads them at ``batch_size``: the synthetic and MAD
     tasks."""

@@ -7,12 +7,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 
-from transformers_lab.data.base import ResumableLoader
+from transformers_lab.data.base import DataModule, ResumableLoader
 from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.tokenizers import (
     CharTokenizer,
@@ -78,7 +77,7 @@ class RandomWindows(Sampler[int]):
         return len(self.draws)
 
 
-class ShakespeareCharDataModule(L.LightningDataModule):
+class ShakespeareCharDataModule(DataModule):
     """Tiny Shakespeare by characters, split as nanoGPT does: the first 90% of the
     characters for training, the rest for validation.
 

@@ -10,12 +10,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler
 
-from transformers_lab.data.base import ResumableLoader
+from transformers_lab.data.base import DataModule, ResumableLoader
 from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.tokenizers import (
     CharTokenizer,
@@ -124,7 +123,7 @@ class BucketBatchSampler(BatchSampler):
         return iter([batches[i] for i in torch.randperm(len(batches)).tolist()])
 
 
-class TranslationDataModule(L.LightningDataModule):
+class TranslationDataModule(DataModule):
     """Parallel sentences for the encoder-decoder, tokenised with BOS, EOS and PAD.
 
     Args:

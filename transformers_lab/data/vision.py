@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, random_split
 
-from transformers_lab.data.base import ResumableLoader
+from transformers_lab.data.base import DataModule, ResumableLoader
 from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.errors import DataFileError
 
@@ -27,7 +26,7 @@ FASHION_FILES = {
 }
 
 
-class ImageDataModule(L.LightningDataModule):
+class ImageDataModule(DataModule):
     """Loaders and model facts shared by the image data modules: subclasses fill
     ``train_set``, ``val_set`` and ``test_set`` in ``setup``."""
 

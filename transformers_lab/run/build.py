@@ -14,6 +14,7 @@ import inspect
 import logging
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -240,10 +241,33 @@ def build_loggers(config: DictConfig | None) -> list[Logger]:
     ]
 
 
+class NoTips(logging.Filter):
+    """Lightning's advertisement, printed at every run (``💡 Tip: ...litlogger...``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def quiet_known_noise() -> None:
+    """Silence what Lightning says at every run that tells a researcher nothing: its tip
+    (a log line), and the FutureWarning that its own code raises through torch's
+    deprecated ``LeafSpec`` (Lightning 2.6 on torch 2.10+; its message names the class,
+    so nothing else is hidden). Idempotent."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+    )
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, NoTips) for f in rank_zero.filters):
+        rank_zero.addFilter(NoTips())
+
+
 def build_trainer(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
     """The trainer of ``cfg.trainer`` with the callbacks and loggers of the run, and the
     caller's ``extra_callbacks`` (a study's pruning callback: ``sweeps.pruning``, which
     this package does not import)."""
+    quiet_known_noise()
     loggers = build_loggers(cfg.get("logger"))
     callbacks = build_callbacks(
         cfg.get("callbacks"),

@@ -139,15 +139,6 @@ class Task(L.LightningModule):
         else:
             super().__setattr__(name, value)
 
-    def transfer_batch_to_device(
-        self, batch: Any, device: torch.device, dataloader_idx: int
-    ) -> Any:
-        # a tuple of tensors already on the CPU stays as it is; Lightning would walk it
-        on_cpu = device.type == "cpu" and isinstance(batch, tuple | list)
-        if on_cpu and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in batch):
-            return batch
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
     def log_train_loss(self, loss: torch.Tensor, batch_size: int | None = None) -> None:
         """Log ``train/loss`` (to the progress bar too) on the steps where it is read: the
         steps a logger writes (every ``trainer.log_every_n_steps``) and the progress bar
