@@ -1,5 +1,5 @@
-"""Lightning callbacks of the framework's own: a validation of the final weights, and
-pictures of what the model does."""
+"""Lightning callbacks of the framework's own: a progress bar that ends its line on an
+error, a validation of the final weights, and pictures of what the model does."""
 
 from __future__ import annotations
 
@@ -9,12 +9,27 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import move_data_to_device
 
 from transformers_lab.analysis.attention import attention_maps, evaluating, plot_attention_maps
 from transformers_lab.analysis.plots import figure_to_array, plot_predictions
 
 log = logging.getLogger(__name__)
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's progress bar, ended on its own line when the run stops with an error:
+    Lightning's left its last state on the terminal's line, so the entry point's ``error:``
+    line was printed after it (``grep ^error:`` missed it)."""
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        for name in ("train", "val", "test", "predict"):
+            bar = getattr(self, f"_{name}_progress_bar", None)
+            if bar is not None and not getattr(bar, "disable", True):
+                bar.close()  # tqdm ends the bar's line
 
 
 class ValidateAtMaxSteps(L.Callback):

@@ -245,6 +245,22 @@ def test_the_command_line_reports_a_nan_in_one_line(tmp_path, monkeypatch, capsy
     assert "Traceback" not in "".join(errors)
 
 
+def test_the_nan_error_gets_a_line_of_its_own_after_the_progress_bar(tmp_path, monkeypatch, capsys):
+    """The bar's last state stayed on its line (on stdout, without a newline), and the
+    error line (stderr) was printed after it: ``tlab-train ... 2>&1 | grep ^error:``
+    missed it."""
+    bar = ["trainer.enable_progress_bar=true", "callbacks.progress_bar.refresh_rate=1"]
+    plain = [o for o in RUN if not o.startswith("trainer.enable_progress_bar")]
+    argv = [*plain, *bar, *with_callback("poison", PoisonAt, step=3, what="weight")]
+    monkeypatch.setattr(sys, "argv", ["tlab-train", *argv, f"hydra.run.dir={tmp_path}/run"])
+    with pytest.raises(SystemExit):
+        main()
+    out, err = capsys.readouterr()
+    assert "Epoch 0" in out  # the bar was drawn (on stdout, the error on stderr)
+    assert out.endswith("\n"), repr(out[-200:])  # its line ended before the error came
+    assert err.startswith("error: the training loss is nan at global step 3")
+
+
 # ---------------------------------------------- resume: the checkpoint's config holds
 
 
