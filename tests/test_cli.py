@@ -123,3 +123,27 @@ def test_a_renamed_key_hydra_meets_elsewhere_names_the_new_one():
     wrapped.__cause__ = caught.value
     said = "data.seq_len is now called data.block_size: give data.block_size=... instead"
     assert one_line(wrapped) == said
+
+
+@pytest.mark.parametrize("mistake", ["foo=1", "attention=nope", "trainer.max_step=5"])
+def test_tlab_train_refuses_a_bad_key_before_its_heavy_imports(mistake, tmp_path):
+    """A key or option that Hydra refuses is refused before torch and Lightning are
+    imported (5-6 s on 2 cores; the refusal then takes about 0.5 s, docs/training.md)."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from transformers_lab.train import main\n"
+        f"sys.argv = ['tlab-train', {mistake!r}]\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as exc:\n"
+        "    print('exit', exc.code)\n"
+        "heavy = ('torch', 'lightning', 'optuna')\n"
+        "print('imported:', sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert proc.stderr.startswith("error: "), proc.stderr[-2000:]
+    assert "exit 2" in proc.stdout and "imported: []" in proc.stdout, proc.stdout

@@ -17,30 +17,38 @@ gets its pruning callback here (``sweeps.pruning``), handed to the trainer.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
 
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
-from transformers_lab.errors import Interrupted, RunStopped
-from transformers_lab.run.common import say
-from transformers_lab.run.fit import fit_and_test
-from transformers_lab.run.job import run_job
-from transformers_lab.run.record import Outcome
 from transformers_lab.sweeps.plugins import register_plugins
-from transformers_lab.sweeps.pruning import pruning_callback
+
+if TYPE_CHECKING:
+    from transformers_lab.run.record import Outcome
+
+# Lightning, torch and the run's code are imported once Hydra has composed the config
+# (in the functions below): a command line it refuses is refused in about a second.
 
 
 def fit_as_trial(cfg: DictConfig) -> Outcome:
     """``fit_and_test``, reporting to the job's Optuna trial and pruned by its pruner
     when the job is one (``trial`` and ``pruner`` set), else as it is."""
+    from transformers_lab.run.fit import fit_and_test
+    from transformers_lab.sweeps.pruning import pruning_callback
+
     pruning = pruning_callback(cfg)
     return fit_and_test(cfg, callbacks=() if pruning is None else (pruning,))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
+    from transformers_lab.errors import Interrupted, RunStopped
+    from transformers_lab.run.common import say
+    from transformers_lab.run.job import run_job
+
     with user_errors():
         try:
             return run_job(cfg, fit_as_trial)
