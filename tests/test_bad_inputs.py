@@ -125,6 +125,13 @@ CASES = [
         "model.hybrid, layer 1 (fastmax): pos_encoding=alibi adds a bias",
     ),
     case("check", ["softmax", "short_conv=-2"], "attention.short_conv must be an integer >= 0"),
+    # a sweep's summary: a misspelt key was ignored (every rate kept), after the whole sweep
+    case(
+        "train",
+        ["summary.best_over=[optimizer.lrr]"],
+        "summary.best_over: optimizer.lrr is no key of the config (did you mean optimizer.lr?)",
+    ),
+    case("train", ["summary.mean_over=[dta]"], "summary.mean_over: dta is no key of the config"),
     # the model against its data
     case(
         "train",
@@ -392,6 +399,7 @@ CASES = [
     case("sample", ["ckpt_path={vit}", "temperature=-1"], "temperature must be >= 0, got -1"),
     case("sample", ["ckpt_path={vit}", "top_p=1.5"], "top_p must be in (0, 1], got 1.5"),
     case("sample", ["ckpt_path={vit}", "num_samples=0"], "num_samples must be an integer >= 1"),
+    case("sample", ["ckpt_path={vit}", "cpu_threads=0"], "cpu_threads must be null or an integer"),
     case("sample", ["ckpt_path={vit}", "device=nope"], "device must be cpu or a GPU"),
     case("sample", ["ckpt_path={vit}", "--prompt", "hi"], "write prompt=hi"),
 ]

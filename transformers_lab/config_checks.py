@@ -11,6 +11,7 @@ contents when it is loaded.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PREC
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.cli import unknown_option
-from transformers_lab.config import call, expand_hybrid, target_class
+from transformers_lab.config import call, expand_hybrid, flatten, target_class
 from transformers_lab.errors import ConfigError
 from transformers_lab.models.common import check_sampling, layer_choices
 from transformers_lab.nn.attention import (
@@ -376,6 +377,27 @@ def check_signature(section: str, node: Any) -> None:
             )
 
 
+EXAMPLES = {"best_over": "[optimizer.lr]", "mean_over": "[data]"}
+
+
+def check_summary_keys(cfg: DictConfig) -> None:
+    """The keys a sweep's summary searches or averages over (``summary.best_over``,
+    ``summary.mean_over``) are keys of the config: a misspelt one was ignored, and the
+    summary kept every rate without a word, after the whole sweep had run."""
+    summary = cfg.get("summary") or {}
+    for option in ("best_over", "mean_over"):
+        for key in summary.get(option) or ():
+            if OmegaConf.select(cfg, str(key).lstrip("+"), default=ABSENT) is not ABSENT:
+                continue
+            keys = flatten(OmegaConf.to_container(cfg, resolve=False))
+            close = difflib.get_close_matches(str(key), [*keys, *cfg], n=1)
+            meant = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(
+                f"summary.{option}: {key} is no key of the config{meant}; name a swept "
+                f"setting, e.g. summary.{option}={EXAMPLES[option]}"
+            )
+
+
 def check_config(cfg: DictConfig) -> None:
     """Refuse a composed config of an entry point that cannot work (raises ``ConfigError``)."""
     check_missing(cfg)
@@ -406,5 +428,6 @@ def check_config(cfg: DictConfig) -> None:
             check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+    check_summary_keys(cfg)
     if cfg.get("ckpt_path"):
         checkpoint_file(cfg.ckpt_path)
