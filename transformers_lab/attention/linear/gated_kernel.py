@@ -3,8 +3,9 @@
 A gated kernel keeps one state S (B, H, Dk, Dv) a sequence and, token by token, decays it
 and writes its key and value (``gated``'s module doc): RetNet, GLA, Mamba2's scalar decay
 (``simple_gla``), DeltaNet and Gated DeltaNet. A subclass says how its decay and its
-delta-rule rate come from its gate inputs (``decay_and_rate``); training runs the chunked
-path, decoding the recurrence, O(1) a token.
+delta-rule rate come from its gate inputs (``decay_and_rate``), and may map q and k first
+(``feature_map``: elu + 1, relu, an L2 norm); training runs the chunked path, decoding the
+recurrence, O(1) a token.
 
 Such a kernel reads the sequence in order, so it is causal only: a non-causal call (an
 encoder, a cross-attention) is refused (``causal_only``). Its weights are not
@@ -81,6 +82,44 @@ class GatedKernel(AttentionKernel):
         kernel's gate inputs."""
         return None, None
 
+    def feature_map(self, x: Tensor) -> Tensor:
+        """The map of q and of k (one map, both): the identity here; a subclass returns its
+        features of x (B, H, N, qk_dim), e.g. ``F.elu(x) + 1``, ``torch.relu(x)`` or
+        ``F.normalize(x, dim=-1)``.
+
+        It runs first, in ``inputs``: forward (our chunked path and fla's op),
+        ``weights``, ``reference_weights`` (in float64) and ``decode`` all see feature_map(q)
+        and feature_map(k), and padded keys are zeroed after it (they still write nothing
+        when the map of 0 is not 0, as elu + 1's). It maps each token on its own (a map of
+        a token's channels; one across tokens would read the future and break decoding),
+        inside the kernel: after the layer's parts (``qk_activation``, ``qk_norm``) and its
+        positions (RoPE).
+
+        It keeps the width: the state (Dk = qk_dim), ``state_size`` and a per-channel gate
+        are qk_dim wide, so a map to another width is refused. For features F wide, set
+        ``self.qk_dim = F`` in ``__init__``: the layer then projects x straight to q and k F
+        wide (as Based does), and the map keeps that width."""
+        return x
+
+    def mapped(self, x: Tensor, which: str) -> Tensor:
+        """``feature_map(x)`` of q or k (``which``), refused in one line if its shape changed."""
+        out = self.feature_map(x)
+        if out.shape[-1] != x.shape[-1]:
+            width = out.shape[-1]
+            raise ValueError(
+                f"{self.name}: feature_map must keep the width of {which} (qk_dim = "
+                f"{x.shape[-1]}), got {width}; for {width} features set self.qk_dim = {width} "
+                f"in __init__ (the layer then projects x to q and k {width} wide) and keep "
+                "the map's width"
+            )
+        if out.shape != x.shape:
+            raise ValueError(
+                f"{self.name}: feature_map changed the shape of {which} from "
+                f"{tuple(x.shape)} to {tuple(out.shape)}; it must map each token on its own, "
+                "keeping (B, H, N, qk_dim)"
+            )
+        return out
+
     # ------------------------------------------------------------ the contract
 
     def extra_repr(self) -> str:
@@ -95,10 +134,10 @@ class GatedKernel(AttentionKernel):
         key_padding_mask: Tensor | None,
         gates: dict[str, Tensor],
     ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, int]:
-        """q, k, v, log decay and rate as the recurrence takes them, one query a key: the
-        queries aligned to the last keys (missing ones zero, their outputs dropped), keys
-        before the first query (none: zeros) and padded keys writing nothing and decaying
-        nothing. Also how many leading outputs to drop."""
+        """q, k, v, log decay and rate as the recurrence takes them, one query a key: q and k
+        mapped (``feature_map``), the queries aligned to the last keys (missing ones zero,
+        their outputs dropped), keys before the first query (none: zeros) and padded keys
+        writing nothing and decaying nothing. Also how many leading outputs to drop."""
         if not causal:
             raise ValueError(self.noncausal_refusal())
         missing = [name for name in self.gate_inputs if name not in gates]
@@ -108,6 +147,7 @@ class GatedKernel(AttentionKernel):
                 "D) as keyword arguments: its multi-head layer projects them from x "
                 "(nn.attention.MultiHeadAttention)"
             )
+        q, k = self.mapped(q, "q"), self.mapped(k, "k")  # before anything else
         log_decay, beta = self.decay_and_rate(gates, k)
         nq, nk = q.shape[2], k.shape[2]
         if nq > nk:  # queries before the first key: empty keys before them
