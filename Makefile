@@ -29,7 +29,7 @@ ABLATE_BUDGET ?= trainer.max_steps=2200
 ABLATE_KERNELS ?= softmax,fastmax_p1,fastmax_p2,linear,based,retnet,gla,simple_gla,gated_deltanet
 
 ablate: install  ## the kernel ablation on MQAR: the field's 9 kernels (ABLATE_KERNELS) x 2 learning rates x 2 seeds, each at its best rate, 2200 steps a job (ABLATE_BUDGET), offline, 2 jobs at a time; prints the table, saves summary.png (measured: see README)
-	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=attention_kernels experiment=mqar launcher=joblib trainer.enable_progress_bar=false "hydra.sweeper.params.attention=$(ABLATE_KERNELS)" $(ABLATE_BUDGET) $(ARGS)
+	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=attention_kernels experiment=mqar launcher=joblib trainer.enable_progress_bar=false "hydra.sweeper.params.attention='$(ABLATE_KERNELS)'" $(ABLATE_BUDGET) $(ARGS)
 
 zoology: install  ## Zoology's MQAR figure at CPU scale (sweep=zoology_mqar): grid.png, state.png, summary.md; see docs/ablations.md for its time
 	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=zoology_mqar trainer.enable_progress_bar=false $(ARGS)
