@@ -514,3 +514,27 @@ def test_a_signal_to_a_joblib_sweeps_main_process_stops_every_job(signame, code,
     records = [json.loads((sweep / j / RESULT_FILE).read_text()) for j in "0123"]
     assert [r["status"] for r in records] == ["ok"] * 4
     assert finished.stdout.count("resuming from") == 2
+
+
+def test_make_ablate_sweeps_the_field_s_kernels_each_an_attention_option(monkeypatch, tmp_path):
+    """``make ablate``'s command composes: its kernels (ABLATE_KERNELS, quoted as one value
+    of the sweeper's params) are options of the attention group, 9 of them, 2 rates and 2
+    seeds: 36 jobs, what the README's measured time is for."""
+    from hydra import compose, initialize_config_dir
+
+    from transformers_lab.config import CONF_DIR
+
+    root = Path(__file__).parents[2]
+    plan = subprocess.run(["make", "-n", "ablate"], cwd=root, capture_output=True, text=True)
+    (line,) = [x for x in plan.stdout.splitlines() if "tlab-train" in x]
+    args = shlex.split(line.split("tlab-train", 1)[1])
+    monkeypatch.setenv("TLAB_ROOT", str(tmp_path))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", args, return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    kernels = params.attention.split(",")
+    assert len(kernels) == 9 and "softmax" in kernels and "fastmax_p2" in kernels
+    assert all((CONF_DIR / "attention" / f"{k}.yaml").is_file() for k in kernels)
+    assert len(str(params["optimizer.lr"]).split(",")) == 2
+    assert len(str(params.seed).split(",")) == 2
+    assert cfg.trainer.max_steps == 2200 and cfg.hydra.launcher.n_jobs == 2
