@@ -55,6 +55,20 @@ def test_a_real_difference_is_significant_and_noise_is_not():
     assert same.p == 1.0 and not same.significant()
 
 
+def test_a_side_all_at_one_value_is_tested_exactly_and_quietly():
+    """Accuracy 1 on both seeds against 0.917 and 1: Welch's t is exactly 1 on 1 degree
+    of freedom (p = 0.5); scipy warned of a precision loss into every such summary."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        welch = compare({"0": 1.0, "1": 1.0}, {"0": 0.917, "1": 1.0}, paired=False)
+        paired = compare({"0": 1.0, "1": 1.0, "2": 1.0}, {"0": 0.9, "1": 0.95, "2": 0.97})
+    assert welch.statistic == pytest.approx(1.0) and welch.p == pytest.approx(0.5)
+    expected = scipy_stats.ttest_rel([1.0, 1.0, 1.0], [0.9, 0.95, 0.97]).pvalue
+    assert paired.p == pytest.approx(expected)
+
+
 def test_best_of_skips_missing_values():
     assert best_of([0.2, None, 0.9, float("nan")], "max") == 2
     assert best_of([0.2, None, 0.9], "min") == 0
