@@ -24,11 +24,12 @@ train: install  ## the default experiment (ViT on digits, offline, ~1 min); ARGS
 
 ABLATE_BUDGET ?= trainer.max_steps=2200
 # the field's kernels: softmax, fastmax of order 1 and 2 (the FAST paper), linear (elu+1),
-# Based, and the gated family (RetNet, GLA, Mamba2's decay, DeltaNet, Gated DeltaNet); every kernel
-# (68 jobs, about 32 min): ABLATE_KERNELS='glob(*,exclude=[fastmax,sliding_window])'
+# Based, and the gated family (RetNet, GLA, Mamba2's decay, DeltaNet, Gated DeltaNet): 40
+# jobs, 17 min 58 s on 2 cores from a fresh clone (docs/sweeps.md). Every kernel (68 jobs,
+# about 28 min, estimated): ABLATE_KERNELS='glob(*,exclude=[fastmax,sliding_window])'
 ABLATE_KERNELS ?= softmax,fastmax_p1,fastmax_p2,linear,based,retnet,gla,simple_gla,deltanet,gated_deltanet
 
-ablate: install  ## the kernel ablation on MQAR: the field's 10 kernels (ABLATE_KERNELS) x 2 learning rates x 2 seeds, each at its best rate, 2200 steps a job (ABLATE_BUDGET), offline, 2 jobs at a time; prints the table, saves summary.png (measured: see README)
+ablate: install  ## the kernel ablation on MQAR: the field's 10 kernels (ABLATE_KERNELS) x 2 learning rates x 2 seeds, each at its best rate, 2200 steps a job (ABLATE_BUDGET), offline, 2 jobs at a time, 18 min on 2 cores; prints the table, saves summary.png
 	WANDB_MODE=$(or $(WANDB_MODE),offline) $(VENV)/bin/tlab-train sweep=attention_kernels experiment=mqar launcher=joblib trainer.enable_progress_bar=false "hydra.sweeper.params.attention='$(ABLATE_KERNELS)'" $(ABLATE_BUDGET) $(ARGS)
 
 zoology: install  ## Zoology's MQAR figure at CPU scale (sweep=zoology_mqar): grid.png, state.png, summary.md; see docs/ablations.md for its time
