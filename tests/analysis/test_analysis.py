@@ -170,8 +170,11 @@ def test_attention_plots_draw_one_panel_per_layer_and_head_with_token_ticks():
         Example((), tokens=list("abcd")),
         max_heads=2,
     )
-    assert isinstance(fig, Figure) and len(fig.axes) == 4
-    ax = fig.axes[0]
+    maps = [ax for ax in fig.axes if ax.images and ax.get_label() != "<colorbar>"]
+    bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert isinstance(fig, Figure) and len(maps) == 4
+    assert len(bars) == 4 and all(b.get_ylabel() == "weight" for b in bars)  # each its scale
+    ax = maps[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == list("abcd")
     np.testing.assert_allclose(ax.images[0].get_array(), weights[0, 0].numpy())
     with pytest.raises(ValueError, match="one \\(Nq, Nk\\) map"):
@@ -319,6 +322,7 @@ def test_prediction_grid_marks_the_wrong_ones_and_renders_to_pixels():
     fig = plot_predictions(images, targets=[1, 2, 3], predictions=[1, 0, 3])
     titles = [(ax.get_title(), ax.title.get_color()) for ax in fig.axes[:3]]
     assert titles == [("1 (1)", "black"), ("0 (2)", "red"), ("3 (3)", "black")]
+    assert fig.get_suptitle() == "predicted (true); red: wrong"  # what "1 (1)" means
     pixels = figure_to_array(fig)
     assert pixels.dtype == np.uint8 and pixels.ndim == 3 and pixels.shape[2] == 3
 

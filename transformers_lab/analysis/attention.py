@@ -168,9 +168,9 @@ def plot_attention(
     max_labels: int | None = None,
 ) -> Any:
     """Heatmap of one map (Nq, Nk): queries down, keys across, colour from 0 to the
-    row maximum over the map. ``queries`` and ``keys`` (the tokens) label the ticks: all
-    of them where they fit the axis, else an evenly spaced subset (``readable_ticks``;
-    ``max_labels`` caps their number). Returns the matplotlib Axes."""
+    largest weight of the map, read on its colour bar. ``queries`` and ``keys`` (the
+    tokens) label the ticks: all of them where they fit the axis, else an evenly spaced
+    subset (``readable_ticks``; ``max_labels`` caps their number). Returns the Axes."""
     from matplotlib.figure import Figure
 
     if weights.dim() != 2:
@@ -178,7 +178,10 @@ def plot_attention(
     if ax is None:
         ax = Figure(figsize=(4, 4)).subplots()
     w = weights.detach().float().cpu().numpy()
-    ax.imshow(w, cmap="viridis", vmin=0.0, vmax=max(float(w.max()), 1e-12), aspect="auto")
+    image = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=max(float(w.max()), 1e-12), aspect="auto")
+    bar = ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.03)  # each map its own scale
+    bar.ax.tick_params(labelsize=6)
+    bar.set_label("weight", fontsize=7)
     box = ax.get_window_extent()  # in pixels, as the figure lays the axes out now
     points = 72 / ax.figure.dpi
     for labels, axis, n, length, rotation in (

@@ -199,5 +199,6 @@ def plot_predictions(
             fontsize=8,
             color="black" if right else "red",
         )
+    fig.suptitle("predicted (true); red: wrong", fontsize=8)
     fig.tight_layout()
     return fig
