@@ -126,3 +126,18 @@ def test_a_hybrid_layer_is_held_to_the_model_s_rules_before_the_data():
     future = OmegaConf.create(fast | {"normalize": "sequence_max"})
     with pytest.raises(ConfigError, match="GPT attends causally"):
         check_attention(model(**gpt, block_size=64, hybrid={0: future}))
+
+
+def test_a_summary_key_is_a_key_of_the_config_or_a_config_group():
+    """A misspelt key is refused with the key meant; a group's choice (``mqar_size``, a
+    global package with no node of its own) and a node (``data``) are keys a summary
+    groups by, as tlab-summarize takes them."""
+    from transformers_lab.config_checks import check_summary_keys
+
+    cfg = OmegaConf.create({"optimizer": {"lr": 1e-3}, "data": {"n": 1}, "summary": {}})
+    for keys in (["optimizer.lr"], ["data"], ["mqar_size"], ["experiment"]):
+        cfg.summary = {"best_over": keys, "mean_over": []}
+        check_summary_keys(cfg)
+    cfg.summary = {"best_over": ["optimizer.lrr"]}
+    with pytest.raises(ConfigError, match=r"optimizer.lrr is no key .*did you mean optimizer.lr"):
+        check_summary_keys(cfg)

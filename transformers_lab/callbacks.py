@@ -26,7 +26,7 @@ class ProgressBar(TQDMProgressBar):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        for name in ("train", "val", "test", "predict"):
+        for name in ("val", "test", "predict", "train"):  # the inner bars (lower) first
             bar = getattr(self, f"_{name}_progress_bar", None)
             if bar is not None and not getattr(bar, "disable", True):
                 bar.close()  # tqdm ends the bar's line

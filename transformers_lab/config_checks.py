@@ -24,7 +24,7 @@ from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PREC
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.cli import unknown_option
-from transformers_lab.config import call, expand_hybrid, flatten, target_class
+from transformers_lab.config import CONF_DIR, call, expand_hybrid, flatten, target_class
 from transformers_lab.errors import ConfigError
 from transformers_lab.models.common import check_sampling, layer_choices
 from transformers_lab.nn.attention import (
@@ -380,13 +380,27 @@ def check_signature(section: str, node: Any) -> None:
 EXAMPLES = {"best_over": "[optimizer.lr]", "mean_over": "[data]"}
 
 
+def config_groups() -> set[str]:
+    """The config groups a run may choose from: the package's, and those Hydra composed
+    this run from (a user's config dir's too)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+    if HydraConfig.initialized():
+        groups |= {str(g) for g in HydraConfig.get().runtime.choices}
+    return groups
+
+
 def check_summary_keys(cfg: DictConfig) -> None:
     """The keys a sweep's summary searches or averages over (``summary.best_over``,
     ``summary.mean_over``) are keys of the config: a misspelt one was ignored, and the
     summary kept every rate without a word, after the whole sweep had run."""
     summary = cfg.get("summary") or {}
+    groups = config_groups()
     for option in ("best_over", "mean_over"):
         for key in summary.get(option) or ():
+            if str(key) in groups:  # a group's choice (experiment=, mqar_size=)
+                continue
             if OmegaConf.select(cfg, str(key).lstrip("+"), default=ABSENT) is not ABSENT:
                 continue
             keys = flatten(OmegaConf.to_container(cfg, resolve=False))

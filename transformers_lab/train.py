@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from transformers_lab.run.record import Outcome
 
 # Lightning, torch and the run's code are imported once Hydra has composed the config
-# (in the functions below): a command line it refuses is refused in about a second.
+# (in the functions below): a command line it refuses is refused in about half a second.
 
 
 def fit_as_trial(cfg: DictConfig) -> Outcome:

@@ -151,6 +151,8 @@ def test_a_sweep_over_rates_keeps_each_choice_at_its_best_rate_by_default(tmp_pa
     assert (
         len(every["groups"]) == 4 and "best optimizer.lr" not in (sweep / "summary.md").read_text()
     )
+    gridded = summarize(sweep, grid=["optimizer.lr", "attention"])  # the figure shows rates
+    assert len(gridded["groups"]) == 4 and not gridded["groups"][0]["won"]
     alone = tmp_path / "rates"
     for n, (lr, seed) in enumerate([("1e-3", 0), ("1e-3", 1), ("1e-2", 0), ("1e-2", 1)]):
         job(alone / str(n), [f"seed={seed}", f"optimizer.lr={lr}"], 0.5 + n / 10)

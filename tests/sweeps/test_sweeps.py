@@ -327,6 +327,9 @@ def test_launcher_presets_select_their_plugin(preset, target, monkeypatch, tmp_p
     assert cfg.hydra.mode.name == "MULTIRUN"
     register_plugins()  # as tlab-train does
     assert target in Plugins.instance().class_name_to_class
+    if "tlab_" in target:  # a stand-in until Hydra builds it: then the real plugin
+        built = Plugins.instance()._instantiate(cfg.hydra.launcher)
+        assert type(built).__module__ == "transformers_lab.sweeps.joblib_launcher"
     if preset == "launcher=joblib":  # Hydra's joblib settings, the preset's n_jobs
         assert cfg.hydra.launcher.n_jobs == 2 and cfg.hydra.launcher.pre_dispatch == "2*n_jobs"
 
@@ -459,8 +462,10 @@ def group_alive(pgid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("signame", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
-def test_a_signal_to_a_joblib_sweeps_main_process_stops_every_job(signame, code, tmp_path):
+@pytest.mark.parametrize(
+    ("signame", "code", "workers"), [("SIGTERM", 143, 2), ("SIGINT", 130, 6)]
+)  # 6 workers for 4 jobs: two idle ones, which a forwarded signal would kill (and loky all)
+def test_a_signal_to_a_joblib_sweeps_main_process_stops_every_job(signame, code, workers, tmp_path):
     """4 jobs, 2 at a time: a signal to the main process alone (``kill PID``, what
     ``timeout`` and ``make`` send) reaches both running jobs, which save and record
     themselves; the 2 queued jobs do not start; the main process prints the line that
@@ -471,7 +476,9 @@ def test_a_signal_to_a_joblib_sweeps_main_process_stops_every_job(signame, code,
     command = [
         "-m", "launcher=joblib", "seed=0,1,2,3", *TINY, "trainer.max_epochs=3", "logger=csv",
         "+callbacks.slowly._target_=test_sweeps.Slowly", "+callbacks.slowly.seed=${seed}",
+        f"hydra.launcher.n_jobs={workers}",
     ]  # fmt: skip
+    running = min(workers, 4)
     env = {
         **os.environ, **TESTS_ON_PATH, "WANDB_MODE": "offline", "TLAB_ROOT": str(tmp_path),
         "TLAB_TEST_MARKS": str(marks),
@@ -483,7 +490,7 @@ def test_a_signal_to_a_joblib_sweeps_main_process_stops_every_job(signame, code,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
-        while len(list(marks.iterdir())) < 2 and main.poll() is None:
+        while len(list(marks.iterdir())) < running and main.poll() is None:
             assert time.monotonic() < deadline, "the jobs never started training"
             time.sleep(0.2)
         os.kill(main.pid, getattr(signal, signame))  # the main process alone
@@ -501,8 +508,9 @@ def test_a_signal_to_a_joblib_sweeps_main_process_stops_every_job(signame, code,
     for job in "0123":
         path = sweep / job / RESULT_FILE
         statuses[job] = json.loads(path.read_text())["status"] if path.is_file() else None
-    assert sorted(map(str, statuses.values())) == ["None", "None", "interrupted", "interrupted"]
-    assert f"sweep stopped by {signame}: 2 running job(s) saved their checkpoints" in said
+    assert list(statuses.values()).count("interrupted") == running
+    assert list(statuses.values()).count(None) == 4 - running  # the queued ones never started
+    assert f"sweep stopped by {signame}: {running} running job(s) saved their checkpoints" in said
     stop_line = said.split(f"sweep stopped by {signame}: ", 1)[1].splitlines()[0]
     resume = stop_line.split("finish its sweep with ", 1)[1].split(" (its")[0]
     assert resume.endswith(f"hydra.sweep.dir={sweep} skip_finished=true"), resume
@@ -513,7 +521,7 @@ def test_a_signal_to_a_joblib_sweeps_main_process_stops_every_job(signame, code,
     assert finished.returncode == 0, finished.stderr[-3000:]
     records = [json.loads((sweep / j / RESULT_FILE).read_text()) for j in "0123"]
     assert [r["status"] for r in records] == ["ok"] * 4
-    assert finished.stdout.count("resuming from") == 2
+    assert finished.stdout.count("resuming from") == running
 
 
 def test_make_ablate_sweeps_the_field_s_kernels_each_an_attention_option(monkeypatch, tmp_path):

@@ -177,8 +177,10 @@ def run_job(cfg: DictConfig, fit: Callable[[DictConfig], Outcome]) -> float | No
         monitor=Monitor(cfg.monitor.metric, cfg.monitor.mode),
         trial=cfg.get("trial"),
     )
-    # a resumed job's wall time counts its earlier parts' (its checkpoint's fitting time)
-    start = time.perf_counter() - (checkpoint_time(cfg.ckpt_path) if cfg.get("ckpt_path") else 0)
+    # a resumed job's wall time counts its earlier parts' (its checkpoint's fitting time);
+    # a checkpoint only evaluated (train=false) is no part of this job
+    resumed = cfg.get("ckpt_path") and cfg.get("train", True)
+    start = time.perf_counter() - (checkpoint_time(cfg.ckpt_path) if resumed else 0)
     save(record, start)
     try:
         outcome = fit(cfg)

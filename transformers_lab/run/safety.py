@@ -312,15 +312,17 @@ def note_signals() -> None:
     training takes them (``StopOnSignal`` starts from the note, stops after one batch and
     saves). For a sweep's worker process, whose main process forwards a stop to it at
     any moment of a job: while it builds the job's data, between jobs, or while it
-    trains. ``clear_noted_signal`` starts the next job afresh."""
+    trains. A second signal, before training took them, stops at once.
+    ``clear_noted_signal`` starts the next job afresh."""
     if threading.current_thread() is threading.main_thread():
         for signum in StopOnSignal.SIGNALS:
             signal.signal(signum, _note)
 
 
 def _note(signum: int, frame: Any) -> None:
-    if not _noted:
-        _noted.append(signal.Signals(signum).name)
+    if _noted:  # a second signal: at once, as a second Ctrl+C in training
+        raise KeyboardInterrupt
+    _noted.append(signal.Signals(signum).name)
 
 
 def noted_signal() -> str | None:

@@ -102,7 +102,8 @@ def summarize(
     out = Path(out) if out is not None else default_out(dirs)
     metric, default_mode = pick_metric(runs, metric)
     mode = mode or default_mode
-    over = default_best_over(runs) if best_over is None else list(best_over)
+    shown = [override_key(k) for k in grid]  # a grid over the rate shows every rate
+    over = default_best_over(runs, shown) if best_over is None else list(best_over)
     keys = [k for k in varying_keys(runs) if k not in over]
     rows = job_rows(runs, metric)
     grouped = runs
@@ -152,7 +153,7 @@ def summarize(
         "",
         f"## By choice (final `{metric}`: mean ± std [95% interval] over seeds)",
         "",
-        *grouping_notes(over, baseline, groups, metric),
+        *grouping_notes(over, baseline, groups, metric, by_default=best_over is None),
         *([" ".join(notes), ""] if notes else []),
         markdown_table(
             [group_cells(g, metric) for g in groups],
@@ -189,11 +190,11 @@ def summarize(
 BEST_OVER_DEFAULT = ("optimizer.lr",)
 
 
-def default_best_over(runs: Sequence[Any]) -> list[str]:
+def default_best_over(runs: Sequence[Any], shown: Sequence[str] = ()) -> list[str]:
     """``BEST_OVER_DEFAULT``'s keys the runs vary, where they vary something else too (a
-    sweep of the rate alone shows every rate)."""
+    sweep of the rate alone shows every rate), and that a grid figure does not show."""
     swept = [k for k in varying_keys(runs) if k not in SEED_KEYS]
-    over = [k for k in BEST_OVER_DEFAULT if k in swept]
+    over = [k for k in BEST_OVER_DEFAULT if k in swept and k not in shown]
     return over if len(swept) > len(over) else []
 
 

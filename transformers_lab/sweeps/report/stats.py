@@ -99,25 +99,27 @@ def compare(
         diffs = [values[seed] - baseline[seed] for seed in values]
         if statistics.pstdev(diffs) == 0:
             return Comparison(difference, "paired t", None, 1.0 if diffs[0] == 0 else 0.0)
-        with exact_flat_sides():
+        with exact_flat_sides(diffs):
             result = scipy_stats.ttest_rel(a, [baseline[seed] for seed in values])
         return Comparison(difference, "paired t", float(result.statistic), float(result.pvalue))
     if len(a) < 2 or len(b) < 2:
         return Comparison(difference, "Welch t", None, None)
     if statistics.pstdev(a) == 0 and statistics.pstdev(b) == 0:
         return Comparison(difference, "Welch t", None, 1.0 if difference == 0 else 0.0)
-    with exact_flat_sides():
+    with exact_flat_sides(a, b):
         result = scipy_stats.ttest_ind(a, b, equal_var=False)
     return Comparison(difference, "Welch t", float(result.statistic), float(result.pvalue))
 
 
 @contextlib.contextmanager
-def exact_flat_sides() -> Iterator[None]:
+def exact_flat_sides(*sides: Sequence[float]) -> Iterator[None]:
     """scipy's t-tests without its warning about a side whose values are all equal
     (accuracy 1 on every seed): its variance is exactly 0, and the test is exact, but
-    scipy printed "Precision loss occurred in moment calculation" into every summary."""
+    scipy printed "Precision loss occurred in moment calculation" into every summary.
+    Where no side is flat, its warning stands (nearly equal values, really imprecise)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Precision loss occurred in moment calculation")
+        if any(len(set(side)) == 1 for side in sides):
+            warnings.filterwarnings("ignore", "Precision loss occurred in moment calculation")
         yield
 
 

@@ -83,7 +83,11 @@ def score_section(
 
 
 def grouping_notes(
-    over: Sequence[str], baseline: str | None, groups: Sequence[dict[str, Any]], metric: str
+    over: Sequence[str],
+    baseline: str | None,
+    groups: Sequence[dict[str, Any]],
+    metric: str,
+    by_default: bool = False,
 ) -> list[str]:
     """The lines that say how the grouped table was made, and what it cannot show."""
     notes = []
@@ -99,7 +103,13 @@ def grouping_notes(
     if over:
         notes.append(
             f"Each cell is the setting of {', '.join(over)} with the best mean over seeds, "
-            "all its seeds kept."
+            "all its seeds kept"
+            + (
+                " (the default for a sweep over rates: summary.best_over=[], or "
+                "tlab-summarize --best-over alone, shows every rate)."
+                if by_default
+                else "."
+            )
         )
     if baseline:
         notes.append(
