@@ -16,7 +16,8 @@ matplotlib.use("Agg")
 def group(choice, values, state=None, ci=True, lr="0.001"):
     mean = sum(values) / len(values)
     return {
-        "choice": choice, "mean": mean, "values": values, "state_size": state,
+        "choice": choice, "values_of": dict(p.split("=", 1) for p in choice.split() if "=" in p),
+        "mean": mean, "values": values, "state_size": state,
         "ci": (mean - 0.01, mean + 0.01) if ci else None, "won": {"optimizer.lr": lr},
     }  # fmt: skip
 

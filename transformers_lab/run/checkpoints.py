@@ -44,26 +44,28 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
-def checkpoint_step(path: str | Path) -> int | None:
-    """The training step a checkpoint was saved at, or None if it cannot be read (the
-    file is memory-mapped: its tensors are not read)."""
+def peek(path: str | Path) -> dict[str, Any] | None:
+    """A checkpoint read for its small entries (memory-mapped: its tensors are not read),
+    or None if it cannot be read (gone, or not a checkpoint): the callers fall back."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        return int(checkpoint["global_step"])
-    except Exception:  # gone, or not a Lightning checkpoint: the caller falls back
+    except Exception:  # torch.load fails in many ways on a file that is no checkpoint
         return None
+    return checkpoint if isinstance(checkpoint, dict) else None
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The training step a checkpoint was saved at, or None if it cannot be read."""
+    step = (peek(path) or {}).get("global_step")
+    return None if step is None else int(step)
 
 
 def checkpoint_time(path: str | Path) -> float:
     """The fitting time a checkpoint's run had spent when it was saved, its earlier
     parts included (what ``safety.Checkpoint`` keeps); 0 where it holds none or cannot
-    be read (memory-mapped, as ``checkpoint_step``)."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        states = checkpoint.get("callbacks", {}).values()
-        return next(float(s["time_s"]) for s in states if isinstance(s, dict) and "time_s" in s)
-    except Exception:  # gone, not a checkpoint, or none of ours: nothing earlier to count
-        return 0.0
+    be read: nothing earlier to count."""
+    states = (peek(path) or {}).get("callbacks", {}).values()
+    return next((float(s["time_s"]) for s in states if isinstance(s, dict) and "time_s" in s), 0.0)
 
 
 ABSENT = "(absent)"

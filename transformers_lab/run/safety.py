@@ -64,15 +64,16 @@ class Checkpoint(ModelCheckpoint):
     """
 
     TIME = "time_s"
+    started: float | None = None  # when this part's fit set up (None: not yet)
+    earlier = 0.0  # the fitting time of the parts before it (its checkpoint's)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self.started, self.earlier = time.perf_counter(), 0.0
 
     def state_dict(self) -> dict[str, Any]:
-        started = getattr(self, "started", None)  # None: not set up (no fit yet)
-        elapsed = 0.0 if started is None else time.perf_counter() - started
-        return {**super().state_dict(), self.TIME: getattr(self, "earlier", 0.0) + elapsed}
+        elapsed = 0.0 if self.started is None else time.perf_counter() - self.started
+        return {**super().state_dict(), self.TIME: self.earlier + elapsed}
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking and str(self.monitor).startswith("val/"):

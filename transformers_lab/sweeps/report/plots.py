@@ -59,12 +59,7 @@ def tick_labels(groups: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
     """The choices' labels under the axis, and the axis's name: where every choice sets the
     same keys (``attention=...``), their values under the keys' name, else the whole
     choices; each with the values of a searched grid that won its cell (``lr=0.001``)."""
-    pairs = [
-        dict(g["values_of"])
-        if "values_of" in g
-        else dict(p.split("=", 1) for p in g["choice"].split() if "=" in p)
-        for g in groups
-    ]
+    pairs = [dict(g["values_of"]) for g in groups]
     same = bool(pairs) and all(p and p.keys() == pairs[0].keys() for p in pairs)
     labels = []
     for g, p in zip(groups, pairs, strict=True):
