@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformers_lab.attention.check import main as check_main
 from transformers_lab.bench.generation import main as bench_generation_main
 from transformers_lab.bench.kernels import main as bench_kernels_main
 from transformers_lab.bench.long_context import main as bench_long_context_main
 from transformers_lab.config import compose_config
 from transformers_lab.data import download
 from transformers_lab.eval import main as eval_main
+from transformers_lab.nn.check import main as check_main
 from transformers_lab.run.fit import train
 from transformers_lab.sample import main as sample_main
 from transformers_lab.train import main as train_main
@@ -91,7 +91,9 @@ CASES = [
     case("train", ["model.d_model=33"], "d_model=33 must be divisible by num_heads=2"),
     case("train", ["model.n_head=0"], "model.n_head must be an integer >= 1, got 0"),
     case("train", ["model.n_layer=0"], "model.n_layer must be an integer >= 1, got 0"),
-    case("train", ["model.mlp_ratio=abc"], "model.mlp_ratio must be a number >= 0 (0: no MLP)"),
+    case("train", ["model.mlp_ratio=abc"], "model.mlp_ratio must be a number (ViT takes mlp_ratio"),
+    case("train", ["model.mlp_ratio=-1"], "model.mlp_ratio must be a number >= 0 (0: no MLP)"),
+    case("train", ["model.patch_size=0"], "model.patch_size must be an integer >= 1, got 0"),
     case(
         "train",
         ["attention=fastmax_p1", "attention.normalize=false"],
@@ -140,7 +142,7 @@ CASES = [
     ),
     case("train", ["model.patch_size=3"], "image_size=8 does not fit the patch grid"),
     case("train", ["model=vit", *MQAR], "model=vit (ViT) cannot take data=mqar"),
-    # refusals the model's constructors own, met before the data is read (config_checks
+    # refusals the model's constructors own, met before the data is read (preflight
     # builds the layers on the meta device through the models' own rules)
     case(
         "train",
@@ -155,7 +157,7 @@ CASES = [
     case(
         "train-bare",
         ["experiment=transformer_multi30k", "attention=deltanet"],
-        "a cross-attention attends to all of another sequence",
+        "attention: the Transformer's encoder attends both ways: attention=deltanet reads",
     ),
     case("train", ["model=gpt", "data=digits"], "cannot take data=digits"),
     # data
@@ -379,7 +381,7 @@ CASES = [
     case(  # the authors' normalisation reads the whole sequence: no causal model takes it
         "train",
         ["experiment=mqar", "attention=fastmax", "attention.normalize=sequence_max"],
-        "attention: GPT attends causally: fastmax normalize=sequence_max divides every token",
+        "attention: the GPT attends causally: fastmax normalize=sequence_max divides every token",
     ),
     # tlab-eval
     case("eval", [], "ckpt_path is required"),

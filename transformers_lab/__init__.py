@@ -4,6 +4,6 @@
 (Lightning), ``run`` (the life of one run: build, fit, the job and its record,
 checkpoints, safety), ``sweeps`` (sweepers, studies, pruning, summaries), ``analysis``
 (inside a model), ``bench``; the entry points ``train``, ``eval``, ``sample`` and
-``translate``, and what they share (``config``, ``config_checks``, ``cli``, ``errors``,
+``translate``, and what they share (``config``, ``preflight``, ``cli``, ``errors``,
 ``files``).
 """

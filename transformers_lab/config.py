@@ -125,10 +125,16 @@ def attention_configs(
     return configs
 
 
+def layer_part_defaults() -> dict[str, Any]:
+    """The layer's switches that every attention option composes with, at their defaults
+    (off): ``conf/layer/parts.yaml``; the layer's own are ``nn.parts.LayerParts``."""
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / "layer" / "parts.yaml"))
+
+
 def without_default_parts(config: dict[str, Any]) -> dict[str, Any]:
-    """An attention config without the layer switches left at their defaults (off), which
-    every option composes with (``conf/layer/parts.yaml``): the config its yaml gives."""
-    default = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "layer" / "parts.yaml"))
+    """An attention config without the layer switches left at their defaults: the config
+    its yaml gives."""
+    default = layer_part_defaults()
     return {k: v for k, v in config.items() if k not in default or v != default[k]}
 
 

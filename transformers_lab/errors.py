@@ -10,6 +10,12 @@ from __future__ import annotations
 import signal
 
 
+def must_be(key: str, expected: str, value: object) -> str:
+    """The one wording of a value out of its range: ``n_head must be an integer >= 1, got
+    0``; the constructor that owns ``key`` raises it."""
+    return f"{key} must be {expected}, got {value!r}"
+
+
 class ConfigError(ValueError):
     """A configuration that cannot work; the message says what to change."""
 

@@ -18,16 +18,12 @@ from omegaconf import DictConfig
 
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR, call
-from transformers_lab.config_checks import check_config
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.build import build_loggers
-from transformers_lab.run.common import (
-    finish_wandb,
-    metrics_dict,
-    print_metrics,
-    restore,
-    use_cpu_threads,
-)
+from transformers_lab.run.build import use_cpu_threads
+from transformers_lab.run.checkpoints import restore
+from transformers_lab.run.console import metrics_dict, print_metrics
+from transformers_lab.run.loggers import build_loggers, finish_wandb
+from transformers_lab.run.preflight import check_config
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +38,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"split={cfg.split} is not one of {', '.join(SPLITS)}")
     use_cpu_threads(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    checkpoint, datamodule, task = restore(cfg)
+    checkpoint, datamodule, task = restore(cfg.ckpt_path, cfg.get("data"))
     if cfg.split == "test" and not is_overridden("test_dataloader", datamodule):
         raise ConfigError(f"{type(datamodule).__name__} has no test split; use split=val")
     trainer = None

@@ -18,32 +18,29 @@ from omegaconf import DictConfig
 
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
-from transformers_lab.config_checks import check_config
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT
-from transformers_lab.run.build import build_datamodule, build_model
-from transformers_lab.run.checkpoints import load_checkpoint
-from transformers_lab.run.common import load_weights, saved_run, use_cpu_threads
+from transformers_lab.run.build import use_cpu_threads
+from transformers_lab.run.checkpoints import restore
+from transformers_lab.run.preflight import check_config
 
 
-def load_generator(cfg: DictConfig) -> tuple[torch.nn.Module, L.LightningDataModule]:
+def load_generator(cfg: DictConfig) -> tuple[GPT, L.LightningDataModule]:
     """The GPT of the checkpoint (weights loaded) and the data module with its tokenizer."""
-    checkpoint = load_checkpoint(cfg.ckpt_path)
-    run = saved_run(checkpoint, cfg.ckpt_path, cfg.get("data"))
-    datamodule = build_datamodule(run.data, checkpoint)  # the tokenizer it was trained with
+    _, datamodule, task = restore(cfg.ckpt_path, cfg.get("data"))
     if not isinstance(datamodule, TextData):
         raise ConfigError(
             f"the checkpoint's data ({type(datamodule).__name__}) has no text tokenizer to "
             f"sample with; tlab-sample takes checkpoints trained on text (shakespeare_char, "
             f"shakespeare_bpe)"
         )
-    model = build_model(run.model, datamodule)
-    if not isinstance(model, GPT):
+    if not isinstance(task.model, GPT):
         raise ConfigError(
-            f"tlab-sample needs a GPT checkpoint; {cfg.ckpt_path} holds a {type(model).__name__}"
+            f"tlab-sample needs a GPT checkpoint; {cfg.ckpt_path} holds a "
+            f"{type(task.model).__name__}"
         )
-    return load_weights(model, checkpoint, cfg.ckpt_path, run), datamodule
+    return task.model, datamodule
 
 
 # what a decoder writes for bytes that do not (yet) make a whole UTF-8 character

@@ -21,36 +21,34 @@ import torch
 from omegaconf import DictConfig, ListConfig
 
 from transformers_lab.cli import run_hydra, user_errors
-from transformers_lab.config import CONF_DIR, target_class
-from transformers_lab.config_checks import check_config
+from transformers_lab.config import CONF_DIR
 from transformers_lab.errors import ConfigError
-from transformers_lab.models import GPT, Transformer
-from transformers_lab.run.build import build_datamodule, build_model
-from transformers_lab.run.checkpoints import load_checkpoint
-from transformers_lab.run.common import load_weights, saved_run, use_cpu_threads
+from transformers_lab.models import Transformer
+from transformers_lab.run.build import use_cpu_threads
+from transformers_lab.run.checkpoints import restore
+from transformers_lab.run.preflight import check_config
 
 log = logging.getLogger(__name__)
 
 DECODERS = ("greedy", "beam")
 
 
+WANTED = (
+    "tlab-translate needs an encoder-decoder Transformer checkpoint (tlab-train "
+    "experiment=transformer_multi30k)"
+)
+
+
 def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule]:
     """The Transformer of the checkpoint (weights loaded) and its data module, tokenizer
     restored."""
-    checkpoint = load_checkpoint(cfg.ckpt_path)
-    run = saved_run(checkpoint, cfg.ckpt_path, cfg.get("data"))
-    cls = target_class(run.model)
-    if not (isinstance(cls, type) and issubclass(cls, Transformer)):
-        data = str(run.data.get("_target_", "?")).rpartition(".")[2]
-        hint = "; tlab-sample generates text from it" if issubclass(cls, GPT) else ""
-        raise ConfigError(
-            f"tlab-translate needs an encoder-decoder Transformer checkpoint (tlab-train "
-            f"experiment=transformer_multi30k); {cfg.ckpt_path} holds a {cls.__name__} "
-            f"trained on {data}{hint}"
-        )
-    datamodule = build_datamodule(run.data, checkpoint)  # the tokenizer it was trained with
-    model = build_model(run.model, datamodule)
-    return load_weights(model, checkpoint, cfg.ckpt_path, run), datamodule
+    try:
+        _, datamodule, task = restore(cfg.ckpt_path, cfg.get("data"), Transformer, WANTED)
+    except ConfigError as exc:
+        if "holds a GPT" in str(exc):  # the other generating tool takes it
+            raise ConfigError(f"{exc}; tlab-sample generates text from it") from None
+        raise
+    return task.model, datamodule
 
 
 def check_options(cfg: DictConfig) -> None:

@@ -28,11 +28,11 @@ from transformers_lab.analysis.plots import (
 )
 from transformers_lab.attention import KERNELS
 from transformers_lab.attention.linear.gated_kernel import GatedKernel
-from transformers_lab.callbacks import ValidationImages
 from transformers_lab.config import compose_config
 from transformers_lab.models import GPT, Transformer, ViT
 from transformers_lab.nn.layers import sinusoidal_table
-from transformers_lab.run.common import load_task
+from transformers_lab.run.callbacks.views import ValidationImages
+from transformers_lab.run.checkpoints import load_task
 from transformers_lab.run.fit import train
 from transformers_lab.tasks.examples import Example, patch_labels, token_labels
 

@@ -5,6 +5,7 @@ particular to each kernel."""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from transformers_lab.attention import check as check_module
 from transformers_lab.attention.check import check_kernel, kernel_factory
 from transformers_lab.attention.linear.gated_kernel import GatedKernel
 from transformers_lab.attention.performer import PerformerAttention
+from transformers_lab.nn.check import main as check_main
 
 B, H, D = 2, 3, 8
 NAMES = sorted(KERNELS)
@@ -143,14 +145,19 @@ def test_the_check_names_what_a_broken_kernel_breaks(cls, caught):
 
 
 def test_the_check_command_prints_a_line_per_failure_and_its_status(capsys):
-    assert check_module.main(["softmax"]) == 0
-    assert capsys.readouterr().out.startswith("ok: softmax passes the 12 checks")
-    assert check_module.main([f"{__name__}.ForgetfulDecode"]) == 1
+    assert check_main(["softmax"]) == 0
+    # the count is of the checks the checker defines and gives softmax: all but refusal
+    ran = check_module.checks_for(check_module.build(kernel_factory("softmax")))
+    assert ran == [name for name in check_module.CHECKS if name != "refusal"]
+    out = capsys.readouterr().out
+    ok = re.fullmatch(r"ok: softmax passes the (\d+) checks \((.*)\)\n", out)
+    assert ok and int(ok[1]) == len(ran) and ok[2].split(", ") == ran, out
+    assert check_main([f"{__name__}.ForgetfulDecode"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out and all(
         line.startswith(f"FAIL {__name__}.ForgetfulDecode: decode: ") for line in out
     )
-    assert check_module.main(["fastmax", "p=1", "impl=linear"]) == 0
+    assert check_main(["fastmax", "p=1", "impl=linear"]) == 0
     capsys.readouterr()
 
 
@@ -167,7 +174,7 @@ def test_the_check_command_prints_a_line_per_failure_and_its_status(capsys):
     ],
 )
 def test_the_check_command_refuses_a_target_it_cannot_build(argv, message, capsys):
-    assert check_module.main(argv) == 2
+    assert check_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
@@ -344,10 +351,10 @@ def test_cosformer_rows_sum_to_1_where_relu_q_and_relu_k_never_overlap():
 
 def test_cosformer_is_refused_where_queries_and_keys_have_no_common_positions(tmp_path):
     from transformers_lab.config import compose_config
-    from transformers_lab.config_checks import check_config
     from transformers_lab.errors import ConfigError
     from transformers_lab.models import Transformer
     from transformers_lab.nn import MultiHeadAttention
+    from transformers_lab.run.preflight import check_config
 
     with pytest.raises(ValueError, match="attention=cosformer weighs keys by their positions"):
         MultiHeadAttention(16, 2, "cosformer", cross=True)

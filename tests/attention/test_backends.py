@@ -11,6 +11,7 @@ from hydra.utils import get_class
 
 from transformers_lab.attention import KERNELS, backends, build_kernel, check
 from transformers_lab.bench import kernels as bench
+from transformers_lab.bench.kernels import worker
 from transformers_lab.config import attention_configs
 
 CONFIGS = attention_configs()
@@ -225,12 +226,12 @@ def test_measuring_in_process_turns_failures_into_rows_and_slow_variants_stop(mo
     def broken(_spec):
         raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr(bench, "measure_once", broken)
+    monkeypatch.setattr(worker, "measure_once", broken)
     row = bench.measure_here(spec, timeout=60)
     assert row["status"] == "error: RuntimeError: CUDA out of memory"
     assert not bench.too_slow(row, spec, timeout=60)
 
-    monkeypatch.setattr(bench, "measure_once", lambda s: s.row(time_ms=5000.0, peak_mib=1.0))
+    monkeypatch.setattr(worker, "measure_once", lambda s: s.row(time_ms=5000.0, peak_mib=1.0))
     row = bench.measure_here(spec, timeout=60)
     assert row["status"] == "ok" and row["time_ms"] == 5000.0  # a slow row keeps its figure
     assert not bench.too_slow(row, spec, timeout=60)  # 5 passes of 5 s: 25 s

@@ -7,6 +7,7 @@ import torch
 
 from transformers_lab.attention import FastmaxAttention
 from transformers_lab.attention import linear as fm
+from transformers_lab.nn.parts import split_layer_parts
 
 B, H, D, DV = 2, 3, 6, 5
 TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-10}, torch.float32: {"rtol": 1e-4, "atol": 1e-5}}
@@ -228,7 +229,9 @@ def test_matmul_flops_counts_what_the_linear_paths_run(variant, causal):
 
     from transformers_lab.config import attention_configs
 
-    kernel = instantiate(attention_configs()[variant])(head_dim=8, num_heads=2)
+    kernel = split_layer_parts(instantiate(attention_configs()[variant]))[0](
+        head_dim=8, num_heads=2
+    )
     kernel.impl, kernel.chunk_size = "linear", 16
     d = kernel.qk_dim  # Based's feature_dim
     q, k, v = (torch.randn(1, 2, 40, w, requires_grad=True) for w in (d, d, 8))  # 40: padded

@@ -24,7 +24,7 @@ from hydra.utils import get_class
 from transformers_lab.attention import check
 from transformers_lab.attention.linear import fla_ops
 from transformers_lab.config import attention_configs
-from transformers_lab.nn.attention import MultiHeadAttention
+from transformers_lab.nn.multihead import MultiHeadAttention
 
 CONFIGS = attention_configs()
 # the options fla covers, each config once (fastmax is fastmax_p2)

@@ -16,13 +16,13 @@ import torch.nn.functional as F
 
 from tests.end_to_end.test_readme import readme_block  # the code blocks of README and docs/
 from transformers_lab.attention import REGISTRY
-from transformers_lab.attention.check import main as check_main
 from transformers_lab.attention.deltanet import DeltaNetAttention
 from transformers_lab.attention.gla import GLAAttention
 from transformers_lab.attention.linear import fla_ops
 from transformers_lab.attention.linear.gated import chunked_recurrence
 from transformers_lab.attention.simple_gla import SimpleGLAAttention
 from transformers_lab.config import searchpath_override
+from transformers_lab.nn.check import main as check_main
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = ROOT / "tests" / "user"

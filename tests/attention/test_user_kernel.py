@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,11 @@ from hydra.utils import instantiate
 
 from tests.end_to_end.test_readme import readme_block  # the README's code blocks
 from transformers_lab.attention import KERNELS, AttentionKernel
+from transformers_lab.attention.check import build, checks_for, kernel_factory
 from transformers_lab.cli import check_overrides
 from transformers_lab.config import CONF_DIR, compose_config
 from transformers_lab.errors import ConfigError
+from transformers_lab.nn.check import layer_failures
 from transformers_lab.run.build import build_datamodule, build_model
 
 from fake_data import fake_data_root
@@ -48,14 +51,21 @@ def searchpath(user_dir: Path) -> str:
     return f"hydra.searchpath=[file://{user_dir / 'my_conf'}]"
 
 
-def test_the_users_kernel_passes_the_check(user_dir):
+def test_the_users_kernel_passes_the_check(user_dir, monkeypatch):
+    monkeypatch.syspath_prepend(str(user_dir))
+    # every check the checker gives the kernel (no layer parts: no layer checks), counted
+    factory = kernel_factory("my_kernels.distance.DistanceAttention")
+    ran = checks_for(build(factory))
+    assert ran and layer_failures(factory) == ([], [])
     for target in ("my_kernels.distance.DistanceAttention", "my_conf/attention/distance.yaml"):
         proc = run("-m", "transformers_lab.attention.check", target, cwd=user_dir)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert proc.stdout.startswith(f"ok: {target} passes the 12 checks")
+        said = rf"ok: {re.escape(target)} passes the (\d+) checks \((.*)\)\n"
+        ok = re.fullmatch(said, proc.stdout)
+        assert ok and int(ok[1]) == len(ran) and ok[2].split(", ") == ran, proc.stdout
 
 
-def test_the_users_kernel_trains_and_is_known_by_the_config_checks(user_dir):
+def test_the_users_kernel_trains_and_is_known_by_the_preflight(user_dir):
     proc = run(
         "-m", "transformers_lab.train", "attention=distance", "debug=fdr", searchpath(user_dir),
         cwd=user_dir,

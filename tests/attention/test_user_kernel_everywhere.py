@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +16,13 @@ import pytest
 
 from transformers_lab.attention import AttentionKernel, masked_softmax
 from transformers_lab.attention.__main__ import kernel_table
-from transformers_lab.attention.check import check_kernel
-from transformers_lab.attention.check import main as check_main
+from transformers_lab.attention.check import build, check_kernel, checks_for, kernel_factory
 from transformers_lab.attention.resolve import UnknownKernel, config_dirs, kernel_config
 from transformers_lab.bench import generation, long_context
 from transformers_lab.bench import kernels as bench
 from transformers_lab.config import searchpath_override
+from transformers_lab.nn.check import layer_failures
+from transformers_lab.nn.check import main as check_main
 
 USER = Path(__file__).parents[1] / "user"
 MY_CONF = USER / "my_conf"
@@ -69,15 +71,29 @@ def test_a_kernel_yaml_that_needs_its_config_says_how_to_name_it(tmp_path):
 )
 def test_the_check_takes_every_name_the_attention_group_takes(argv, user_path, capsys):
     assert check_main(argv) == 0
-    assert capsys.readouterr().out.startswith(f"ok: {argv[0]} passes the 12 checks")
+    # every check the checker gives the kernel (no layer parts: no layer checks), counted
+    factory = kernel_factory(argv[0], dirs=config_dirs([MY_CONF]))
+    ran = checks_for(build(factory))
+    assert ran and layer_failures(factory) == ([], [])
+    assert passed(capsys.readouterr().out, argv[0]) == ran
+
+
+def passed(out: str, target: str) -> list[str]:
+    """The checks an ``ok`` line says TARGET passed, its count checked against them."""
+    ok = re.fullmatch(rf"ok: {re.escape(target)} passes the (\d+) checks \((.*)\)\n", out)
+    assert ok and int(ok[1]) == len(ok[2].split(", ")), out
+    return ok[2].split(", ")
 
 
 def test_the_users_kernel_takes_the_layers_parts(user_path, capsys, tmp_path):
     """attention.short_conv=4 works with a kernel of the user's, which declares nothing for
     it: the check runs the layer checks, and a run trains with it."""
     assert check_main(["relu2", "short_conv=4", "--config-dir", str(MY_CONF)]) == 0
-    out = capsys.readouterr().out
-    assert "passes the 17 checks" in out and "layer decode" in out
+    ran = passed(capsys.readouterr().out, "relu2")
+    # the kernel's own checks (short_conv is the layer's), then the layer's around it
+    contract = checks_for(build(kernel_factory("relu2", dirs=config_dirs([MY_CONF]))))
+    assert ran[: len(contract)] == contract and "layer decode" in ran[len(contract) :]
+    assert all(name.startswith("layer ") for name in ran[len(contract) :])
     from transformers_lab.config import compose_config
     from transformers_lab.run.fit import fit_and_test
 

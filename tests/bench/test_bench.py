@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from transformers_lab.attention import KERNELS
-from transformers_lab.bench import kernels as bench
+from transformers_lab.bench.kernels import cli, report, runner, specs, worker
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -40,10 +40,10 @@ def test_end_to_end_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         "--out",
         str(tmp_path),
     ]
-    assert bench.main(argv) == 0
+    assert cli.main(argv) == 0
 
     rows = read_csv(tmp_path / "kernels.csv")
-    assert list(rows[0]) == list(bench.COLUMNS)
+    assert list(rows[0]) == list(specs.COLUMNS)
     by_key = {(r["variant"], r["n"]): r for r in rows}
     expected = {(v, n) for v in ("softmax", "fastmax_p2", "additive") for n in ("64", "128")}
     assert set(by_key) == expected and len(rows) == len(expected)
@@ -59,7 +59,7 @@ def test_end_to_end_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert float(row["time_ms"]) > 0
         peak = float(row["peak_mib"])
         assert math.isfinite(peak) and peak >= 0
-        assert row["mem_method"] and row["timing"] == bench.OWN_PROCESS
+        assert row["mem_method"] and row["timing"] == specs.OWN_PROCESS
         assert float(row["matmul_ms"]) >= 0  # on cpu, always measured (0 where SDPA has none)
 
     md = tmp_path / "kernels.md"
@@ -74,44 +74,44 @@ def test_end_to_end_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 def test_unknown_variant_lists_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as excinfo:
-        bench.main(["--kernels", "softmax", "flashy"])
+        cli.main(["--kernels", "softmax", "flashy"])
     assert excinfo.value.code != 0
     err = capsys.readouterr().err
     assert "'flashy'" in err
-    for name in bench.variants():
+    for name in specs.variants():
         assert name in err
 
     with pytest.raises(ValueError, match="valid variants are: softmax, additive, "):
-        bench.variant_configs(["nope"])
+        specs.variant_configs(["nope"])
 
 
 def test_plan_and_skips() -> None:
-    args = bench.parse_args(["--n", "128", "64", "--kernels", "additive", "softmax"])
-    specs = bench.plan(args)
-    assert [(s.causal, s.variant, s.n) for s in specs[:4]] == [
+    args = cli.parse_args(["--n", "128", "64", "--kernels", "additive", "softmax"])
+    planned = runner.plan(args)
+    assert [(s.causal, s.variant, s.n) for s in planned[:4]] == [
         (True, "additive", 64),
         (True, "additive", 128),
         (True, "softmax", 64),
         (True, "softmax", 128),
     ]
-    assert len(specs) == 8
-    big = bench.Spec("fastmax_p2_quadratic", causal=False, n=8192)
-    assert bench.skip_reason(big, 4096, {}) is not None
-    assert bench.skip_reason(bench.Spec("fastmax_p2", causal=False, n=8192), 4096, {}) is None
+    assert len(planned) == 8
+    big = specs.Spec("fastmax_p2_quadratic", causal=False, n=8192)
+    assert runner.skip_reason(big, 4096, {}) is not None
+    assert runner.skip_reason(specs.Spec("fastmax_p2", causal=False, n=8192), 4096, {}) is None
     timed_out = {("fastmax_p2", False): 4096}
-    reason = bench.skip_reason(bench.Spec("fastmax_p2", causal=False, n=8192), 4096, timed_out)
+    reason = runner.skip_reason(specs.Spec("fastmax_p2", causal=False, n=8192), 4096, timed_out)
     assert reason is not None and "timed out" in reason
 
 
 def test_timeout_becomes_a_row() -> None:
-    spec = bench.Spec("softmax", causal=True, n=64, repeats=1)
-    row = bench.run_worker(spec, timeout=0.05)  # far less than importing torch takes
+    spec = specs.Spec("softmax", causal=True, n=64, repeats=1)
+    row = runner.run_worker(spec, timeout=0.05)  # far less than importing torch takes
     assert row["status"] == "timeout"
     assert row["time_ms"] is None and row["peak_mib"] is None
 
 
 def test_measure_once_in_process() -> None:
-    row = bench.measure_once(bench.Spec("fastmax_p1", causal=False, n=32, repeats=1))
+    row = worker.measure_once(specs.Spec("fastmax_p1", causal=False, n=32, repeats=1))
     assert row["status"] == "ok" and row["time_ms"] > 0 and row["peak_mib"] >= 0
     assert row["matmul_ms"] > 0  # its state and its reads are matrix products
 
@@ -119,14 +119,14 @@ def test_measure_once_in_process() -> None:
 @pytest.mark.parametrize("variant", ["fastmax_p2_fused", "fastmax_p2_short_conv"])
 def test_the_layer_variants_take_q_k_v_from_one_fused_projection(variant, monkeypatch) -> None:
     seen = []
-    real = bench.fwd_bwd_fused
+    real = worker.fwd_bwd_fused
 
     def spy(kernel, conv, x, spec, gates=None):
         seen.append((x.shape, conv))
         real(kernel, conv, x, spec, gates)
 
-    monkeypatch.setattr(bench, "fwd_bwd_fused", spy)
-    row = bench.measure_once(bench.Spec(variant, causal=True, n=32, repeats=1))
+    monkeypatch.setattr(worker, "fwd_bwd_fused", spy)
+    row = worker.measure_once(specs.Spec(variant, causal=True, n=32, repeats=1))
     assert row["status"] == "ok" and row["time_ms"] > 0
     assert seen and seen[-1][0] == (1, 32, 3 * 4 * 32)  # (B, N, 3 H D)
     conv = seen[-1][1]
@@ -139,7 +139,7 @@ def test_a_gated_kernel_is_timed_with_its_gate_inputs(variant, monkeypatch) -> N
     """The gates its layer would project from x are drawn, passed and given gradients
     (gla: bare q, k, v; gated_deltanet's preset: through its short convolution)."""
     seen = []
-    real_plain, real_fused = bench.fwd_bwd, bench.fwd_bwd_fused
+    real_plain, real_fused = worker.fwd_bwd, worker.fwd_bwd_fused
 
     def plain(kernel, q, k, v, causal, gates=None):
         real_plain(kernel, q, k, v, causal, gates)
@@ -149,9 +149,9 @@ def test_a_gated_kernel_is_timed_with_its_gate_inputs(variant, monkeypatch) -> N
         real_fused(kernel, conv, x, spec, gates)
         seen.append(gates)
 
-    monkeypatch.setattr(bench, "fwd_bwd", plain)
-    monkeypatch.setattr(bench, "fwd_bwd_fused", fused)
-    row = bench.measure_once(bench.Spec(variant, causal=True, n=40, repeats=1))
+    monkeypatch.setattr(worker, "fwd_bwd", plain)
+    monkeypatch.setattr(worker, "fwd_bwd_fused", fused)
+    row = worker.measure_once(specs.Spec(variant, causal=True, n=40, repeats=1))
     assert row["status"] == "ok" and row["time_ms"] > 0
     names = set(KERNELS[variant].gate_inputs)
     assert seen and set(seen[-1]) == names
@@ -166,20 +166,20 @@ def test_rounds_are_interleaved_and_each_row_is_the_median_round(monkeypatch) ->
         order.append(spec.variant)
         return spec.row(time_ms=next(times), peak_mib=1.0)
 
-    monkeypatch.setattr(bench, "run_worker", fake)
-    args = bench.parse_args(["--n", "64", "--causal", "causal", "--kernels", "softmax",
+    monkeypatch.setattr(runner, "run_worker", fake)
+    args = cli.parse_args(["--n", "64", "--causal", "causal", "--kernels", "softmax",
                              "fastmax_p2", "--rounds", "3"])  # fmt: skip
-    rows = bench.run_bench(args)
+    rows = runner.run_bench(args)
     assert order == ["softmax", "fastmax_p2"] * 3
     assert [(r["variant"], r["time_ms"]) for r in rows] == [("softmax", 3.0), ("fastmax_p2", 30.0)]
 
 
 def test_paired_times_alternate_the_variants_in_one_process(monkeypatch, capsys) -> None:
-    specs = [bench.Spec(v, causal=True, n=32, repeats=3) for v in ("fastmax_p2", "softmax")]
+    pair = [specs.Spec(v, causal=True, n=32, repeats=3) for v in ("fastmax_p2", "softmax")]
     calls = []
-    real = bench.timed
-    monkeypatch.setattr(bench, "timed", lambda run, device: calls.append(run) or real(run, device))
-    assert bench.worker_main(json.dumps([asdict(s) for s in specs])) == 0
+    real = worker.timed
+    monkeypatch.setattr(worker, "timed", lambda run, device: calls.append(run) or real(run, device))
+    assert worker.worker_main(json.dumps([asdict(s) for s in pair])) == 0
     times = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert sorted(times) == ["fastmax_p2", "softmax"] and all(t > 0 for t in times.values())
     assert len(calls) == 6 and calls[0] is not calls[1] and calls[0] is calls[2]  # a, b, a, ...
@@ -189,18 +189,18 @@ def test_paired_times_alternate_the_variants_in_one_process(monkeypatch, capsys)
 def test_a_paired_run_reports_paired_times(tmp_path: Path) -> None:
     argv = ["--n", "32", "--causal", "causal", "--kernels", "softmax", "fastmax_p2",
             "--repeats", "1", "--paired", "--out", str(tmp_path)]  # fmt: skip
-    assert bench.main(argv) == 0
+    assert cli.main(argv) == 0
     rows = read_csv(tmp_path / "kernels.csv")
-    assert [r["timing"] for r in rows] == [bench.PAIRED, bench.PAIRED]
+    assert [r["timing"] for r in rows] == [specs.PAIRED, specs.PAIRED]
     assert all(float(r["time_ms"]) > 0 and float(r["peak_mib"]) >= 0 for r in rows)
     assert "timed in one process, their passes alternated" in (tmp_path / "kernels.md").read_text()
 
 
 def test_the_matmul_time_counts_matrix_products_only() -> None:
     a, b = torch.randn(64, 256, 256), torch.randn(64, 256, 256)
-    assert bench.matmul_time_ms(lambda: a + b) == 0.0
-    many = bench.matmul_time_ms(lambda: [torch.bmm(a, b) for _ in range(8)])
-    one = bench.matmul_time_ms(lambda: torch.bmm(a, b))
+    assert worker.matmul_time_ms(lambda: a + b) == 0.0
+    many = worker.matmul_time_ms(lambda: [torch.bmm(a, b) for _ in range(8)])
+    one = worker.matmul_time_ms(lambda: torch.bmm(a, b))
     assert many > 2 * one > 0
 
 
@@ -209,19 +209,19 @@ def test_reports_cover_failures_and_both_modes(tmp_path: Path) -> None:
     for causal in (True, False):
         for n, scale in ((256, 1.0), (512, 2.0)):
             rows.append(
-                bench.Spec("softmax", causal, n).row(
+                specs.Spec("softmax", causal, n).row(
                     time_ms=1.0 * scale, peak_mib=2.0 * scale, mem_method="vmhwm"
                 )
             )
             rows.append(
-                bench.Spec("fastmax_p2", causal, n).row(
+                specs.Spec("fastmax_p2", causal, n).row(
                     time_ms=3.0 * scale, peak_mib=1.0 * scale, mem_method="vmhwm"
                 )
             )
-        rows.append(bench.Spec("additive", causal, 256).row(status="timeout"))
-        rows.append(bench.Spec("additive", causal, 512).row(status="error: boom"))
+        rows.append(specs.Spec("additive", causal, 256).row(status="timeout"))
+        rows.append(specs.Spec("additive", causal, 512).row(status="error: boom"))
 
-    paths = bench.write_reports(rows, tmp_path / "nested")
+    paths = report.write_reports(rows, tmp_path / "nested")
     assert all(p.stat().st_size > 0 for p in paths.values())
     md = paths["md"].read_text()
     assert "## Ratios, causal" in md and "## Ratios, non-causal" in md
@@ -235,13 +235,13 @@ def test_reports_cover_failures_and_both_modes(tmp_path: Path) -> None:
 
 
 def test_the_flop_bound_is_the_linear_kernels_flops_at_the_matmul_rate(tmp_path: Path) -> None:
-    fastmax = bench.Spec("fastmax_p2", False, 512).row(time_ms=30.0, peak_mib=1.0, matmul_ms=15.0)
-    softmax = bench.Spec("softmax", False, 512).row(time_ms=10.0, peak_mib=1.0)
+    fastmax = specs.Spec("fastmax_p2", False, 512).row(time_ms=30.0, peak_mib=1.0, matmul_ms=15.0)
+    softmax = specs.Spec("softmax", False, 512).row(time_ms=10.0, peak_mib=1.0)
     # non-causal: 12 F (Dv + 1) per token and head, F = 561, Dv + 1 = 33
     assert fastmax["gflop"] == pytest.approx(12 * 561 * 33 * 512 * 4 / 1e9)
     assert softmax["gflop"] is None  # SDPA has no bound of this kind
     rate = fastmax["gflop"] / 10e-3  # GFLOP/s that make the bound 10 ms: 3x it
-    md = bench.write_reports([softmax, fastmax], tmp_path, rate=rate)["md"].read_text()
+    md = report.write_reports([softmax, fastmax], tmp_path, rate=rate)["md"].read_text()
     assert f"rate, {rate:.0f} GFLOP/s" in md
     row = "| fastmax_p2 | noncausal | 512 | 30.0 | 1.00 | 74,052 | 10.0 | 3.00 | 15.0 | 1.50 | ok |"
     assert row in md
@@ -249,12 +249,12 @@ def test_the_flop_bound_is_the_linear_kernels_flops_at_the_matmul_rate(tmp_path:
 
 
 def test_the_matmul_rate_is_measured() -> None:
-    rate = bench.matmul_rate(size=256)
+    rate = worker.matmul_rate(size=256)
     assert math.isfinite(rate) and rate > 0.1
 
 
 def test_every_linear_kernel_has_a_compiled_variant_left_out_by_default() -> None:
-    found = bench.variants()
+    found = specs.variants()
     compiled = sorted(name for name in found if name.endswith("_compiled"))
     assert compiled == [
         "based_compiled", "cosformer_compiled", "fastmax_p1_compiled", "fastmax_p2_compiled",
@@ -262,12 +262,12 @@ def test_every_linear_kernel_has_a_compiled_variant_left_out_by_default() -> Non
     ]  # fmt: skip
     assert found["linear_compiled"] == {**found["linear"], "compiled": True}
     assert found["linear"]["compiled"] is False
-    assert not set(compiled) & set(bench.default_variants())
-    assert "linear" in bench.default_variants()
+    assert not set(compiled) & set(specs.default_variants())
+    assert "linear" in specs.default_variants()
 
 
 def test_a_causal_only_kernel_is_skipped_where_the_bench_times_noncausal() -> None:
-    reason = bench.skip_reason(bench.Spec("gla", causal=False, n=64), 1 << 30, {})
+    reason = runner.skip_reason(specs.Spec("gla", causal=False, n=64), 1 << 30, {})
     assert reason == "skipped (causal only)"
-    assert bench.skip_reason(bench.Spec("gla", causal=True, n=64), 1 << 30, {}) is None
-    assert bench.skip_reason(bench.Spec("linear", causal=False, n=64), 1 << 30, {}) is None
+    assert runner.skip_reason(specs.Spec("gla", causal=True, n=64), 1 << 30, {}) is None
+    assert runner.skip_reason(specs.Spec("linear", causal=False, n=64), 1 << 30, {}) is None

@@ -544,7 +544,7 @@ def test_mlp_ratio_zero_makes_attention_only_blocks():
         logits, cache = bare.forward_cached(idx[:, t : t + 1], cache, offset=t)
         steps.append(logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), bare(idx), rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="mlp_ratio must be >= 0"):
+    with pytest.raises(ValueError, match="mlp_ratio must be a number >= 0"):
         tiny_gpt(mlp_ratio=-1)
 
 

@@ -12,13 +12,14 @@ import torch
 
 from transformers_lab.attention import AttentionKernel, masked_softmax
 from transformers_lab.attention.base import GateInput, attention_mask
-from transformers_lab.attention.check import check_kernel, layer_failures
-from transformers_lab.attention.check import main as check_main
+from transformers_lab.attention.check import check_kernel
 from transformers_lab.attention.sliding_window import SlidingWindowAttention
 from transformers_lab.models import GPT
 from transformers_lab.models.common import layer_choices, layer_names
-from transformers_lab.nn.attention import MultiHeadAttention
+from transformers_lab.nn.check import layer_failures
+from transformers_lab.nn.check import main as check_main
 from transformers_lab.nn.mixers import BaseConv
+from transformers_lab.nn.multihead import MultiHeadAttention
 from transformers_lab.nn.parts import ShortConvolution
 
 
@@ -122,8 +123,8 @@ def test_a_short_convolution_on_a_cross_attention_is_refused(tmp_path):
         MultiHeadAttention(8, 2, factory("softmax", short_conv=4), cross=True)
     # the Transformer's cross-attention shares its attention config unless given its own
     from transformers_lab.config import compose_config
-    from transformers_lab.config_checks import check_config
     from transformers_lab.errors import ConfigError
+    from transformers_lab.run.preflight import check_config
 
     shared = ["experiment=transformer_multi30k", "attention.short_conv=4"]
     with pytest.raises(ConfigError, match="attention: attention.short_conv=4 convolves along"):
@@ -429,12 +430,12 @@ def test_a_hybrid_from_the_command_line_trains_and_its_layers_are_recorded(tmp_p
 
 def test_a_hybrid_on_a_model_without_one_is_refused_in_one_line(tmp_path):
     from transformers_lab.config import compose_config
-    from transformers_lab.config_checks import check_config
     from transformers_lab.errors import ConfigError
+    from transformers_lab.run.preflight import check_config
 
     overrides = ["experiment=transformer_multi30k", "+model.hybrid=[softmax,fastmax]"]
     cfg = compose_config("train", overrides, tmp_path / "r")
-    with pytest.raises(ConfigError, match="model.hybrid: the Transformer has no per-layer"):
+    with pytest.raises(ConfigError, match="^model.hybrid: Transformer takes no hybrid; remove it"):
         check_config(cfg)
 
 
@@ -447,8 +448,8 @@ def test_a_hybrid_on_a_model_without_one_is_refused_in_one_line(tmp_path):
 )
 def test_a_bad_hybrid_is_refused_before_anything_is_built(tmp_path, hybrid, error):
     from transformers_lab.config import compose_config
-    from transformers_lab.config_checks import check_config
     from transformers_lab.errors import ConfigError
+    from transformers_lab.run.preflight import check_config
 
     cfg = compose_config("train", ["experiment=mqar", f"model.hybrid={hybrid}"], tmp_path / "r")
     with pytest.raises(ConfigError, match=error.replace("[", "\\[")):

@@ -14,13 +14,8 @@ from omegaconf import OmegaConf
 from transformers_lab.data import SyntheticDataModule
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT
-from transformers_lab.run.build import (
-    build_callbacks,
-    build_model,
-    build_task,
-    compile_model,
-    model_kwargs,
-)
+from transformers_lab.run.build import build_model, build_task, compile_model, model_kwargs
+from transformers_lab.run.callbacks import build_callbacks
 
 GPT_CONFIG = {"_target_": "transformers_lab.models.GPT", "n_layer": 1, "n_head": 2, "d_model": 16}
 TASK = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.checkpoints import (
@@ -12,6 +13,7 @@ from transformers_lab.run.checkpoints import (
     checkpoint_step,
     differences,
     load_checkpoint,
+    saved_run,
 )
 
 
@@ -87,3 +89,21 @@ def test_a_key_resume_may_change_does_not_have_is_refused_with_the_nearest():
         check_resume({}, now, "c", ["nope"])  # checked without a saved config too
     check_resume(checkpoint, now, "c", ["task.optimizer.lr"])
     check_resume(checkpoint, now, "c", ["task.optimizer", "model"])  # whole sections
+
+
+def test_a_saved_run_takes_the_command_lines_data_options():
+    checkpoint = {"tlab_config": {"model": {"d": 1}, "data": {"batch_size": 8, "root": "/a"}}}
+    run = saved_run(checkpoint, "c.ckpt", OmegaConf.create({"batch_size": 64}))
+    assert run.data == {"batch_size": 64, "root": "/a"} and run.model == {"d": 1}
+    with pytest.raises(ConfigError, match="c.ckpt holds no tlab_config: it was not written"):
+        saved_run({}, "c.ckpt", None)
+
+
+def test_weights_that_do_not_fit_are_refused_and_fitting_ones_pass():
+    task = torch.nn.Module()
+    task.model = torch.nn.Linear(2, 2)  # a task's parameter names are "model.*"
+    state = {f"model.{k}": torch.ones_like(v) for k, v in task.model.state_dict().items()}
+    check_checkpoint({"state_dict": state}, task, "c.ckpt")
+    state["model.weight"] = torch.ones(3, 2)
+    with pytest.raises(ConfigError, match="c.ckpt was saved from a different model config"):
+        check_checkpoint({"state_dict": state}, task, "c.ckpt")

@@ -86,7 +86,7 @@ def test_a_resumed_job_s_wall_time_counts_its_earlier_parts(tmp_path):
     checkpoint recorded (a stopped job resumed counted only its second part)."""
     import torch
 
-    from transformers_lab.run.safety import Checkpoint
+    from transformers_lab.run.checkpoints import Checkpoint
 
     earlier = Checkpoint(dirpath=str(tmp_path / "checkpoints"))
     state = {**earlier.state_dict(), "time_s": 100.0}  # a part that fitted for 100 s

@@ -346,9 +346,15 @@ def test_an_interval_on_a_bounded_metric_stays_in_its_range():
     assert t_interval(accs).high > 1.0  # Student's interval runs past an accuracy of 1
     bounded = interval(accs, metric_range("val/acc"))  # t: [-0.26, 1.76]
     assert bounded.method == "t, clipped" and (bounded.low, bounded.high) == (0.0, 1.0)
-    inside = [0.80, 0.85, 0.90]
-    assert interval(inside, (0.0, 1.0)).low == pytest.approx(t_interval(inside).low)
-    assert interval(accs, None) == t_interval(accs)  # a loss keeps Student's t
+    # Student's interval computed apart, by scipy: mean ± t(n - 1) * sem
+    inside = [0.80, 0.85, 0.90]  # t: [0.726, 0.974], inside [0, 1]: nothing to clip
+    students = scipy_stats.t.interval(0.95, 2, loc=0.85, scale=scipy_stats.sem(inside))
+    assert interval(inside, (0.0, 1.0)).low == pytest.approx(students[0], rel=1e-12)
+    loss = interval(accs, None)  # a loss keeps Student's t, unclipped: [-0.26, 1.76]
+    students = scipy_stats.t.interval(0.95, 2, loc=0.75, scale=scipy_stats.sem(accs))
+    assert (loss.mean, loss.n, loss.method) == (pytest.approx(0.75), 3, "t")
+    assert (loss.low, loss.high) == pytest.approx(students, rel=1e-12)
+    assert loss.low == pytest.approx(-0.2612, abs=1e-4) and loss.high > 1.0
     assert t_interval([0.7]).low is None
 
 

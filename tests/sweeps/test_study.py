@@ -374,10 +374,10 @@ def test_the_callback_reports_each_validation_and_stops_a_trial_below_the_median
 def test_a_trial_number_outside_a_study_sweep_is_refused_with_the_sweeper_to_use(monkeypatch):
     from omegaconf import OmegaConf
 
-    from transformers_lab.run import job
+    from transformers_lab.run import overrides as hydra_job
     from transformers_lab.sweeps import pruning
 
-    monkeypatch.setattr(job, "hydra_config", lambda: None)  # a run of its own, not a sweep
+    monkeypatch.setattr(hydra_job, "hydra_config", lambda: None)  # a run of its own, not a sweep
     cfg = OmegaConf.create(
         {"trial": 3, "pruner": {"_target_": "optuna.pruners.MedianPruner"},
          "monitor": {"metric": "val/acc"}}
@@ -397,14 +397,14 @@ def test_a_trial_reports_the_studys_objective_not_the_checkpoint_monitor(
     import torch
     from omegaconf import OmegaConf
 
-    from transformers_lab.run import job
+    from transformers_lab.run import overrides as hydra_job
     from transformers_lab.sweeps import pruning
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
     study = optuna.create_study(study_name="s", storage=url, direction="minimize")
     study.ask()  # trial 0
     sweeper = {"storage": url, "study_name": "s", "objectives": ["val/loss"]}
-    monkeypatch.setattr(job, "hydra_config", lambda: OmegaConf.create({"sweeper": sweeper}))
+    monkeypatch.setattr(hydra_job, "hydra_config", lambda: OmegaConf.create({"sweeper": sweeper}))
     cfg = OmegaConf.create(
         {"trial": 0, "pruner": {"_target_": "optuna.pruners.MedianPruner"},
          "monitor": {"metric": "val/acc"}}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -287,8 +288,15 @@ def test_runs_started_at_the_same_moment_get_their_own_directories(monkeypatch, 
     for _ in range(2):
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("train", return_hydra_config=True)
-        assert cfg.hydra.run.dir == cfg.hydra.run.dir  # stable within a run
-        dirs.append((cfg.hydra.run.dir, cfg.hydra.sweep.dir))
+        run_dir, sweep_dir = cfg.hydra.run.dir, cfg.hydra.sweep.dir
+        run_id = run_dir.rsplit("-", 1)[-1]
+        # stable within a run: one id drawn per config, the same in the run and sweep dirs
+        # and at every reading (each reading resolves ${run_id:} again, from its cache)
+        assert re.fullmatch("[0-9a-f]{6}", run_id), run_dir
+        assert run_dir == f"{tmp_path}/logs/train/runs/2026-01-01_00-00-00_000000-{run_id}"
+        assert sweep_dir == f"{tmp_path}/logs/train/multiruns/2026-01-01_00-00-00_000000-{run_id}"
+        assert OmegaConf.to_container(cfg.hydra.run, resolve=True) == {"dir": run_dir}
+        dirs.append((run_dir, sweep_dir))
     (run_a, sweep_a), (run_b, sweep_b) = dirs
     assert "runs/2026-01-01_00-00-00_000000-" in run_a
     assert run_a != run_b and sweep_a != sweep_b

@@ -241,7 +241,7 @@ def counted(fn, calls: list):
 def test_the_guard_s_gradient_norm_clips_as_lightning_does():
     """NonFiniteGuard's norm of the gradients serves the clipping (one norm a step, not
     two), and the weights come out bit for bit as with Lightning's own clipping."""
-    from transformers_lab.run.safety import NonFiniteGuard
+    from transformers_lab.run.callbacks.safety import NonFiniteGuard
 
     weights, clips = [], []
     for guard in (True, False):

@@ -45,13 +45,13 @@ def user_kernels(config_dirs: Sequence[Path]) -> list[type[AttentionKernel]]:
 def presets(config_dirs: Sequence[Path] = ()) -> dict[str, list[str]]:
     """The attention options (``attention=<name>``) of each kernel class, by its class
     path, each with the layer parts it switches on: ``gated (short_conv=4, qk_norm=True)``."""
-    from transformers_lab.attention.parts import PART_KEYS, LayerParts
     from transformers_lab.attention.resolve import config_dirs as with_conf
-    from transformers_lab.config import attention_configs
+    from transformers_lab.config import attention_configs, layer_part_defaults
 
     out: dict[str, list[str]] = {}
+    switches = layer_part_defaults()
     for name, config in attention_configs(with_conf(config_dirs)).items():
-        on = LayerParts(**{k: v for k, v in config.items() if k in PART_KEYS}).switched_on()
+        on = [f"{k}={v}" for k, v in config.items() if k in switches]  # the defaults dropped
         cell = f"`{name}`" + (f" ({', '.join(on)})" if on else "")
         out.setdefault(config["_target_"], []).append(cell)
     return out
@@ -61,7 +61,7 @@ def kernel_table(config_dirs: Sequence[Path] = ()) -> str:
     """One row per kernel of this package, and of the attention options in the user's
     ``config_dirs``: name, weights, what it is, rows, decode state, the fused kernels that
     ``attention.backend`` may name (``attention.backends``), and its options with the layer
-    parts each switches on (``attention.parts``)."""
+    parts each switches on (``conf/layer/parts.yaml``)."""
     lines = [
         "| name | weights | what | rows sum to 1 | decode state | fused backends | options "
         "(layer parts on) |",

@@ -34,7 +34,6 @@ from torch import Tensor, nn
 
 from transformers_lab.attention import naive
 from transformers_lab.attention.backends import check_backend
-from transformers_lab.attention.parts import PART_KEYS, LayerParts
 
 
 def attention_mask(
@@ -159,27 +158,20 @@ class GateInput:
         return g
 
 
-def takes_layer_parts(init: Any) -> Any:
-    """A kernel class's ``__init__`` that also takes the layer's switches
-    (``attention.parts``: ``short_conv=4``, ...), as an attention config carries them beside
-    the kernel's own options, and keeps them on the kernel as ``parts`` for the multi-head
-    layer to build; the kernel's own code never sees them. A kernel that takes no
-    ``backend`` takes ``backend=auto`` or ``loop`` (its own code, a sweep's setting for
-    every kernel) and refuses a fused one in one line (``attention.backends``)."""
-
-    takes_backend = "backend" in inspect.signature(init).parameters
+def takes_backend(init: Any) -> Any:
+    """A kernel class's ``__init__`` that takes ``backend`` whether or not its own does: a
+    kernel that takes none takes ``backend=auto`` or ``loop`` (its own code, a sweep's
+    setting for every kernel) and refuses a fused one in one line (``attention.backends``)."""
+    if "backend" in inspect.signature(init).parameters:
+        return init
 
     @functools.wraps(init)
-    def init_with_parts(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not takes_backend and "backend" in kwargs:  # auto and loop are ours; no fused one
+    def init_with_backend(self: Any, *args: Any, **kwargs: Any) -> None:
+        if "backend" in kwargs:  # auto and loop are ours; no fused one
             check_backend(self.name, kwargs.pop("backend"), ())
-        given = {key: kwargs.pop(key) for key in PART_KEYS if key in kwargs}
-        parts = LayerParts(**given) if given else None  # refused before anything is built
         init(self, *args, **kwargs)
-        if parts is not None:
-            self.parts = parts
 
-    return init_with_parts
+    return init_with_backend
 
 
 REGISTRY: dict[str, type[AttentionKernel]] = {}  # name -> class, filled as classes are defined
@@ -228,7 +220,7 @@ class AttentionKernel(nn.Module):
     def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "__init__" in cls.__dict__:
-            cls.__init__ = takes_layer_parts(cls.__dict__["__init__"])  # type: ignore[method-assign]
+            cls.__init__ = takes_backend(cls.__dict__["__init__"])  # type: ignore[method-assign]
         name = cls.__dict__.get("name")
         if not register or name is None:
             return
@@ -253,8 +245,6 @@ class AttentionKernel(nn.Module):
         self.num_heads = num_heads
         self.dropout = dropout
         self.alibi = False
-        if not hasattr(self, "parts"):
-            self.parts = LayerParts()  # the layer's switches, which the layer builds
 
     def use_alibi(self) -> None:
         """Add ALiBi's head-sloped distance bias to the scores (``pos_encoding=alibi``);
@@ -460,7 +450,7 @@ class AttentionKernel(nn.Module):
                 )
 
 
-AttentionKernel.__init__ = takes_layer_parts(AttentionKernel.__init__)  # type: ignore[method-assign]
+AttentionKernel.__init__ = takes_backend(AttentionKernel.__init__)  # type: ignore[method-assign]
 
 
 def _or_zeros(mask: Tensor | None, k: Tensor) -> Tensor:

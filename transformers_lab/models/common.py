@@ -8,7 +8,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from transformers_lab.errors import must_be
 from transformers_lab.nn import Block, KernelFactory
+from transformers_lab.nn.multihead import (
+    head_size,
+    refuse_causal,
+    refuse_noncausal,
+    refuse_short_positions,
+)
 
 Hybrid = Sequence[Any] | Mapping[int, Any] | None
 
@@ -70,6 +77,17 @@ def layer_names(model: nn.Module) -> list[str] | None:
     return names
 
 
+def check_sizes(dropout: float, **counts: int) -> None:
+    """A model's shared options: its ``counts`` (layers, heads, width) at least 1 and a
+    dropout probability below 1 (the MLP's ratio is ``nn.Block``'s). Each model calls it
+    first, with its own names for them."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(must_be(name, "an integer >= 1", value))
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
+
+
 def block_stack(
     n_layer: int,
     d_model: int,
@@ -77,20 +95,32 @@ def block_stack(
     attention: KernelFactory | str,
     cross_attention: KernelFactory | str | None = None,
     hybrid: Hybrid = None,
+    *,
+    who: str,
+    causal: bool,
+    context: int | None,
+    cross_key: str = "cross_attention",
     **block_options: Any,
 ) -> nn.ModuleList:
     """``n_layer`` Blocks with the same options; ``hybrid`` chooses each one's attention
-    (``layer_choices``)."""
-    if n_layer < 1:
-        raise ValueError(f"n_layer must be at least 1, got {n_layer}")
+    (``layer_choices``).
+
+    Each layer is held to the rules of the model that calls it, ``who``: its kernel
+    attends ``causal``-ly (or both ways) and weighs positions up to ``context`` at least.
+    A refusal names the config key the layer came from: ``attention``, ``model.hybrid,
+    layer i (name)``, or ``cross_key`` for a cross-attention."""
+    head_size(d_model, n_head)
     blocks = []
     for i, choice in enumerate(layer_choices(n_layer, attention, hybrid)):
+        key = "attention" if hybrid is None else f"model.hybrid, layer {i} ({layer_name(choice)})"
+        keys = (key, cross_key)
+        block = Block(d_model, n_head, choice, cross_attention, keys=keys, **block_options)
         try:
-            blocks.append(Block(d_model, n_head, choice, cross_attention, **block_options))
-        except (ValueError, TypeError) as exc:
-            if hybrid is None:
-                raise
-            raise type(exc)(f"model.hybrid, layer {i} ({layer_name(choice)}): {exc}") from None
+            (refuse_causal if causal else refuse_noncausal)([block.attn], who)
+            refuse_short_positions([block.attn], context, who)
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+        blocks.append(block)
     return nn.ModuleList(blocks)
 
 

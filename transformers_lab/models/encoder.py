@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from transformers_lab.models.common import Hybrid, block_stack, final_norm
+from transformers_lab.models.common import Hybrid, block_stack, check_sizes, final_norm
 from transformers_lab.nn import (
     KernelFactory,
     PatchEmbedding,
@@ -17,7 +17,6 @@ from transformers_lab.nn import (
     TokenEmbedding,
     activation,
 )
-from transformers_lab.nn.attention import refuse_noncausal, refuse_short_positions
 
 POOLINGS = ("cls", "mean", "none")
 HEADS = ("linear", "mlp")
@@ -75,6 +74,7 @@ class EncoderClassifier(nn.Module):
         hybrid: Hybrid = None,
     ) -> None:
         super().__init__()
+        check_sizes(dropout, n_layer=n_layer, n_head=n_head, d_model=d_model)
         patches = (image_size is not None, patch_size is not None)
         if patches[0] != patches[1] or (vocab_size is not None) == patches[0]:
             raise ValueError(
@@ -113,9 +113,10 @@ class EncoderClassifier(nn.Module):
             norm_first=norm_first,
             rope_theta=rope_theta if pos_encoding == "rope" else None,
             alibi=pos_encoding == "alibi",
+            who=f"the {type(self).__name__}",
+            causal=False,
+            context=max_len + (pool == "cls"),
         )
-        refuse_noncausal(self.blocks, f"the {type(self).__name__}")
-        refuse_short_positions(self.blocks, max_len + (pool == "cls"), f"the {type(self).__name__}")
         self.norm = final_norm(d_model, bias, norm_first)
         if head == "linear":
             self.head: nn.Module = nn.Linear(d_model, num_classes)

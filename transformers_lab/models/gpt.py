@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from transformers_lab.models.common import Hybrid, block_stack, final_norm, sample_next
+from transformers_lab.models.common import Hybrid, block_stack, check_sizes, final_norm, sample_next
 from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
-from transformers_lab.nn.attention import refuse_causal, refuse_short_positions
 from transformers_lab.nn.layers import sinusoidal_table
 
 
@@ -44,8 +43,6 @@ class GPT(nn.Module):
             model does not generate.
     """
 
-    causal_self_attention: ClassVar[bool] = True  # its kernel must support causal=True
-
     def __init__(
         self,
         vocab_size: int,
@@ -66,6 +63,7 @@ class GPT(nn.Module):
         hybrid: Hybrid = None,
     ) -> None:
         super().__init__()
+        check_sizes(dropout, n_layer=n_layer, n_head=n_head, d_model=d_model)
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.tok = TokenEmbedding(vocab_size, d_model)
@@ -86,9 +84,10 @@ class GPT(nn.Module):
             norm_first=norm_first,
             rope_theta=rope_theta if pos_encoding == "rope" else None,
             alibi=pos_encoding == "alibi",
+            who="the GPT",
+            causal=True,
+            context=block_size,
         )
-        refuse_causal(self.blocks, "GPT")
-        refuse_short_positions(self.blocks, block_size, "the GPT")
         self.norm = final_norm(d_model, bias, norm_first)
         self.bottleneck = Bottleneck(d_model, block_size, bias) if bottleneck else None
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from transformers_lab.attention import Memory
-from transformers_lab.models.common import block_stack, final_norm, reorder_cache
+from transformers_lab.models.common import block_stack, check_sizes, final_norm, reorder_cache
 from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
-from transformers_lab.nn.attention import (
-    refuse_causal,
-    refuse_noncausal,
-    refuse_short_positions,
-)
 
 
 class Transformer(nn.Module):
@@ -42,8 +37,6 @@ class Transformer(nn.Module):
         cross_attention: kernel of the decoder's cross-attention; None means ``attention``.
     """
 
-    causal_self_attention: ClassVar[bool] = True  # the decoder's self-attention
-
     def __init__(
         self,
         src_vocab_size: int,
@@ -69,6 +62,10 @@ class Transformer(nn.Module):
         cross_attention: KernelFactory | str | None = None,
     ) -> None:
         super().__init__()
+        check_sizes(
+            dropout, n_encoder_layers=n_encoder_layers,
+            n_decoder_layers=n_decoder_layers, n_head=n_head, d_model=d_model,
+        )  # fmt: skip
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(
                 "share_embeddings needs one vocabulary, but src_vocab_size="
@@ -93,14 +90,16 @@ class Transformer(nn.Module):
             "rope_theta": rope_theta if pos_encoding == "rope" else None,
             "alibi": pos_encoding == "alibi",
         }
-        self.encoder = block_stack(n_encoder_layers, d_model, n_head, attention, **options)
+        self.encoder = block_stack(
+            n_encoder_layers, d_model, n_head, attention, who="the Transformer's encoder",
+            causal=False, context=max_len, **options,
+        )  # fmt: skip
         self.decoder = block_stack(
-            n_decoder_layers, d_model, n_head, attention, cross_attention or attention, **options
-        )
+            n_decoder_layers, d_model, n_head, attention, cross_attention or attention,
+            who="the Transformer's decoder", causal=True, context=max_len,
+            cross_key="attention" if cross_attention is None else "cross_attention", **options,
+        )  # fmt: skip
         self.encoder_norm = final_norm(d_model, bias, norm_first)
-        refuse_causal([block.attn for block in self.decoder], "the Transformer's decoder")
-        refuse_noncausal(self.encoder, "the Transformer's encoder")
-        refuse_short_positions([self.encoder, self.decoder], max_len, "the Transformer")
         self.decoder_norm = final_norm(d_model, bias, norm_first)
         self.out = nn.Linear(d_model, tgt_vocab_size, bias=False)
         # Xavier init of the projections and embeddings, as in the reference implementation;

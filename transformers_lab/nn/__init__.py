@@ -2,12 +2,6 @@
 blocks, embeddings and positions (``layers``), rotary positions (``rotary``), and the
 weight-decay groups (``optim``)."""
 
-from transformers_lab.nn.attention import (
-    Context,
-    KernelFactory,
-    MultiHeadAttention,
-    as_kernel_factory,
-)
 from transformers_lab.nn.layers import (
     ACTIVATIONS,
     MLP,
@@ -18,6 +12,12 @@ from transformers_lab.nn.layers import (
     TokenEmbedding,
     activation,
     sinusoidal_table,
+)
+from transformers_lab.nn.multihead import (
+    Context,
+    KernelFactory,
+    MultiHeadAttention,
+    as_kernel_factory,
 )
 from transformers_lab.nn.optim import weight_decay_groups
 

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from transformers_lab.attention import AttentionKernel
-from transformers_lab.nn.attention import Context, KernelFactory, MultiHeadAttention
+from transformers_lab.errors import must_be
+from transformers_lab.nn.multihead import Context, KernelFactory, MultiHeadAttention
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU,
@@ -175,6 +176,8 @@ class PatchEmbedding(nn.Module):
         padding: int = 0,
     ) -> None:
         super().__init__()
+        if patch_size < 1:
+            raise ValueError(must_be("patch_size", "an integer >= 1", patch_size))
         stride = patch_size if stride is None else stride
         if stride < 1 or padding < 0:
             raise ValueError(f"need patch stride >= 1 and padding >= 0, got {stride}, {padding}")
@@ -253,6 +256,8 @@ class Block(nn.Module):
         norm_first: pre-norm (True) or post-norm (False, as in Vaswani et al.).
         rope_theta: RoPE in the self-attention with this base (None: none).
         alibi: ALiBi's bias on the self-attention's scores.
+        keys: the config keys of the self- and cross-attention, which name a refusal of
+            either (a model's ``attention``, a hybrid's layer).
     """
 
     def __init__(
@@ -269,22 +274,29 @@ class Block(nn.Module):
         norm_first: bool = True,
         rope_theta: float | None = None,
         alibi: bool = False,
+        keys: tuple[str, str] = ("attention", "cross_attention"),
     ) -> None:
         super().__init__()
         self.norm_first = norm_first
-        self.attn = sequence_mixer(
-            d_model, num_heads, attention, bias=bias, dropout=dropout, rope_theta=rope_theta,
-            alibi=alibi,
-        )  # fmt: skip
+        try:
+            self.attn = sequence_mixer(
+                d_model, num_heads, attention, bias=bias, dropout=dropout, rope_theta=rope_theta,
+                alibi=alibi,
+            )  # fmt: skip
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{keys[0]}: {exc}") from None
         self.norm_attn = nn.LayerNorm(d_model, bias=bias)
         self.cross = None
         if cross_attention is not None:
-            self.cross = MultiHeadAttention(
-                d_model, num_heads, cross_attention, cross=True, bias=bias, dropout=dropout
-            )
+            try:
+                self.cross = MultiHeadAttention(
+                    d_model, num_heads, cross_attention, cross=True, bias=bias, dropout=dropout
+                )
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"{keys[1]}: {exc}") from None
             self.norm_cross = nn.LayerNorm(d_model, bias=bias)
         if mlp_ratio < 0:
-            raise ValueError(f"mlp_ratio must be >= 0 (0: no MLP), got {mlp_ratio}")
+            raise ValueError(f"mlp_ratio must be a number >= 0 (0: no MLP), got {mlp_ratio}")
         self.mlp = MLP(d_model, int(mlp_ratio * d_model), act, dropout, bias) if mlp_ratio else None
         self.norm_mlp = nn.LayerNorm(d_model, bias=bias) if mlp_ratio else None
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from transformers_lab.errors import must_be
 from transformers_lab.nn.parts import ShortConvolution
 
 
@@ -28,7 +29,7 @@ class BaseConv(nn.Module):
     ) -> None:
         super().__init__()
         if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
-            raise ValueError(f"base_conv.kernel_size must be an integer >= 1, got {kernel_size!r}")
+            raise ValueError(must_be("base_conv.kernel_size", "an integer >= 1", kernel_size))
         self.d_model = d_model
         self.projection = nn.Linear(d_model, d_model, bias=bias)
         self.conv = ShortConvolution(d_model, kernel_size, silu=False, bias=True)

@@ -20,14 +20,15 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ProgressBar
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.profilers import PassThroughProfiler
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.config import CONF_DIR, call, expand_hybrid, flatten, option, target_class
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
+from transformers_lab.run.callbacks import build_callbacks
+from transformers_lab.run.loggers import build_loggers
 
 log = logging.getLogger(__name__)
 
@@ -151,10 +152,37 @@ def model_kwargs(config: DictConfig, datamodule: Any) -> dict[str, Any]:
     return merged
 
 
+# a model's refusal that names its config key already (a layer's: ``nn.Block``)
+KEYED = ("attention:", "cross_attention:", "model.")
+
+
+def model_refusal(exc: Exception, config: DictConfig) -> ConfigError:
+    """A model constructor's refusal as one line that names the key: its own words where
+    they name one (``attention: ...``, ``model.hybrid, layer 1 (...)``), ``model.<key>``
+    where they start with one of its options (``n_head must be ...``), else ``model:``."""
+    said = str(exc)
+    if said.startswith(KEYED):
+        return ConfigError(said)
+    first = said.split(" ", 1)[0]
+    if first in inspect.signature(target_class(config)).parameters:
+        return ConfigError(f"model.{said}")
+    return ConfigError(f"model: {said}")
+
+
+def model_factory(config: DictConfig) -> Any:
+    """The model class of ``config`` with its options, the layers ``model.hybrid`` names
+    as their configs, waiting for the sizes the data gives (``model_kwargs``)."""
+    return call(expand_hybrid(config), "model", _partial_=True)
+
+
 def build_model(config: DictConfig, datamodule: Any) -> torch.nn.Module:
     """The model of ``config`` sized for ``datamodule``."""
-    config = expand_hybrid(config)  # the layers model.hybrid names, as their configs
-    return call(config, "model", **model_kwargs(config, datamodule))
+    factory = model_factory(config)
+    sizes = model_kwargs(config, datamodule)
+    try:
+        return factory(**sizes)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise model_refusal(exc, config) from exc
 
 
 def compile_model(model: torch.nn.Module) -> str:
@@ -217,30 +245,6 @@ def check_task_trains(task_class: type, model: torch.nn.Module) -> None:
     )
 
 
-def build_callbacks(
-    config: DictConfig | None, with_logger: bool = True, progress_bar: bool = True
-) -> list[Callback]:
-    """The callbacks of the ``callbacks`` group (null entries are switched off); the
-    learning-rate monitor is left out without a logger, the bar when the trainer has none."""
-    callbacks = []
-    for name, node in (config or {}).items():
-        if node is None:
-            continue
-        callback = call(node, f"callbacks.{name}")
-        if isinstance(callback, LearningRateMonitor) and not with_logger:
-            log.info("no logger: the learning-rate monitor is left out")
-        elif not (isinstance(callback, ProgressBar) and not progress_bar):
-            callbacks.append(callback)
-    return callbacks
-
-
-def build_loggers(config: DictConfig | None) -> list[Logger]:
-    """The loggers of the ``logger`` group (null entries are switched off)."""
-    return [
-        call(node, f"logger.{name}") for name, node in (config or {}).items() if node is not None
-    ]
-
-
 class NoTips(logging.Filter):
     """Lightning's advertisement, printed at every run (``💡 Tip: ...litlogger...``)."""
 
@@ -298,3 +302,10 @@ class NoProfiler(PassThroughProfiler):
 
     def profile(self, action_name: str) -> contextlib.AbstractContextManager:
         return self._NOTHING
+
+
+def use_cpu_threads(cfg: DictConfig) -> None:
+    """Give torch the run's ``cpu_threads`` (null: torch's default), so that runs that share
+    a machine do not each take all of its cores."""
+    if cfg.get("cpu_threads"):
+        torch.set_num_threads(int(cfg.cpu_threads))

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import lightning as L
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig
 
 from transformers_lab.config import resolved_sections
-from transformers_lab.config_checks import check_config
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT
 from transformers_lab.models.common import layer_names
@@ -22,23 +22,21 @@ from transformers_lab.run.build import (
     build_task,
     build_trainer,
     compile_model,
-)
-from transformers_lab.run.checkpoints import check_checkpoint, check_resume, load_checkpoint
-from transformers_lab.run.common import (
-    best_score,
-    checkpoint_path,
-    final_test,
-    finish_wandb,
-    log_hyperparameters,
-    metrics_dict,
-    nothing_left_to_train,
-    report,
-    say,
     use_cpu_threads,
 )
-from transformers_lab.run.job import job_overrides, name_wandb_run, sweep_resume
+from transformers_lab.run.callbacks.safety import interrupted, interrupted_testing
+from transformers_lab.run.checkpoints import (
+    best_score,
+    check_checkpoint,
+    check_resume,
+    checkpoint_path,
+    load_checkpoint,
+)
+from transformers_lab.run.console import metrics_dict, report, say
+from transformers_lab.run.loggers import finish_wandb, log_hyperparameters, name_wandb_run
+from transformers_lab.run.overrides import job_overrides, sweep_resume
+from transformers_lab.run.preflight import check_config
 from transformers_lab.run.record import Outcome, seeded
-from transformers_lab.run.safety import interrupted
 
 log = logging.getLogger(__name__)
 
@@ -118,3 +116,39 @@ def pruned_step(trainer: L.Trainer) -> int | None:
     """The global step an Optuna pruner stopped this run at, or None."""
     steps = [getattr(c, "pruned_at", None) for c in trainer.callbacks]
     return next((s for s in steps if s is not None), None)
+
+
+def nothing_left_to_train(cfg: DictConfig, step: int) -> str:
+    """What a resumed run that trained no step says: its checkpoint had already reached
+    the trainer's limits (a finished run, resumed without raising them)."""
+    limits = f"max_epochs={cfg.trainer.max_epochs}, max_steps={cfg.trainer.max_steps}"
+    return (
+        f"nothing left to train: {cfg.ckpt_path} is at global step {step}, where the "
+        f"trainer's {limits} end the run; raise trainer.max_epochs or trainer.max_steps to "
+        "train further (no new last.ckpt is written)"
+    )
+
+
+def final_test(
+    trainer: L.Trainer,
+    task: L.LightningModule,
+    datamodule: L.LightningDataModule,
+    checkpoint: str | None,
+    trained: bool,
+) -> dict[str, float]:
+    """The test metrics of ``checkpoint`` (None: the weights in memory), or none when the
+    data has no test split (the run then ends with its validation metrics)."""
+    if not is_overridden("test_dataloader", datamodule):
+        say(
+            f"test=true: {type(datamodule).__name__} has no test split, so the run ends "
+            "with its validation metrics"
+        )
+        return {}
+    if checkpoint is None:
+        weights = "trained" if trained else "untrained (train=false)"
+        log.warning("no checkpoint to test: testing the %s weights in memory", weights)
+    try:
+        tested = trainer.test(task, datamodule=datamodule, ckpt_path=checkpoint)
+    except SIGTERMException:
+        raise interrupted_testing(trainer, checkpoint) from None
+    return metrics_dict(tested[0] if tested else {})

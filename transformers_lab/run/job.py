@@ -8,145 +8,23 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shlex
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from transformers_lab.errors import Interrupted
 from transformers_lab.files import atomic_write
 from transformers_lab.run.checkpoints import checkpoint_step, checkpoint_time
-from transformers_lab.run.common import say
+from transformers_lab.run.console import say
 from transformers_lab.run.curves import RESUMED_AT, retire, set_aside
-from transformers_lab.run.overrides import SEED_KEYS, identity, override_key, same_job
+from transformers_lab.run.overrides import identity, in_multirun, job_overrides, same_job
 from transformers_lab.run.record import JobRecord, Monitor, Outcome, read_record, write_record
 
 log = logging.getLogger(__name__)
-
-
-def hydra_config() -> DictConfig | None:
-    """Hydra's config of this run, or None when ``train`` was called without Hydra."""
-    return HydraConfig.get() if HydraConfig.initialized() else None
-
-
-def in_multirun() -> bool:
-    hydra_cfg = hydra_config()
-    return hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
-
-
-def job_overrides() -> list[str]:
-    """This job's overrides (the command line's, or the sweeper's for this job)."""
-    hydra_cfg = hydra_config()
-    if hydra_cfg is None:
-        return []
-    # unresolved: an override may hold an interpolation (data.batch_size=${model.d_model})
-    return list(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
-
-
-# keys of a sweep's command that its resume command sets itself (Hydra adds hydra.mode)
-RESUME_SETS = ("hydra.sweep.dir", "skip_finished", "hydra.mode")
-
-
-def sweep_resume(
-    hydra_cfg: DictConfig | None = None, resumes: str = "this job resumes from it"
-) -> list[str] | None:
-    """For a job of a multirun, what finishes its sweep (words of a sentence, the command
-    second): the sweep's own command (its ``hydra.*`` overrides included, such as the
-    search path of the user's configs) with its sweep dir, with ``skip_finished=true`` for
-    Hydra's sweeper (the finished jobs are skipped, this one resumes from its
-    ``last.ckpt``: ``resumes``); an Optuna study's command as it is (the study gives this
-    trial up and asks for its slot again). ``hydra_cfg``: Hydra's config of the sweep (a
-    launcher's), else this job's. None outside a multirun."""
-    hydra_cfg = hydra_cfg if hydra_cfg is not None else hydra_config()
-    if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
-        return None
-    sweep_dir = Path(str(hydra_cfg.sweep.dir))
-    path = sweep_dir / "multirun.yaml"
-    saved = OmegaConf.load(path) if path.is_file() else OmegaConf.create()
-    # as given: an override's ${...} is the job's to resolve (+callbacks.x.seed=${seed})
-    given = OmegaConf.to_container(saved, resolve=False).get("hydra", {}).get("overrides", {})
-    # the user's hydra.* overrides too: hydra.searchpath finds their kernels' configs
-    master = [str(o) for part in ("hydra", "task") for o in given.get(part, ())]
-    kept = [o for o in master if override_key(o) not in RESUME_SETS]
-    words = ["-m", *kept, f"hydra.sweep.dir={sweep_dir}"]
-    if "study_name" in (hydra_cfg.sweeper or {}):
-        command = " ".join(shlex.quote(w) for w in words)
-        return [
-            "resume its study with",
-            f"tlab-train {command}",
-            "(this trial is given up, its slot asked again)",
-        ]
-    command = " ".join(shlex.quote(w) for w in [*words, "skip_finished=true"])
-    return ["finish its sweep with", f"tlab-train {command}", f"({resumes})"]
-
-
-def sweep_parameters(sweep_dir: Path) -> set[str]:
-    """The keys a multirun sweeps: its sweeper's ``params`` and the command line's sweep
-    overrides (``attention=softmax,dot``), read from the sweep's ``multirun.yaml``."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    keys = set((hydra_config().sweeper.get("params") or {}).keys())
-    path = sweep_dir / "multirun.yaml"
-    if path.is_file():
-        master = [str(o) for o in OmegaConf.load(path).hydra.overrides.task]
-        parsed = OverridesParser.create().parse_overrides(master)
-        keys |= {o.key_or_group for o in parsed if o.is_sweep_override()}
-    return keys
-
-
-def name_wandb_run(cfg: DictConfig) -> None:
-    """Fill the wandb logger's settings left null: in a multirun, one group for the whole
-    sweep (its directory's name), a job_type per swept choice, seeds aside, and a name
-    with every swept setting, seeds included; otherwise the run name and the task name.
-    Its id is the job's (``wandb_run_id``), with ``resume="allow"``: a job resumed from
-    its checkpoint goes on in the same wandb run, not a second one."""
-    node = (cfg.get("logger") or {}).get("wandb")
-    if node is None:
-        return
-    group, job_type, name = cfg.run_name, cfg.task_name, node.get("name")
-    if in_multirun():
-        sweep_dir = Path(cfg.paths.output_dir).parent
-        group = f"{cfg.task_name}-{sweep_dir.name}"
-        swept = sweep_parameters(sweep_dir)
-        settings = [o for o in job_overrides() if override_key(o) in swept]
-        choice = [o for o in settings if override_key(o) not in SEED_KEYS]
-        job_type = " ".join(choice)[:64] or cfg.task_name
-        name = " ".join([name or cfg.run_name, *settings])[:128]
-    with open_dict(node):
-        node.group = node.get("group") or group
-        node.job_type = node.get("job_type") or job_type
-        node.name = name
-        node.id = node.get("id") or wandb_run_id(cfg)
-        node.resume = node.get("resume") or "allow"
-
-
-WANDB_ID = "wandb_id"  # a job dir's file: the wandb run its job logs to, resumes included
-
-
-def wandb_run_id(cfg: DictConfig) -> str:
-    """The wandb run id of this job: a resumed job's is the one its checkpoint's run dir
-    recorded (``wandb_id``), a new job's a fresh random one (a fresh run in a reused dir is
-    a new wandb run); written to the run dir, so a resume of this run finds it in turn."""
-    out = Path(cfg.paths.output_dir)
-    run_id = uuid.uuid4().hex[:16]
-    if cfg.get("ckpt_path"):
-        checkpoint = Path(cfg.ckpt_path).resolve()
-        start = checkpoint.parent
-        if start.name == "checkpoints":
-            start = start.parent
-        if (start / WANDB_ID).is_file():
-            run_id = (start / WANDB_ID).read_text().strip()
-    if rank_zero_only.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write(out / WANDB_ID, run_id + "\n")
-    return run_id
 
 
 def run_job(cfg: DictConfig, fit: Callable[[DictConfig], Outcome]) -> float | None:

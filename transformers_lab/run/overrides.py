@@ -3,8 +3,14 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
 SEED_KEYS = ("seed",)  # overrides that repeat a run rather than change it
 # overrides that do not change what runs (summary.* only says how the sweep is summarised;
@@ -69,3 +75,73 @@ def identity(overrides: Sequence[str]) -> list[str]:
 def same_job(a: Sequence[str], b: Sequence[str]) -> bool:
     """Whether two lists of overrides run the same job (order and bookkeeping aside)."""
     return sorted(identity(a)) == sorted(identity(b))
+
+
+def hydra_config() -> DictConfig | None:
+    """Hydra's config of this run, or None when ``train`` was called without Hydra."""
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def in_multirun() -> bool:
+    hydra_cfg = hydra_config()
+    return hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
+
+
+def job_overrides() -> list[str]:
+    """This job's overrides (the command line's, or the sweeper's for this job)."""
+    hydra_cfg = hydra_config()
+    if hydra_cfg is None:
+        return []
+    # unresolved: an override may hold an interpolation (data.batch_size=${model.d_model})
+    return list(OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False))
+
+
+# keys of a sweep's command that its resume command sets itself (Hydra adds hydra.mode)
+RESUME_SETS = ("hydra.sweep.dir", "skip_finished", "hydra.mode")
+
+
+def sweep_resume(
+    hydra_cfg: DictConfig | None = None, resumes: str = "this job resumes from it"
+) -> list[str] | None:
+    """For a job of a multirun, what finishes its sweep (words of a sentence, the command
+    second): the sweep's own command (its ``hydra.*`` overrides included, such as the
+    search path of the user's configs) with its sweep dir, with ``skip_finished=true`` for
+    Hydra's sweeper (the finished jobs are skipped, this one resumes from its
+    ``last.ckpt``: ``resumes``); an Optuna study's command as it is (the study gives this
+    trial up and asks for its slot again). ``hydra_cfg``: Hydra's config of the sweep (a
+    launcher's), else this job's. None outside a multirun."""
+    hydra_cfg = hydra_cfg if hydra_cfg is not None else hydra_config()
+    if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    sweep_dir = Path(str(hydra_cfg.sweep.dir))
+    path = sweep_dir / "multirun.yaml"
+    saved = OmegaConf.load(path) if path.is_file() else OmegaConf.create()
+    # as given: an override's ${...} is the job's to resolve (+callbacks.x.seed=${seed})
+    given = OmegaConf.to_container(saved, resolve=False).get("hydra", {}).get("overrides", {})
+    # the user's hydra.* overrides too: hydra.searchpath finds their kernels' configs
+    master = [str(o) for part in ("hydra", "task") for o in given.get(part, ())]
+    kept = [o for o in master if override_key(o) not in RESUME_SETS]
+    words = ["-m", *kept, f"hydra.sweep.dir={sweep_dir}"]
+    if "study_name" in (hydra_cfg.sweeper or {}):
+        command = " ".join(shlex.quote(w) for w in words)
+        return [
+            "resume its study with",
+            f"tlab-train {command}",
+            "(this trial is given up, its slot asked again)",
+        ]
+    command = " ".join(shlex.quote(w) for w in [*words, "skip_finished=true"])
+    return ["finish its sweep with", f"tlab-train {command}", f"({resumes})"]
+
+
+def sweep_parameters(sweep_dir: Path) -> set[str]:
+    """The keys a multirun sweeps: its sweeper's ``params`` and the command line's sweep
+    overrides (``attention=softmax,dot``), read from the sweep's ``multirun.yaml``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    keys = set((hydra_config().sweeper.get("params") or {}).keys())
+    path = sweep_dir / "multirun.yaml"
+    if path.is_file():
+        master = [str(o) for o in OmegaConf.load(path).hydra.overrides.task]
+        parsed = OverridesParser.create().parse_overrides(master)
+        keys |= {o.key_or_group for o in parsed if o.is_sweep_override()}
+    return keys

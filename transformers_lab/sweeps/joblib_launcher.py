@@ -9,7 +9,7 @@ Here, on SIGTERM or SIGINT, the main process:
   it does not run (it leaves no record, so the sweep's resume runs it);
 - sends SIGTERM to every worker that runs a job: the job saves ``last.ckpt`` after the
   current batch and records itself interrupted, as a job stopped alone does (a worker
-  notes a signal at any moment of its job, ``run.safety.note_signals``);
+  notes a signal at any moment of its job, ``run.callbacks.safety.note_signals``);
 - waits for them, prints the line that finishes the sweep, and exits with 128 + the
   signal's number, the shell's convention.
 
@@ -40,10 +40,10 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
 from transformers_lab.files import atomic_write
-from transformers_lab.run.common import say
-from transformers_lab.run.job import sweep_resume
+from transformers_lab.run.callbacks.safety import StopOnSignal, clear_noted_signal, note_signals
+from transformers_lab.run.console import say
+from transformers_lab.run.overrides import sweep_resume
 from transformers_lab.run.record import read_record
-from transformers_lab.run.safety import StopOnSignal, clear_noted_signal, note_signals
 
 log = logging.getLogger(__name__)
 

@@ -90,7 +90,7 @@ def pruning_callback(cfg: DictConfig) -> TrialPruning | None:
     pruner_cfg = cfg.get("pruner")
     if number is None or not pruner_cfg:
         return None
-    from transformers_lab.run.job import hydra_config
+    from transformers_lab.run.overrides import hydra_config
     from transformers_lab.sweeps.study import open_storage
 
     hydra_cfg = hydra_config()

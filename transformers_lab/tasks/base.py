@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from transformers_lab.errors import ConfigError
 from transformers_lab.nn import weight_decay_groups
-from transformers_lab.run.safety import CheckedNorm, clip_with_checked_norm
+from transformers_lab.tasks.clipping import CheckedNorm, clip_with_checked_norm
 from transformers_lab.tasks.examples import Detokenizer, Example
 
 log = logging.getLogger(__name__)

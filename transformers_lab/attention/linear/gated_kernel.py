@@ -32,6 +32,7 @@ from transformers_lab.attention.linear.gated import (
     naive_recurrence,
     pair_decay,
 )
+from transformers_lab.errors import must_be
 
 
 class GatedKernel(AttentionKernel):
@@ -67,7 +68,7 @@ class GatedKernel(AttentionKernel):
                 "weights to drop); use the model's dropout"
             )
         if not (isinstance(chunk_size, int) and chunk_size >= 1):
-            raise ValueError(f"{self.name}: chunk_size must be an integer >= 1, got {chunk_size!r}")
+            raise ValueError(f"{self.name}: {must_be('chunk_size', 'an integer >= 1', chunk_size)}")
         self.chunk_size = chunk_size
         self.backend = check_backend(self.name, backend, self.fused_backends)
         self.scale = head_dim**-0.5
@@ -145,7 +146,7 @@ class GatedKernel(AttentionKernel):
             raise ValueError(
                 f"{self.name} needs its gate inputs {', '.join(missing)} (B, H, N) or (B, H, N, "
                 "D) as keyword arguments: its multi-head layer projects them from x "
-                "(nn.attention.MultiHeadAttention)"
+                "(nn.multihead.MultiHeadAttention)"
             )
         q, k = self.mapped(q, "q"), self.mapped(k, "k")  # before anything else
         log_decay, beta = self.decay_and_rate(gates, k)

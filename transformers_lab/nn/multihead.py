@@ -11,7 +11,13 @@ from torch import Tensor, nn
 
 from transformers_lab.attention import AttentionKernel, Memory, kernel_class
 from transformers_lab.attention.base import GateInput
-from transformers_lab.nn.parts import HeadNorm, ShortConvolution, l2_normalize, qk_activation
+from transformers_lab.nn.parts import (
+    HeadNorm,
+    ShortConvolution,
+    l2_normalize,
+    qk_activation,
+    split_layer_parts,
+)
 from transformers_lab.nn.rotary import Rotary
 
 KernelFactory = Callable[..., AttentionKernel]
@@ -125,10 +131,10 @@ class MultiHeadAttention(nn.Module):
         num_heads: H.
         kernel: ``factory(head_dim=..., num_heads=...)`` returning an ``AttentionKernel``
             (Hydra's ``_partial_: true`` gives one), or a kernel name such as ``"fastmax"``.
-            Its config may carry the layer's switches (``attention.parts.LayerParts``:
+            Its config may carry the layer's switches (``nn.parts.LayerParts``:
             ``short_conv``, ``qk_activation``, ``qk_norm``, ``output_norm``,
-            ``output_gate``): the kernel keeps them as ``kernel.parts``, and this module
-            builds them.
+            ``output_gate``): this module takes them out of the factory, keeps them as
+            ``parts`` and builds them; the kernel never sees them.
         cross: attend from ``x`` to a separate ``context``.
         context_dim: width of ``context`` (cross-attention only); ``None`` means d_model.
         bias: bias in the projections.
@@ -161,7 +167,9 @@ class MultiHeadAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = head_size(d_model, num_heads)
         self.cross = cross
-        self.kernel = as_kernel_factory(kernel)(head_dim=self.head_dim, num_heads=num_heads)
+        # the layer's switches ride in the kernel's config: the layer takes them out
+        factory, self.parts = split_layer_parts(as_kernel_factory(kernel))
+        self.kernel = factory(head_dim=self.head_dim, num_heads=num_heads)
         if not isinstance(self.kernel, AttentionKernel):
             raise TypeError(
                 f"the kernel factory returned {type(self.kernel).__name__}, expected an "
@@ -181,7 +189,6 @@ class MultiHeadAttention(nn.Module):
         if rope_theta is not None and cross:
             raise ValueError("rope_theta is for self-attention: a context has positions of its own")
         self.rotary = None if rope_theta is None else Rotary(self.qk_dim, rope_theta)
-        self.parts = self.kernel.parts  # the layer's switches ride in the kernel's config
         if cross and (why := self.kernel.noncausal_refusal()):
             raise ValueError(f"a cross-attention attends to all of another sequence: {why}")
         if cross and getattr(self.kernel, "positional", False):

@@ -1,19 +1,22 @@
-"""Checks of a composed config, run before anything is built: a user's mistake is caught
-at once, as one ``ConfigError`` line that says what was wrong and how to fix it.
+"""The preflight: a composed config checked before the data is read, so that a user's
+mistake is caught at once, as one ``ConfigError`` line that says what was wrong and how
+to fix it.
 
-``RULES`` says what the value of each key must be; a key that the config does not have
-(another model, another entry point) is skipped. The values a node gives one of our own
-classes must also have the types its constructor declares (``check_signature``). The
-checks that need the data (sizes, vocabularies, whether model and data fit together) run
-when the model is sized from it (``run.build.model_kwargs``), and those of a checkpoint's
-contents when it is loaded.
+The model is built as the run will build it, on the meta device, with stand-ins for the
+sizes the data gives (``check_model``): its own constructors refuse what cannot work, in
+their words; nothing here re-states their rules. ``RULES`` holds what no constructor
+owns (the trainer's, the optimizer's, the entry points' own keys); a key that the config
+does not have (another model, another entry point) is skipped. The values a node gives
+one of our classes must have the types its constructor declares (``check_signature``).
+The checks that need the data (sizes, vocabularies, whether model and data fit together)
+run when the model is sized from it (``run.build.model_kwargs``), and those of a
+checkpoint's contents when it is loaded.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import UnionType
@@ -23,18 +26,15 @@ import torch
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PRECISION_INPUT_STR
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.cli import unknown_option
-from transformers_lab.config import CONF_DIR, call, expand_hybrid, flatten, target_class
-from transformers_lab.errors import ConfigError
-from transformers_lab.models.common import check_sampling, layer_choices
-from transformers_lab.nn.attention import (
-    MultiHeadAttention,
-    as_kernel_factory,
-    head_size,
-    refuse_causal,
-    refuse_short_positions,
+from transformers_lab.config import (
+    CONF_DIR,
+    flatten,
+    target_class,
+    unknown_option,
 )
-from transformers_lab.nn.layers import sequence_mixer
+from transformers_lab.errors import ConfigError
+from transformers_lab.models.common import check_sampling
+from transformers_lab.run.build import model_factory, model_refusal
 from transformers_lab.run.checkpoints import checkpoint_file
 
 
@@ -97,14 +97,6 @@ RULES: dict[str, Expect] = {
     "cpu_threads": NULL | POSITIVE_INT,
     "compile": BOOL,
     "monitor.mode": one_of("min", "max"),
-    "model.d_model": POSITIVE_INT,
-    "model.n_head": POSITIVE_INT,
-    "model.n_layer": POSITIVE_INT,
-    "model.n_encoder_layers": POSITIVE_INT,
-    "model.n_decoder_layers": POSITIVE_INT,
-    "model.mlp_ratio": Expect(lambda v: is_number(v) and v >= 0, "a number >= 0 (0: no MLP)"),
-    "model.dropout": PROBABILITY,
-    "model.patch_size": NULL | POSITIVE_INT,
     "data.batch_size": POSITIVE_INT,
     "data.num_workers": COUNT,
     "data.val_fraction": FRACTION,
@@ -214,17 +206,11 @@ def check_components(cfg: DictConfig) -> None:
                 raise unknown_option(group, name)
 
 
-def cross_shares(model: DictConfig) -> bool:
-    """Whether the model's cross-attention uses its ``attention`` kernel (the Transformer
-    with ``cross_attention: null``)."""
-    return "cross_attention" in model and model.get("cross_attention") is None
-
-
 def on_meta(build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``build(*args, **kwargs)`` on the meta device (no memory, no initialisation), or on
     the CPU for a kernel of the user's that reads its tensors' values while it is built
     (``.item()``, ``.numpy()``), which the meta device cannot give. A refusal
-    (ValueError; a TypeError again on the CPU) goes up as the kernel raised it."""
+    (ValueError; a TypeError again on the CPU) goes up as the constructor raised it."""
     try:
         with torch.device("meta"):
             return build(*args, **kwargs)
@@ -234,89 +220,58 @@ def on_meta(build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return build(*args, **kwargs)
 
 
-def hold_to_model_rules(layers: list[Any], model_class: type | None, context: int | None) -> None:
-    """The model's own refusals of a self-attention layer: a kernel that cannot attend
-    causally in a model that attends so, and positions shorter than its context."""
-    if getattr(model_class, "causal_self_attention", False):
-        refuse_causal(layers, model_class.__name__)
-    who = f"the {model_class.__name__}" if model_class is not None else "the model"
-    refuse_short_positions(layers, context, who)
+# what the data would size, as small stand-ins: the model is built before the data is read
+PLACEHOLDERS = {
+    "vocab_size": 8,
+    "src_vocab_size": 8,
+    "tgt_vocab_size": 8,
+    "num_classes": 2,
+    "in_channels": 1,
+    "pad_id": 0,
+    "bos_id": 1,
+    "eos_id": 2,
+}
+CONTEXTS = ("block_size", "max_len")  # the positions a model holds
 
 
-def check_attention(model: DictConfig, data_context: int | None = None) -> None:
-    """Each kernel built into its layer, on the meta device, as the model will build it,
-    and held to the model's own rules (``nn.attention``'s ``refuse_*``, the rotary's), so
-    that a kernel the model refuses is refused before the data is read, in the model's
-    words. The kernel's own checks (unknown options, p, dropout, scale, ...) run too."""
-    try:
-        head_size(model.d_model, model.n_head)
-    except ValueError as exc:
-        raise ConfigError(f"model: {exc}") from None
-    model_class = target_class(model) if "_target_" in model else None
-    context = model.get("block_size") or model.get("max_len") or data_context
-    rope_theta = model.get("rope_theta", 10000.0) if model.get("pos_encoding") == "rope" else None
-    for key in ("attention", "cross_attention"):
-        kernel = model.get(key)
-        if kernel is None:
+def placeholder_sizes(model: DictConfig, data: Any) -> dict[str, Any]:
+    """Stand-ins for the sizes ``model`` leaves to the data (null): small vocabularies and
+    classes, the data config's context (the one the model will get), an image of a few
+    patches."""
+    context = next((data.get(key) for key in CONTEXTS if data.get(key)), 16)
+    sizes: dict[str, Any] = {}
+    for key, value in model.items():
+        if value is not None:
             continue
-        crossing = key == "cross_attention" or (key == "attention" and cross_shares(model))
-        crosses = ([] if key == "cross_attention" else [False]) + ([True] if crossing else [])
-        try:  # a kernel config (a partial) or a kernel's name, built into its layer(s)
-            factory = as_kernel_factory(kernel if isinstance(kernel, str) else call(kernel, key))
-            alibi = key == "attention" and model.get("pos_encoding") == "alibi"
-            layers = [
-                on_meta(
-                    MultiHeadAttention,
-                    model.d_model,
-                    model.n_head,
-                    factory,
-                    cross=cross,
-                    alibi=alibi and not cross,
-                    rope_theta=None if cross else rope_theta,
-                )
-                for cross in crosses
-            ]
-            selves = [layer for layer, cross in zip(layers, crosses, strict=True) if not cross]
-            hold_to_model_rules(selves, model_class, context)
-        except ConfigError:  # built by ``call``, which names the key already
-            raise
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{key}: {exc}") from None
-    check_hybrid(model, context)
+        if key in PLACEHOLDERS:
+            sizes[str(key)] = PLACEHOLDERS[str(key)]
+        elif key in CONTEXTS:
+            sizes[str(key)] = context
+        elif key == "image_size":  # a grid of 4 x 4 patches as the model tiles them
+            patch = model.get("patch_size") or 1
+            stride = model.get("patch_stride") or patch
+            sizes[str(key)] = max(patch + 3 * stride - 2 * (model.get("patch_padding") or 0), 1)
+    return sizes
 
 
-def check_hybrid(model: DictConfig, context: int | None = None) -> None:
-    """``model.hybrid``: its layers exist and fit the stack, and each one builds as its
-    layer will (ALiBi, for one, needs a kernel that forms scores in every layer)."""
-    if model.get("hybrid") is None:
+def check_model(cfg: DictConfig) -> None:
+    """The run's model built as the run will build it, on the meta device and sized with
+    stand-ins for what the data gives (``placeholder_sizes``): its constructors' own
+    refusals (the kernel's options, the layer's parts, RoPE, ALiBi, causal or both ways,
+    positions, a hybrid's layers) are met before the data is read, in their own words."""
+    model = cfg.get("model")
+    if not isinstance(model, DictConfig) or "_target_" not in model:
         return
-    model_class = target_class(model)
-    if "hybrid" not in inspect.signature(model_class).parameters:
-        raise ConfigError(
-            f"model.hybrid: the {model_class.__name__} has no per-layer attention choice "
-            "(GPT, ViT and the encoder classifier do); remove model.hybrid"
-        )
-    expanded = expand_hybrid(model)
+    factory = model_factory(model)
+    sizes = placeholder_sizes(model, cfg.get("data") or {})
+    params = inspect.signature(target_class(model)).parameters
+    given = {str(k) for k, v in model.items() if v is not None} | set(sizes)
+    if any(p.default is p.empty and name not in given for name, p in params.items()):
+        return  # a model of the user's that needs a size only its data gives
     try:
-        choices = layer_choices(model.n_layer, "attention", expanded.hybrid)
-        names = layer_choices(model.n_layer, "attention", model.hybrid)  # as given
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    built: set[str] = set()
-    for i, choice in enumerate(choices):
-        key = json.dumps(OmegaConf.to_container(choice) if OmegaConf.is_config(choice) else choice)
-        if choice == "attention" or key in built:
-            continue
-        built.add(key)
-        try:
-            factory = call(choice, f"model.hybrid layer {i}")
-            alibi = model.get("pos_encoding") == "alibi"
-            mixer = on_meta(sequence_mixer, model.d_model, model.n_head, factory, alibi=alibi)
-            hold_to_model_rules([mixer], model_class, context)
-        except ConfigError:
-            raise
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"model.hybrid, layer {i} ({names[i]}): {exc}") from None
+        on_meta(factory, **sizes)
+    except (ValueError, TypeError) as exc:
+        raise model_refusal(exc, model) from None
 
 
 # ---------------------------------------------------------------- from the signatures
@@ -377,6 +332,31 @@ def check_signature(section: str, node: Any) -> None:
             )
 
 
+def check_keys(section: str, node: Any) -> None:
+    """A config node gives its own class (a ``transformers_lab`` class) only options its
+    constructor takes: ``+model.hybrid=...`` on the Transformer is refused with the
+    options it has, not met as Python's ``unexpected keyword argument``."""
+    if not isinstance(node, DictConfig) or not str(node.get("_target_", "")).startswith(
+        "transformers_lab."
+    ):
+        return
+    try:
+        params = inspect.signature(target_class(node)).parameters
+    except Exception:  # not importable: the build will say
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    for key in node:
+        if str(key).startswith("_") or key in params:
+            continue
+        close = difflib.get_close_matches(str(key), list(params), n=1)
+        meant = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(
+            f"{section}.{key}: {target_class(node).__name__} takes no {key}{meant}; remove "
+            f"it, or choose a {section} that takes it"
+        )
+
+
 EXAMPLES = {"best_over": "[optimizer.lr]", "mean_over": "[data]"}
 
 
@@ -418,13 +398,12 @@ def check_config(cfg: DictConfig) -> None:
     check_rules(cfg)
     for section in ("model", "data", "task"):
         node = cfg.get(section)
+        check_keys(section, node)
         check_signature(section, node)
         for key in ("attention", "cross_attention") if section == "model" and node else ():
             check_signature(f"model.{key}", node.get(key))
     check_components(cfg)
-    if "model" in cfg and "n_head" in cfg.model:
-        data = cfg.get("data") or {}
-        check_attention(cfg.model, data.get("block_size") or data.get("max_len"))
+    check_model(cfg)
     check_schedule(cfg.get("scheduler"))
     trainer = cfg.get("trainer") or {}
     check_accelerator(trainer)

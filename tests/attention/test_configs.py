@@ -11,9 +11,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from transformers_lab.attention import KERNELS, AttentionKernel
-from transformers_lab.attention.parts import PART_KEYS
+from transformers_lab.nn.parts import PART_KEYS, split_layer_parts
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 OPTIONS = sorted(p.stem for p in (CONF / "attention").glob("*.yaml"))
@@ -32,7 +32,8 @@ def test_every_attention_option_composes_into_a_registered_kernel(tmp_path, opti
     (tmp_path / "probe.yaml").write_text("defaults:\n  - attention: softmax\n  - _self_\n")
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         cfg = compose("probe", overrides=[f"attention={option}"])
-    kernel = instantiate(cfg.attention)(head_dim=4, num_heads=2)
+    factory, _ = split_layer_parts(instantiate(cfg.attention))  # the layer's switches aside
+    kernel = factory(head_dim=4, num_heads=2)
     assert type(kernel) in KERNELS.values()
     settings = {k: v for k, v in cfg.attention.items() if not k.startswith("_") and v is not None}
     kept = {k: v for k, v in settings.items() if hasattr(kernel, k)}  # some set other fields
@@ -43,7 +44,7 @@ def test_every_attention_option_composes_into_a_registered_kernel(tmp_path, opti
 def test_kernel_config_instantiates_a_factory(name):
     cfg = OmegaConf.load(CONF / "attention" / f"{name}.yaml")
     assert cfg._partial_ is True
-    factory = instantiate(cfg)
+    factory, _ = split_layer_parts(instantiate(cfg))
     kernel = factory(head_dim=8, num_heads=2)
     assert isinstance(kernel, AttentionKernel) and isinstance(kernel, KERNELS[name])
     q = torch.randn(1, 2, 5, kernel.qk_dim)  # Based's q and k are feature_dim wide
@@ -68,5 +69,6 @@ def test_fastmax_options_override_from_the_command_line(tmp_path):
     (tmp_path / "probe.yaml").write_text("defaults:\n  - attention: softmax\n  - _self_\n")
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         cfg = compose("probe", overrides=["attention=fastmax", "attention.p=1"])
-    kernel = instantiate(cfg.attention)(head_dim=4, num_heads=2)
+    factory, _ = split_layer_parts(instantiate(cfg.attention))  # the layer's switches aside
+    kernel = factory(head_dim=4, num_heads=2)
     assert type(kernel).__name__ == "FastmaxAttention" and kernel.p == 1

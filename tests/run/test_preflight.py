@@ -1,21 +1,21 @@
-"""config_checks: a composed config refused before anything is built, in one line."""
+"""preflight: a composed config refused before anything is built, in one line."""
 
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
-from transformers_lab.config_checks import (
+from transformers_lab.errors import ConfigError
+from transformers_lab.run.preflight import (
     NULL,
     POSITIVE_INT,
     RULES,
-    check_attention,
     check_components,
     check_config,
     check_missing,
+    check_model,
     check_rules,
 )
-from transformers_lab.errors import ConfigError
 
 
 def test_expectations_compose_with_or():
@@ -45,27 +45,46 @@ def test_missing_values_and_components_without_a_target():
 
 
 def model(**kw):
-    base = {"d_model": 32, "n_head": 4, "attention": "softmax"}
-    return OmegaConf.create(base | kw)
+    """A run's config whose model is a GPT of these options, on data of context 64."""
+    base = {"_target_": "transformers_lab.models.GPT", "vocab_size": None, "block_size": None}
+    base |= {"d_model": 32, "n_head": 4, "n_layer": 1, "attention": "softmax"}
+    return OmegaConf.create({"model": base | kw, "data": {"block_size": 64}})
 
 
-def test_attention_is_built_once_to_check_it():
-    check_attention(model())
-    with pytest.raises(ConfigError, match="d_model=30 must be divisible by num_heads=4"):
-        check_attention(model(d_model=30))
-    with pytest.raises(ConfigError, match="rope needs an even head dim.*got head_dim=9"):
-        check_attention(model(d_model=36, pos_encoding="rope"))
-    with pytest.raises(ConfigError, match="attention: unknown attention kernel 'soft'"):
-        check_attention(model(attention="soft"))
-    with pytest.raises(ConfigError, match="pos_encoding=alibi adds a bias"):
-        check_attention(model(attention="linear", pos_encoding="alibi"))
+def test_the_model_is_built_on_the_meta_device_and_refuses_in_its_own_words():
+    check_model(model())
+    with pytest.raises(ConfigError, match="^model: d_model=30 must be divisible by num_heads=4"):
+        check_model(model(d_model=30))
+    with pytest.raises(ConfigError, match="^attention: rope needs an even head dim.*head_dim=9"):
+        check_model(model(d_model=36, pos_encoding="rope"))
+    with pytest.raises(ConfigError, match="^attention: unknown attention kernel 'soft'"):
+        check_model(model(attention="soft"))
+    with pytest.raises(ConfigError, match="^attention: pos_encoding=alibi adds a bias"):
+        check_model(model(attention="linear", pos_encoding="alibi"))
     cos = {"_target_": "transformers_lab.attention.cosformer.CosFormerAttention"}
     cos["_partial_"] = True
-    with pytest.raises(ConfigError, match="max_len=1024, but the model's context is 2048"):
-        check_attention(model(attention=cos, block_size=2048))
+    with pytest.raises(ConfigError, match="max_len=1024, but the GPT's context is 2048"):
+        check_model(model(attention=cos, block_size=2048))
     typo = {"_target_": "transformers_lab.attention.CosformerAttention", "_partial_": True}
-    with pytest.raises(ConfigError, match=r"^attention: cannot import its _target_ "):
-        check_attention(model(attention=typo))
+    with pytest.raises(ConfigError, match=r"cannot import its _target_ "):
+        check_model(model(attention=typo))
+
+
+def test_the_data_s_context_stands_in_for_a_null_block_size():
+    """A kernel that weighs positions up to 32 is refused on data of context 64 before the
+    data is read; the same kernel is fine where the data's context is 32."""
+    cos = {"_target_": "transformers_lab.attention.cosformer.CosFormerAttention"}
+    short = cos | {"_partial_": True, "max_len": 32}
+    with pytest.raises(ConfigError, match="max_len=32, but the GPT's context is 64"):
+        check_model(model(attention=short))
+    fits = model(attention=short)
+    fits.data.block_size = 32
+    check_model(fits)
+
+
+def test_a_model_that_needs_a_size_only_its_data_gives_is_left_to_the_real_build():
+    odd = OmegaConf.create({"model": {"_target_": "torch.nn.Linear", "bias": True}})
+    check_model(odd)  # in_features, out_features: no stand-in, no build, no refusal
 
 
 def test_a_run_that_never_stops_and_a_missing_checkpoint():
@@ -108,7 +127,7 @@ def test_a_build_that_reads_its_values_falls_back_from_meta_to_the_cpu():
     own (ValueError) goes up."""
     import torch
 
-    from transformers_lab.config_checks import on_meta
+    from transformers_lab.run.preflight import on_meta
 
     assert on_meta(lambda: torch.ones(2).numpy()).tolist() == [1.0, 1.0]
     assert on_meta(lambda: torch.ones(2)).device.type == "meta"  # the cheap path first
@@ -121,18 +140,18 @@ def test_a_hybrid_layer_is_held_to_the_model_s_rules_before_the_data():
     cos = {"_target_": "transformers_lab.attention.cosformer.CosFormerAttention"}
     short = OmegaConf.create(cos | {"_partial_": True, "max_len": 8})
     with pytest.raises(ConfigError, match=r"layer 1 .*max_len=8, but the GPT's context is 64"):
-        check_attention(model(**gpt, block_size=64, hybrid={1: short}))
+        check_model(model(**gpt, block_size=64, hybrid={1: short}))
     fast = {"_target_": "transformers_lab.attention.fastmax.FastmaxAttention", "_partial_": True}
     future = OmegaConf.create(fast | {"normalize": "sequence_max"})
-    with pytest.raises(ConfigError, match="GPT attends causally"):
-        check_attention(model(**gpt, block_size=64, hybrid={0: future}))
+    with pytest.raises(ConfigError, match=r"^model.hybrid, layer 0 .*GPT attends causally"):
+        check_model(model(**gpt, block_size=64, hybrid={0: future}))
 
 
 def test_a_summary_key_is_a_key_of_the_config_or_a_config_group():
     """A misspelt key is refused with the key meant; a group's choice (``mqar_size``, a
     global package with no node of its own) and a node (``data``) are keys a summary
     groups by, as tlab-summarize takes them."""
-    from transformers_lab.config_checks import check_summary_keys
+    from transformers_lab.run.preflight import check_summary_keys
 
     cfg = OmegaConf.create({"optimizer": {"lr": 1e-3}, "data": {"n": 1}, "summary": {}})
     for keys in (["optimizer.lr"], ["data"], ["mqar_size"], ["experiment"]):

@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from transformers_lab.errors import ConfigError, Interrupted
-from transformers_lab.run.safety import (
-    AtomicCheckpointIO,
-    Checkpoint,
+from transformers_lab.run.callbacks.safety import (
     NonFiniteGuard,
     all_finite,
     interrupted,
     random_states,
     set_random_states,
 )
+from transformers_lab.run.checkpoints import AtomicCheckpointIO, Checkpoint
 
 
 def test_all_finite_sees_a_nan_or_inf_anywhere():
@@ -77,7 +76,7 @@ def test_a_stopped_sweep_job_says_how_to_finish_its_sweep_not_to_rerun_the_job(
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    from transformers_lab.run import job
+    from transformers_lab.run import overrides as hydra_job
 
     sweep_dir = tmp_path / "sweep"
     sweep_dir.mkdir()
@@ -94,9 +93,9 @@ def test_a_stopped_sweep_job_says_how_to_finish_its_sweep_not_to_rerun_the_job(
     hydra_cfg = OmegaConf.create(
         {"mode": RunMode.MULTIRUN, "sweep": {"dir": str(sweep_dir)}, "sweeper": sweeper}
     )
-    monkeypatch.setattr(job, "hydra_config", lambda: hydra_cfg)
+    monkeypatch.setattr(hydra_job, "hydra_config", lambda: hydra_cfg)
     own = ["sweep=attention_kernels", "trainer.max_steps=9", "attention=dot", "trial=3"]
-    exc = interrupted(fake_trainer("/r/1/last.ckpt"), own, job.sweep_resume())
+    exc = interrupted(fake_trainer("/r/1/last.ckpt"), own, hydra_job.sweep_resume())
     message = str(exc)
     command = (
         "tlab-train -m 'hydra.searchpath=[file:///u/my_conf]' sweep=attention_kernels "
@@ -109,8 +108,8 @@ def test_a_stopped_sweep_job_says_how_to_finish_its_sweep_not_to_rerun_the_job(
         assert message.endswith(f"finish its sweep with {command} skip_finished=true (this "
                                 "job resumes from it)")  # fmt: skip
     assert "attention=dot" not in message and "trial=3" not in message
-    monkeypatch.setattr(job, "hydra_config", lambda: None)  # a run of its own
-    assert job.sweep_resume() is None
+    monkeypatch.setattr(hydra_job, "hydra_config", lambda: None)  # a run of its own
+    assert hydra_job.sweep_resume() is None
 
 
 def test_a_checkpoint_is_written_whole_and_readable(tmp_path):
