@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import math
 import secrets
 import sys
@@ -17,9 +18,11 @@ from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from transformers_lab.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -60,8 +63,51 @@ OmegaConf.register_new_resolver("epoch_steps", epoch_steps, replace=True)
 OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
 
 
+# classes and functions that moved: (old prefix, new prefix) of a ``_target_``
+MOVED = (
+    ("transformers_lab.run.safety.Checkpoint", "transformers_lab.run.checkpoints.Checkpoint"),
+    (
+        "transformers_lab.run.safety.AtomicCheckpointIO",
+        "transformers_lab.run.checkpoints.AtomicCheckpointIO",
+    ),
+    ("transformers_lab.run.safety.", "transformers_lab.run.callbacks.safety."),
+    ("transformers_lab.callbacks.", "transformers_lab.run.callbacks.views."),
+    ("transformers_lab.loggers.", "transformers_lab.run.loggers."),
+    ("transformers_lab.nn.attention.", "transformers_lab.nn.multihead."),
+)
+
+
+def moved_target(target: Any) -> str | None:
+    """Where a ``_target_`` of an earlier version lives now, or None if it did not move."""
+    for old, new in MOVED if isinstance(target, str) else ():
+        if target.startswith(old):
+            return new + target[len(old) :]
+    return None
+
+
+def migrate_targets(node: Any) -> None:
+    """Point, in place, every ``_target_`` of ``node`` that moved (``MOVED``) to its new
+    home, with a note that names both: a config of an earlier version keeps working."""
+    if isinstance(node, DictConfig):
+        target = node._get_node("_target_") if "_target_" in node else None
+        new = moved_target(target._value()) if target is not None else None
+        if new is not None:
+            log.warning("%s moved to %s; update your config", target._value(), new)
+            with open_dict(node):
+                node._target_ = new
+        children = [node._get_node(key) for key in node]
+    elif isinstance(node, ListConfig):
+        children = [node._get_node(i) for i in range(len(node))]
+    else:
+        return
+    for child in children:
+        migrate_targets(child)
+
+
 def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
-    """``instantiate`` with the error of the target itself, not Hydra's wrapping of it."""
+    """``instantiate`` with the error of the target itself, not Hydra's wrapping of it; a
+    ``_target_`` that moved is followed to its new home (``migrate_targets``)."""
+    migrate_targets(config)
     try:
         return instantiate(config, **kwargs)
     except InstantiationException as exc:

@@ -68,7 +68,7 @@ def test_captured_gpt_maps_are_causal_distributions_for_every_kernel(kernel):
     with AttentionCapture(model) as capture:
         model(x)
     maps = capture.maps
-    assert list(maps) == ["blocks.0.attn", "blocks.1.attn"]
+    assert list(maps) == ["blocks.0.mixer", "blocks.1.mixer"]
     for weights in maps.values():
         assert weights.shape == (3, 2, 10, 10)
         if KERNELS[kernel].normalized:  # sigmoid and relu weigh each key on its own
@@ -89,9 +89,9 @@ def test_captured_encoder_decoder_maps_respect_padding_for_every_kernel(kernel):
     src = torch.tensor([[5, 6, 7, 8, 0, 0], [5, 6, 7, 8, 9, 10]])  # 0 = padding
     tgt = torch.tensor([[1, 4, 5, 6], [1, 7, 8, 9]])
     maps = attention_maps(model, src, tgt)
-    encoder = maps["encoder.0.attn"]
+    encoder = maps["encoder.0.mixer"]
     cross = maps["decoder.0.cross"]
-    decoder = maps["decoder.0.attn"]
+    decoder = maps["decoder.0.mixer"]
     assert encoder.shape == (2, 2, 6, 6) and cross.shape == (2, 2, 4, 6)
     assert decoder.shape == (2, 2, 4, 4)
     for weights in (encoder, cross, decoder):
@@ -107,10 +107,10 @@ def test_the_maps_are_the_kernels_own_weights_of_the_layer_inputs():
     x = torch.randint(0, 20, (2, 7))
     with AttentionCapture(model) as capture:
         model(x)
-    attn = model.blocks[0].attn
-    h = model.blocks[0].norm_attn(model.embed(x))
+    attn = model.blocks[0].mixer
+    h = model.blocks[0].norm_mixer(model.embed(x))
     expected = attn.attention_weights(h, causal=True)
-    torch.testing.assert_close(capture.maps["blocks.0.attn"], expected.detach())
+    torch.testing.assert_close(capture.maps["blocks.0.mixer"], expected.detach())
 
 
 def test_no_hook_remains_after_a_capture_even_when_the_forward_fails():
@@ -134,7 +134,7 @@ def test_capture_selects_layers_and_explains_a_bad_selection():
     src, tgt = torch.randint(1, 13, (1, 5)), torch.randint(1, 11, (1, 3))
     maps = attention_maps(model, src, tgt, layers=["cross"], max_batch=1)
     assert list(maps) == ["decoder.0.cross"]
-    with pytest.raises(ValueError, match=r"no attention layer matches \['nope'\].*encoder.0.attn"):
+    with pytest.raises(ValueError, match=r"no attention layer matches \['nope'\].*encoder.0.mixer"):
         AttentionCapture(model, layers=["nope"])
     with pytest.raises(ValueError, match="has no attention kernel"):
         AttentionCapture(torch.nn.Linear(2, 2))
@@ -145,18 +145,18 @@ def test_attention_maps_runs_in_eval_mode_and_restores_the_mode():
     model.train()
     x = torch.randint(0, 20, (1, 6))
     first, second = attention_maps(model, x), attention_maps(model, x)
-    torch.testing.assert_close(first["blocks.0.attn"], second["blocks.0.attn"])  # no dropout
+    torch.testing.assert_close(first["blocks.0.mixer"], second["blocks.0.mixer"])  # no dropout
     assert model.training
 
 
 def test_axis_labels_follow_the_layer_kind():
     example = Example((), source=["a", "b", "c"], target=["<s>", "x"])
-    assert example.axis_labels("encoder.0.attn", 3, 3) == (["a", "b", "c"], ["a", "b", "c"])
+    assert example.axis_labels("encoder.0.mixer", 3, 3) == (["a", "b", "c"], ["a", "b", "c"])
     assert example.axis_labels("decoder.0.cross", 2, 3) == (["<s>", "x"], ["a", "b", "c"])
-    assert example.axis_labels("decoder.1.attn", 2, 2) == (["<s>", "x"], ["<s>", "x"])
-    assert example.axis_labels("decoder.1.attn", 5, 5) == (None, None)  # sizes disagree
+    assert example.axis_labels("decoder.1.mixer", 2, 2) == (["<s>", "x"], ["<s>", "x"])
+    assert example.axis_labels("decoder.1.mixer", 5, 5) == (None, None)  # sizes disagree
     gpt = Example((), tokens=["t", "o"])
-    assert gpt.axis_labels("blocks.0.attn", 2, 2) == (["t", "o"], ["t", "o"])
+    assert gpt.axis_labels("blocks.0.mixer", 2, 2) == (["t", "o"], ["t", "o"])
     assert token_labels([1, 2, 3]) == ["1", "2", "3"]
     chars = {1: "a", 2: " ", 3: "\n", 4: ""}
     assert token_labels([1, 2, 3, 4], lambda ids: chars[ids[0]]) == ["a", "\u2423", "\\n", "4"]
@@ -166,7 +166,7 @@ def test_axis_labels_follow_the_layer_kind():
 def test_attention_plots_draw_one_panel_per_layer_and_head_with_token_ticks():
     weights = torch.softmax(torch.randn(1, 3, 4, 4), -1)
     fig = plot_attention_maps(
-        {"blocks.0.attn": weights, "blocks.1.attn": weights},
+        {"blocks.0.mixer": weights, "blocks.1.mixer": weights},
         Example((), tokens=list("abcd")),
         max_heads=2,
     )
@@ -222,14 +222,14 @@ def test_feature_recorder_records_outputs_and_the_attention_inputs_and_output():
         logits = model(x)
     features = rec.features
     assert {"blocks.0.mlp", "blocks.1.mlp", "norm"} <= set(features)
-    assert {f"blocks.{i}.attn.{t}" for i in (0, 1) for t in "qkva"} <= set(features)
-    assert features["blocks.0.attn.q"].shape == (2, 2, 9, 8)
+    assert {f"blocks.{i}.mixer.{t}" for i in (0, 1) for t in "qkva"} <= set(features)
+    assert features["blocks.0.mixer.q"].shape == (2, 2, 9, 8)
     assert features["norm"].shape == (2, 9, 16)
     torch.testing.assert_close(model.lm_head(features["norm"]), logits.detach())
     # a = the kernel of q, k, v: the attention module's output is its projection
-    attn = model.blocks[0].attn
-    q, k, v = (features[f"blocks.0.attn.{t}"] for t in "qkv")
-    torch.testing.assert_close(attn.kernel(q, k, v, causal=True), features["blocks.0.attn.a"])
+    attn = model.blocks[0].mixer
+    q, k, v = (features[f"blocks.0.mixer.{t}"] for t in "qkv")
+    torch.testing.assert_close(attn.kernel(q, k, v, causal=True), features["blocks.0.mixer.a"])
     with pytest.raises(ValueError, match="no submodule of GPT is named or matches 'mlp'"):
         FeatureRecorder(model, modules=["mlp"])
 

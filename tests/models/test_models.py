@@ -84,8 +84,8 @@ def test_transformer_shapes():
 def test_cross_attention_kernel_is_chosen_separately():
     model = tiny_transformer("softmax", cross_attention="fastmax")
     block = model.decoder[0]
-    assert block.attn.kernel.name == "softmax" and block.cross.kernel.name == "fastmax"
-    assert model.encoder[0].cross is None and model.encoder[0].attn.kernel.name == "softmax"
+    assert block.mixer.kernel.name == "softmax" and block.cross.kernel.name == "fastmax"
+    assert model.encoder[0].cross is None and model.encoder[0].mixer.kernel.name == "softmax"
 
 
 def test_dropout_acts_in_training_only():
@@ -131,7 +131,7 @@ def test_gpt_parameter_count_matches_nanogpt_baby_gpt():
 
 def test_gpt_init_scales_residual_projections():
     model = GPT(65, 64, n_layer=8, n_head=4, d_model=256)
-    proj = model.blocks[0].attn.out_proj.weight.std().item()
+    proj = model.blocks[0].mixer.out_proj.weight.std().item()
     fc = model.blocks[0].mlp.fc.weight.std().item()
     assert abs(fc - 0.02) < 0.002
     assert abs(proj - 0.02 / 4) < 0.001  # 0.02 / sqrt(2 * 8)
@@ -327,7 +327,7 @@ def test_decoding_never_emits_pad_or_bos():
 
 def test_transformer_init_keeps_the_kernels_own_init():
     cosine = tiny_transformer("cosine")
-    torch.testing.assert_close(cosine.encoder[0].attn.kernel.tau(), torch.full((2, 1, 1), 10.0))
+    torch.testing.assert_close(cosine.encoder[0].mixer.kernel.tau(), torch.full((2, 1, 1), 10.0))
     additive = tiny_transformer("additive")
     assert (additive.decoder[0].cross.kernel.b == 0).all()
 
@@ -402,7 +402,7 @@ def test_weight_decay_groups():
     assert not decay_ids & no_decay_ids
     assert decay_ids | no_decay_ids == {id(p) for p in model.parameters()}
     assert id(model.tok.weight) in no_decay_ids  # the tied embedding / LM head
-    assert id(model.blocks[0].attn.qkv_proj.weight) in decay_ids
+    assert id(model.blocks[0].mixer.qkv_proj.weight) in decay_ids
     assert all(
         p.dim() == 1
         for p in no_decay["params"]

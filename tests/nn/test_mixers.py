@@ -349,7 +349,7 @@ def test_a_hybrid_gpt_builds_each_layer_as_chosen_and_generates_as_it_runs():
         hybrid=[partial(BaseConv, kernel_size=3), "attention"],
     ).double().eval()  # fmt: skip
     assert layer_names(gpt) == ["base_conv", "fastmax(p=2, short_conv=3)"] * 2
-    assert isinstance(gpt.blocks[0].attn, BaseConv)
+    assert isinstance(gpt.blocks[0].mixer, BaseConv)
     assert gpt.state_size(10) == gpt.state_size(1000)  # conv windows and a linear state
     idx = torch.randint(0, 50, (2, 11))
     full = gpt(idx)

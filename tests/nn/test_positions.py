@@ -68,19 +68,19 @@ def test_rope_in_multi_head_attention_decodes_from_where_the_cache_ends():
 
 def test_rope_reaches_every_models_self_attention_and_no_cross_attention():
     gpt = GPT(10, 8, n_layer=2, n_head=2, d_model=8, pos_encoding="rope", rope_theta=50.0)
-    assert all(b.attn.rotary is not None and b.attn.rotary.theta == 50.0 for b in gpt.blocks)
+    assert all(b.mixer.rotary is not None and b.mixer.rotary.theta == 50.0 for b in gpt.blocks)
     assert gpt.pos.table_rows(8) is None  # nothing added to the embeddings
     vit = ViT(image_size=8, patch_size=4, num_classes=3, d_model=8, n_layer=1, n_head=2,
               pos_encoding="rope")  # fmt: skip
-    assert vit.blocks[0].attn.rotary is not None
+    assert vit.blocks[0].mixer.rotary is not None
     assert vit(torch.randn(2, 1, 8, 8)).shape == (2, 3)
     enc = EncoderClassifier(3, vocab_size=10, max_len=8, d_model=8, n_layer=1, n_head=2)
-    assert enc.blocks[0].attn.rotary is None  # sinusoidal by default
+    assert enc.blocks[0].mixer.rotary is None  # sinusoidal by default
     from transformers_lab.models import Transformer
 
     t = Transformer(10, 10, d_model=8, n_head=2, n_encoder_layers=1, n_decoder_layers=1,
                     max_len=8, pos_encoding="rope")  # fmt: skip
-    assert t.encoder[0].attn.rotary is not None and t.decoder[0].attn.rotary is not None
+    assert t.encoder[0].mixer.rotary is not None and t.decoder[0].mixer.rotary is not None
     assert t.decoder[0].cross.rotary is None
 
 
@@ -147,6 +147,6 @@ def test_alibi_is_refused_by_kernels_that_form_no_scores_in_one_line():
         with pytest.raises(ValueError, match=f"pos_encoding=alibi .* attention={name} never"):
             GPT(10, 8, n_layer=1, n_head=2, d_model=8, pos_encoding="alibi", attention=name)
     gpt = GPT(10, 8, n_layer=1, n_head=2, d_model=8, pos_encoding="alibi")
-    assert gpt.blocks[0].attn.kernel.alibi and gpt.pos.table_rows(8) is None
+    assert gpt.blocks[0].mixer.kernel.alibi and gpt.pos.table_rows(8) is None
     with pytest.raises(ValueError, match="alibi is for self-attention"):
         MultiHeadAttention(8, 2, cross=True, alibi=True)

@@ -609,3 +609,44 @@ def test_the_default_run_learns_offline(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracy = float(proc.stdout.split("test/acc: ")[1].split()[0])
     assert accuracy > 0.9
+
+
+def test_a_checkpoint_of_an_earlier_version_resumes_and_evaluates(tmp_path):
+    """Its Block parts were ``attn`` and ``norm_attn`` (``mixer`` and ``norm_mixer`` now):
+    resuming goes on from its step, and its weights are the ones evaluated."""
+    limit = [*SMALL, "trainer.limit_train_batches=3", "test=false"]
+    run_train(tmp_path, [*limit, "trainer.max_epochs=1"], "first")
+    checkpoint = torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=False)
+    new = dict(checkpoint["state_dict"])
+    old = {k.replace(".mixer.", ".attn.").replace(".norm_mixer.", ".norm_attn."): v
+           for k, v in new.items()}  # fmt: skip
+    assert old.keys() != new.keys() and any(".attn." in k for k in old)
+    checkpoint["state_dict"] = old
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    from transformers_lab.run.checkpoints import load_task
+
+    task, _ = load_task(tmp_path / "old.ckpt")
+    for key, value in task.state_dict().items():
+        torch.testing.assert_close(value, new[key])
+    run_train(tmp_path, [*limit, "trainer.max_epochs=2", f"ckpt_path={tmp_path}/old.ckpt"], "on")
+    resumed = torch.load(tmp_path / "on" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert resumed["global_step"] == 6 and not any(".attn." in k for k in resumed["state_dict"])
+
+
+def test_a_config_of_an_earlier_version_names_classes_where_they_were(tmp_path, caplog):
+    """A ``_target_`` that moved (``transformers_lab.callbacks.ProgressBar``) is followed
+    to its home, with a note that names both."""
+    old = [
+        *SMALL,
+        "trainer.max_steps=1",
+        "test=false",
+        "callbacks.progress_bar._target_=transformers_lab.callbacks.ProgressBar",
+        "callbacks.nonfinite_guard._target_=transformers_lab.run.safety.NonFiniteGuard",
+    ]
+    with caplog.at_level("WARNING", logger="transformers_lab.config"):
+        metrics = run_train(tmp_path, old, "old")
+    assert "val/loss" in metrics
+    said = caplog.text
+    assert "transformers_lab.callbacks.ProgressBar moved to " in said
+    assert "transformers_lab.run.callbacks.views.ProgressBar; update your config" in said
+    assert "transformers_lab.run.safety.NonFiniteGuard moved to" in said

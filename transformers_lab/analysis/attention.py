@@ -2,7 +2,7 @@
 
     with AttentionCapture(model) as capture:
         model(x)
-    capture.maps["blocks.0.attn"]          # (B, H, Nq, Nk), rows sum to 1
+    capture.maps["blocks.0.mixer"]          # (B, H, Nq, Nk), rows sum to 1
     fig = plot_attention_maps(capture.maps, task.example(batch))  # the tokens on the axes
 
 The capture hooks the attention *kernels*: before each kernel call it reads the per-head
@@ -39,7 +39,7 @@ class AttentionRecord:
 
 
 def _layer_name(kernel_name: str) -> str:
-    """``blocks.0.attn.kernel`` -> ``blocks.0.attn``: maps are named after the attention
+    """``blocks.0.mixer.kernel`` -> ``blocks.0.mixer``: maps are named after the attention
     module, which is what the model's printout shows."""
     return kernel_name.removesuffix(".kernel") or kernel_name
 

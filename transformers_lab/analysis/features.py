@@ -3,7 +3,7 @@
     with FeatureRecorder(model, modules=["blocks.1.mlp"]) as rec:
         model(x)
     rec.features["blocks.1.mlp"]         # (B, N, d_model)
-    rec.features["blocks.1.attn.q"]      # (B, H, N, head_dim): q, k, v and a (the output)
+    rec.features["blocks.1.mixer.q"]      # (B, H, N, head_dim): q, k, v and a (the output)
     fig = plot_pca(rec.features, color=x)
 
 ``qkv=True`` (the default) adds, for every attention layer, the per-head queries, keys
@@ -40,7 +40,7 @@ class FeatureRecorder:
         modules: names of submodules (as in ``model.named_modules()``) or regular
             expressions matched against them (``re.fullmatch``) whose outputs to record.
         qkv: also record ``<layer>.q``, ``.k``, ``.v`` and ``.a`` of every attention layer
-            (``<layer>`` is the attention module, e.g. ``blocks.0.attn``).
+            (``<layer>`` is the attention module, e.g. ``blocks.0.mixer``).
 
     A module called more than once keeps its last output. Hooks go when the block exits.
     """

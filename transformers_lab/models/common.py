@@ -66,7 +66,7 @@ def layer_names(model: nn.Module) -> list[str] | None:
         return None
     names = []
     for block in blocks:
-        mixer = block.attn
+        mixer = block.mixer
         kernel = getattr(mixer, "kernel", None)
         if kernel is None:
             names.append(getattr(mixer, "name", type(mixer).__name__))
@@ -116,8 +116,8 @@ def block_stack(
         keys = (key, cross_key)
         block = Block(d_model, n_head, choice, cross_attention, keys=keys, **block_options)
         try:
-            (refuse_causal if causal else refuse_noncausal)([block.attn], who)
-            refuse_short_positions([block.attn], context, who)
+            (refuse_causal if causal else refuse_noncausal)([block.mixer], who)
+            refuse_short_positions([block.mixer], context, who)
         except ValueError as exc:
             raise ValueError(f"{key}: {exc}") from None
         blocks.append(block)

@@ -94,7 +94,7 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections by 1/sqrt(2 n_layer), one per sub-layer
         for name, param in self.named_parameters():
-            if name.endswith(("attn.out_proj.weight", "mlp.proj.weight")):
+            if name.endswith(("mixer.out_proj.weight", "mlp.proj.weight")):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
         if tie_weights:
             self.lm_head.weight = self.tok.weight
@@ -121,7 +121,7 @@ class GPT(nn.Module):
         ``block_size``), all layers and heads: a KV cache grows with n, a linear kernel's
         state does not. Zoology and Based plot recall against it."""
         n = self.block_size if n is None else n
-        return sum(block.attn.state_size(n) for block in self.blocks)
+        return sum(block.mixer.state_size(n) for block in self.blocks)
 
     def embed(self, idx: Tensor, offset: int = 0) -> Tensor:
         """Token + position embeddings of ids (B, T) starting at position ``offset``."""

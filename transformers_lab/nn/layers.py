@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -240,6 +241,23 @@ def _sublayer(
     return x + fn(norm(x)) if norm_first else norm(x + fn(x))
 
 
+# a Block's parts as an earlier version named them in a state dict, and their names now
+RENAMED_PARTS = {"attn": "mixer", "norm_attn": "norm_mixer"}
+OLD_PART = re.compile(r"(^|\.)(\d+)\.(attn|norm_attn)\.")
+
+
+def migrate_block_keys(state_dict: dict[str, Any]) -> int:
+    """Rename, in place, the keys an earlier version gave a Block's parts (``blocks.0.attn``
+    is ``blocks.0.mixer`` now): its checkpoints load and resume. Returns how many."""
+    renamed = 0
+    for key in list(state_dict):
+        new = OLD_PART.sub(lambda m: f"{m[1]}{m[2]}.{RENAMED_PARTS[m[3]]}.", key, count=1)
+        if new != key:
+            state_dict[new] = state_dict.pop(key)
+            renamed += 1
+    return renamed
+
+
 class Block(nn.Module):
     """A transformer layer: self-attention, optional cross-attention, and an MLP, each a
     residual sub-layer with its own LayerNorm, before (pre-norm) or after (post-norm).
@@ -279,13 +297,13 @@ class Block(nn.Module):
         super().__init__()
         self.norm_first = norm_first
         try:
-            self.attn = sequence_mixer(
+            self.mixer = sequence_mixer(
                 d_model, num_heads, attention, bias=bias, dropout=dropout, rope_theta=rope_theta,
                 alibi=alibi,
             )  # fmt: skip
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{keys[0]}: {exc}") from None
-        self.norm_attn = nn.LayerNorm(d_model, bias=bias)
+        self.norm_mixer = nn.LayerNorm(d_model, bias=bias)
         self.cross = None
         if cross_attention is not None:
             try:
@@ -300,6 +318,10 @@ class Block(nn.Module):
         self.mlp = MLP(d_model, int(mlp_ratio * d_model), act, dropout, bias) if mlp_ratio else None
         self.norm_mlp = nn.LayerNorm(d_model, bias=bias) if mlp_ratio else None
 
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        migrate_block_keys(state_dict)  # a checkpoint of an earlier version (``attn``)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     def forward(
         self,
         x: Tensor,
@@ -313,9 +335,9 @@ class Block(nn.Module):
         cross-attention. Masks are (B, N) and (B, M), True at padding."""
 
         def self_attention(h: Tensor) -> Tensor:
-            return self.attn(h, causal=causal, key_padding_mask=key_padding_mask)
+            return self.mixer(h, causal=causal, key_padding_mask=key_padding_mask)
 
-        x = _sublayer(x, self.norm_attn, self_attention, self.norm_first)
+        x = _sublayer(x, self.norm_mixer, self_attention, self.norm_first)
         return self._cross_and_mlp(x, memory, memory_padding_mask)
 
     def decode(
@@ -331,10 +353,10 @@ class Block(nn.Module):
 
         def self_attention(h: Tensor) -> Tensor:
             nonlocal new_state
-            out, new_state = self.attn.decode(h, state)
+            out, new_state = self.mixer.decode(h, state)
             return out
 
-        x = _sublayer(x, self.norm_attn, self_attention, self.norm_first)
+        x = _sublayer(x, self.norm_mixer, self_attention, self.norm_first)
         return self._cross_and_mlp(x, memory, memory_padding_mask), new_state
 
     def _cross_and_mlp(

@@ -5,6 +5,7 @@ with)."""
 from __future__ import annotations
 
 import difflib
+import logging
 import shutil
 import time
 from collections.abc import Sequence
@@ -22,8 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 from transformers_lab.config import flatten, resolved_sections, target_class
 from transformers_lab.errors import ConfigError
 from transformers_lab.files import atomic_write
+from transformers_lab.nn.layers import migrate_block_keys
 from transformers_lab.run.build import build_datamodule, build_model, build_task
 from transformers_lab.run.overrides import override_key
+
+log = logging.getLogger(__name__)
 
 # what a user should give where a checkpoint is asked for
 GIVE_CHECKPOINT = "give ckpt_path=<run dir>/checkpoints/last.ckpt (or best) of a tlab-train run"
@@ -50,6 +54,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"{path} is not a checkpoint (it holds a {type(checkpoint).__name__}); "
             f"{GIVE_CHECKPOINT}"
         )
+    if migrate_block_keys(checkpoint.get("state_dict", {})):
+        log.info("%s: an earlier version's checkpoint; Block.attn is Block.mixer now", path)
     return checkpoint
 
 
