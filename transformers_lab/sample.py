@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import hydra
 import lightning as L
@@ -19,11 +21,43 @@ from omegaconf import DictConfig
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
 from transformers_lab.data.base import TextData
-from transformers_lab.errors import ConfigError
+from transformers_lab.errors import ConfigError, must_be
 from transformers_lab.models import GPT
+from transformers_lab.models.common import check_sampling
 from transformers_lab.run.build import use_cpu_threads
 from transformers_lab.run.checkpoints import restore
-from transformers_lab.run.preflight import check_config
+from transformers_lab.run.preflight import check_config, typed_options
+
+
+@dataclass(frozen=True)
+class SampleOptions:
+    """What ``tlab-sample`` draws (``conf/sample.yaml``), each setting refused here or, for
+    the sampling itself, by the model's rule (``models.common.check_sampling``)."""
+
+    prompt: str = "\n"
+    num_samples: int = 3
+    max_new_tokens: int = 300
+    temperature: float = 0.8
+    top_k: int | None = 200
+    top_p: float | None = None
+    use_cache: bool = True
+    stream: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(must_be(name, "an integer >= 1", getattr(self, name)))
+        check_sampling(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def drawing(self) -> dict[str, Any]:
+        """The options of ``GPT.generate`` and ``GPT.stream``."""
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "use_cache": self.use_cache,
+        }
 
 
 def load_generator(cfg: DictConfig) -> tuple[GPT, L.LightningDataModule]:
@@ -95,17 +129,16 @@ def encode_prompt(datamodule: L.LightningDataModule, prompt: str) -> list[int]:
 
 @torch.no_grad()
 def sample(cfg: DictConfig) -> list[str]:
-    """``cfg.num_samples`` continuations of ``cfg.prompt``, printed and returned; with
-    ``cfg.stream`` each is printed as its tokens are drawn."""
+    """The samples ``cfg``'s options ask for (``SampleOptions``): continuations of the
+    prompt, printed and returned; streamed, each is printed as its tokens are drawn."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
     check_config(cfg)
-    if cfg.max_new_tokens is None:
-        raise ConfigError("max_new_tokens=null: give the number of tokens to sample")
+    opts = typed_options(SampleOptions, cfg)
     use_cpu_threads(cfg)
     L.seed_everything(cfg.seed)
     model, datamodule = load_generator(cfg)
     model.to(cfg.device)
-    ids = encode_prompt(datamodule, cfg.prompt)
+    ids = encode_prompt(datamodule, opts.prompt)
     if len(ids) > model.block_size:  # GPT.stream keeps the last block_size tokens
         print(
             f"note: the prompt has {len(ids)} tokens, more than the model's context of "
@@ -114,29 +147,23 @@ def sample(cfg: DictConfig) -> list[str]:
             flush=True,
         )
     prompt = torch.tensor([ids], dtype=torch.long, device=cfg.device)
-    options = {
-        "temperature": cfg.temperature,
-        "top_k": cfg.top_k,
-        "top_p": cfg.top_p,
-        "use_cache": cfg.use_cache,
-    }
     texts = []
-    for _ in range(cfg.num_samples):
+    for _ in range(opts.num_samples):
         start = time.perf_counter()
-        if cfg.stream:
+        if opts.stream:
             pieces = TextStream(datamodule.detokenize)
             print(pieces.push(ids), end="", flush=True)
-            for next_id in model.stream(prompt, cfg.max_new_tokens, **options):
+            for next_id in model.stream(prompt, opts.max_new_tokens, **opts.drawing):
                 print(pieces.push(next_id.tolist()), end="", flush=True)
             print(pieces.finish())
             texts.append(pieces.text)
         else:
-            out = model.generate(prompt, cfg.max_new_tokens, **options)
+            out = model.generate(prompt, opts.max_new_tokens, **opts.drawing)
             texts.append(datamodule.detokenize(out[0].tolist()))
             print(texts[-1])
         seconds = time.perf_counter() - start
-        rate = cfg.max_new_tokens / seconds if seconds > 0 else float("inf")
-        print(f"{cfg.max_new_tokens} tokens in {seconds:.2f} s: {rate:.0f} tokens/s",
+        rate = opts.max_new_tokens / seconds if seconds > 0 else float("inf")
+        print(f"{opts.max_new_tokens} tokens in {seconds:.2f} s: {rate:.0f} tokens/s",
               file=sys.stderr, flush=True)  # fmt: skip
         print("-" * 40, flush=True)
     return texts

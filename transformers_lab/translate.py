@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -22,11 +23,12 @@ from omegaconf import DictConfig, ListConfig
 
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
-from transformers_lab.errors import ConfigError
+from transformers_lab.errors import ConfigError, must_be
 from transformers_lab.models import Transformer
+from transformers_lab.models.transformer import check_beam
 from transformers_lab.run.build import use_cpu_threads
 from transformers_lab.run.checkpoints import restore
-from transformers_lab.run.preflight import check_config
+from transformers_lab.run.preflight import check_config, typed_options
 
 log = logging.getLogger(__name__)
 
@@ -51,23 +53,29 @@ def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule
     return task.model, datamodule
 
 
-def check_options(cfg: DictConfig) -> None:
-    """Refuse decoding options that cannot work, before the checkpoint is loaded."""
-    if cfg.decode not in DECODERS:
-        raise ConfigError(f"unknown decode={cfg.decode}; valid ones are: {', '.join(DECODERS)}")
-    if cfg.decode == "beam" and cfg.beam_size < 1:
-        raise ConfigError(
-            f"beam_size={cfg.beam_size}: beam search keeps at least one beam; give beam_size >= 1"
-        )
-    if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
-        raise ConfigError(
-            f"max_new_tokens={cfg.max_new_tokens}: a translation needs at least one token; "
-            "give max_new_tokens >= 1 (or null for the model's longest)"
-        )
-    if cfg.batch_size < 1:
-        raise ConfigError(f"batch_size={cfg.batch_size}; give batch_size >= 1")
-    if cfg.text is not None and cfg.input_file is not None:
-        raise ConfigError("give text=... or input_file=..., not both")
+@dataclass(frozen=True)
+class TranslateOptions:
+    """How ``tlab-translate`` decodes (``conf/translate.yaml``), each setting refused here
+    or, for the beam, by the model's rule (``models.transformer.check_beam``)."""
+
+    decode: str = "greedy"
+    beam_size: int = 4
+    length_penalty: float = 0.6
+    max_new_tokens: int | None = 128
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.decode not in DECODERS:
+            raise ValueError(f"unknown decode={self.decode}; valid ones are: {', '.join(DECODERS)}")
+        if self.decode == "beam":
+            check_beam(self.beam_size)
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens}: a translation needs at least one "
+                "token; give max_new_tokens >= 1 (or null for the model's longest)"
+            )
+        if self.batch_size < 1:
+            raise ValueError(must_be("batch_size", "an integer >= 1", self.batch_size))
 
 
 def given_sentences(cfg: DictConfig) -> list[str] | None:
@@ -146,21 +154,23 @@ def translate(cfg: DictConfig) -> list[str]:
     ``source -> translation`` lines and returned."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
     check_config(cfg)  # the checks every entry point makes: ckpt_path given, device, types
-    check_options(cfg)
+    opts = typed_options(TranslateOptions, cfg)
+    if cfg.text is not None and cfg.input_file is not None:
+        raise ConfigError("give text=... or input_file=..., not both")
     sentences = given_sentences(cfg)
     use_cpu_threads(cfg)
     L.seed_everything(cfg.seed)
     model, datamodule = load_translator(cfg)
     model.to(cfg.device)
     # stdin is read a sentence at a time, so each is answered as soon as it is typed
-    size = 1 if sentences is None else cfg.batch_size
+    size = 1 if sentences is None else opts.batch_size
     translations = []
     for batch in batches(stdin_sentences() if sentences is None else sentences, size):
         src = source_ids(batch, datamodule).to(cfg.device)
-        if cfg.decode == "greedy":
-            out = model.greedy(src, cfg.max_new_tokens)
+        if opts.decode == "greedy":
+            out = model.greedy(src, opts.max_new_tokens)
         else:
-            out = model.beam_search(src, cfg.beam_size, cfg.max_new_tokens, cfg.length_penalty)
+            out = model.beam_search(src, opts.beam_size, opts.max_new_tokens, opts.length_penalty)
         for source, row in zip(batch, out, strict=True):
             translations.append(datamodule.detokenize(row.tolist()))
             print(f"{source} -> {translations[-1]}", flush=True)

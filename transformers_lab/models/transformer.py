@@ -13,6 +13,14 @@ from transformers_lab.models.common import block_stack, check_sizes, final_norm,
 from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
 
 
+def check_beam(beam_size: int) -> None:
+    """Beam search's one rule (raises ``ValueError``): it keeps at least one beam."""
+    if beam_size < 1:
+        raise ValueError(
+            f"beam_size={beam_size}: beam search keeps at least one beam; give beam_size >= 1"
+        )
+
+
 class Transformer(nn.Module):
     """Encoder over the source, decoder over the target with cross-attention to the source.
 
@@ -205,8 +213,7 @@ class Transformer(nn.Module):
         self, src: Tensor, beam_size: int, max_len: int | None = None, length_penalty: float = 0.6
     ) -> Tensor:
         """Beam search with caches; see ``translate``."""
-        if beam_size < 1:
-            raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+        check_beam(beam_size)
         b, k, alpha, device = src.shape[0], beam_size, length_penalty, src.device
         memory, steps = self._start(src, k, max_len)
         scores = torch.full((b, k), float("-inf"), device=device)

@@ -15,6 +15,7 @@ checkpoint's contents when it is loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 from collections.abc import Callable, Sequence
@@ -33,7 +34,6 @@ from transformers_lab.config import (
     unknown_option,
 )
 from transformers_lab.errors import ConfigError
-from transformers_lab.models.common import check_sampling
 from transformers_lab.run.build import model_factory, model_refusal
 from transformers_lab.run.checkpoints import checkpoint_file
 
@@ -116,7 +116,6 @@ RULES: dict[str, Expect] = {
     "scheduler.max_steps": NULL | POSITIVE_INT,
     "scheduler.min_lr_ratio": UNIT,
     "task.label_smoothing": PROBABILITY,
-    "task.beam_size": POSITIVE_INT,
     "task.max_decode_len": POSITIVE_INT,
     "task.sample_tokens": COUNT,
     "task.sample_every": POSITIVE_INT,
@@ -135,11 +134,6 @@ RULES: dict[str, Expect] = {
     "trainer.log_every_n_steps": POSITIVE_INT,
     "trainer.num_sanity_val_steps": NO_LIMIT | COUNT,
     # tlab-sample
-    "num_samples": POSITIVE_INT,
-    "max_new_tokens": NULL | COUNT,  # tlab-translate: null for the model's longest
-    "temperature": Expect(is_number, "a number"),  # its range: models.common.check_sampling
-    "top_k": NULL | Expect(is_int, "an integer"),
-    "top_p": NULL | Expect(is_number, "a number"),
     "device": DEVICE,
 }
 
@@ -357,6 +351,27 @@ def check_keys(section: str, node: Any) -> None:
         )
 
 
+def typed_options(cls: type, cfg: DictConfig) -> Any:
+    """The dataclass ``cls`` of an entry point's options (``sample.SampleOptions``) from
+    the keys of ``cfg`` its fields name: each value of the type its field declares, then
+    the ranges its own ``__post_init__`` refuses, as one ``ConfigError`` line."""
+    hints = get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = cfg.get(f.name, ABSENT)
+        if value is ABSENT:
+            continue
+        parts = simple_parts(hints[f.name])
+        if parts is not None and not any(accepts(kind, value) for kind in parts):
+            expected = " or ".join("null" if p is type(None) else SIMPLE[p] for p in parts)
+            raise ConfigError(f"{f.name} must be {expected}, got {shown(value)}")
+        values[f.name] = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 EXAMPLES = {"best_over": "[optimizer.lr]", "mean_over": "[data]"}
 
 
@@ -416,11 +431,6 @@ def check_config(cfg: DictConfig) -> None:
             f"watches {stopper.get('monitor')}: validate (limit_val_batches > 0) or switch "
             f"early stopping off (callbacks.early_stopping=null)"
         )
-    if "temperature" in cfg:
-        try:
-            check_sampling(cfg.temperature, cfg.top_k, cfg.top_p)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
     check_summary_keys(cfg)
     if cfg.get("ckpt_path"):
         checkpoint_file(cfg.ckpt_path)

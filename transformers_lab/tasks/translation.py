@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.text import BLEUScore
 
+from transformers_lab.models.transformer import check_beam
 from transformers_lab.tasks.base import Task, log_text
 from transformers_lab.tasks.examples import Detokenizer, Example, token_labels
 
@@ -47,6 +48,7 @@ class TranslationTask(Task):
         run_config: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(model, optimizer, scheduler, detokenize, run_config)
+        check_beam(beam_size)
         self.label_smoothing, self.bleu_batches = label_smoothing, bleu_batches
         self.test_bleu_batches = test_bleu_batches
         self.max_decode_len, self.beam_size = max_decode_len, beam_size
