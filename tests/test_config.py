@@ -10,7 +10,6 @@ from omegaconf import OmegaConf
 
 from transformers_lab.config import (
     attention_configs,
-    call,
     compose_config,
     flatten,
     optuna_direction,
@@ -30,20 +29,6 @@ def test_resolvers():
     assert cfg.steps == 64 * 196
     with pytest.raises(Exception, match="epoch_steps needs positive epochs"):
         OmegaConf.to_container(OmegaConf.create({"s": "${epoch_steps:64,0,512}"}), resolve=True)
-
-
-def test_call_gives_the_targets_own_error_in_one_line():
-    bad = OmegaConf.create({"_target_": "torch.nn.Dropout", "p": 2.0})
-    with pytest.raises(ConfigError, match=r"^model: dropout probability has to be between"):
-        call(bad, "model")
-    missing = OmegaConf.create({"_target_": "torch.nn.NoSuchLayer"})
-    with pytest.raises(ConfigError, match=r"^model: cannot import its _target_ 'torch.nn.No"):
-        call(missing, "model")
-    refused = OmegaConf.create(  # Lightning's own refusal, a MisconfigurationException
-        {"_target_": "lightning.pytorch.callbacks.EarlyStopping", "monitor": "x", "mode": "up"}
-    )
-    with pytest.raises(ConfigError, match=r"^callbacks: Lightning refused it: .*mode"):
-        call(refused, "callbacks")
 
 
 def test_the_kernel_bench_imports_no_lightning():

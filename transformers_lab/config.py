@@ -11,14 +11,11 @@ import importlib.util
 import logging
 import math
 import secrets
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from transformers_lab.errors import ConfigError
 
@@ -63,81 +60,12 @@ OmegaConf.register_new_resolver("epoch_steps", epoch_steps, replace=True)
 OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
 
 
-# classes and functions that moved: (old prefix, new prefix) of a ``_target_``
-MOVED = (
-    ("transformers_lab.run.safety.Checkpoint", "transformers_lab.run.checkpoints.Checkpoint"),
-    (
-        "transformers_lab.run.safety.AtomicCheckpointIO",
-        "transformers_lab.run.checkpoints.AtomicCheckpointIO",
-    ),
-    ("transformers_lab.run.safety.", "transformers_lab.run.callbacks.safety."),
-    ("transformers_lab.callbacks.", "transformers_lab.run.callbacks.views."),
-    ("transformers_lab.loggers.", "transformers_lab.run.loggers."),
-    ("transformers_lab.nn.attention.", "transformers_lab.nn.multihead."),
-)
-
-
-def moved_target(target: Any) -> str | None:
-    """Where a ``_target_`` of an earlier version lives now, or None if it did not move."""
-    for old, new in MOVED if isinstance(target, str) else ():
-        if target.startswith(old):
-            return new + target[len(old) :]
-    return None
-
-
-def migrate_targets(node: Any) -> None:
-    """Point, in place, every ``_target_`` of ``node`` that moved (``MOVED``) to its new
-    home, with a note that names both: a config of an earlier version keeps working."""
-    if isinstance(node, DictConfig):
-        target = node._get_node("_target_") if "_target_" in node else None
-        new = moved_target(target._value()) if target is not None else None
-        if new is not None:
-            log.warning("%s moved to %s; update your config", target._value(), new)
-            with open_dict(node):
-                node._target_ = new
-        children = [node._get_node(key) for key in node]
-    elif isinstance(node, ListConfig):
-        children = [node._get_node(i) for i in range(len(node))]
-    else:
-        return
-    for child in children:
-        migrate_targets(child)
-
-
-def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
-    """``instantiate`` with the error of the target itself, not Hydra's wrapping of it; a
-    ``_target_`` that moved is followed to its new home (``migrate_targets``)."""
-    migrate_targets(config)
-    try:
-        return instantiate(config, **kwargs)
-    except InstantiationException as exc:
-        cause = exc.__cause__
-        if str(exc).startswith("Error locating target"):  # an import path that is not there
-            target = config.get("_target_") if isinstance(config, DictConfig) else None
-            why = str(cause).strip().splitlines()[-1] if cause else ""  # Hydra's question
-            raise ConfigError(
-                f"{what}: cannot import its _target_ {target!r}: {why} Give the dotted path "
-                "of a class or function that exists, its package importable"
-            ) from exc
-        if isinstance(cause, ImportError):  # an optional package the choice needs
-            raise ConfigError(f"{what}: {cause}") from cause
-        # Lightning's own refusal: only a target that imported Lightning raises it, so this
-        # module leaves it unimported (10 s of imports for each bench worker and tool)
-        lightning = sys.modules.get("lightning.fabric.utilities.exceptions")  # pytorch's too
-        if lightning and isinstance(cause, lightning.MisconfigurationException):
-            raise ConfigError(f"{what}: Lightning refused it: {cause}") from cause
-        if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError):
-            raise ConfigError(f"{what}: {cause}") from cause
-        raise ConfigError(f"{what}: {exc}") from exc
-
-
 def compose_config(name: str, overrides: list[str], output_dir: str | Path) -> DictConfig:
     """The config that ``tlab-<name> <overrides>`` would run, writing into ``output_dir``,
     for running the entry points from Python (benchmarks, notebooks, tests). Hydra's own
     interpolations (``${hydra:...}``) resolve as in a real run."""
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
 
     output_dir = Path(output_dir)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -182,64 +110,6 @@ def without_default_parts(config: dict[str, Any]) -> dict[str, Any]:
     its yaml gives."""
     default = layer_part_defaults()
     return {k: v for k, v in config.items() if k not in default or v != default[k]}
-
-
-def layer_config(name: str, dirs: Sequence[Path] | None = None) -> dict[str, Any]:
-    """The config of a hybrid stack's layer ``name`` (``model.hybrid``): an option of the
-    attention group, composed as ``attention=<name>`` would be, or of the mixer group
-    (``base_conv``), found in and composed with ``dirs``: by default ``conf/`` and the
-    config dirs of the run's ``hydra.searchpath`` (``run_search_dirs``), the user's own."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    running = GlobalHydra.instance().is_initialized()
-    dirs = run_search_dirs() if dirs is None else list(dirs)
-    options = {g: group_options(g, dirs) for g in ("attention", "mixer")}
-    if name not in options["attention"] and name not in options["mixer"]:
-        valid = ["attention", *options["attention"], *options["mixer"]]
-        raise ConfigError(
-            f"model.hybrid: unknown layer {name!r}; valid ones are: {', '.join(valid)} "
-            "(attention: the model's own attention config; a kernel of your own config dir "
-            "needs hydra.searchpath=[file://DIR])"
-        )
-    group = "attention" if name in options["attention"] else "mixer"
-    override = f"attention={name}" if group == "attention" else f"+mixer={name}"
-    if running:
-        cfg = compose("train", overrides=[override, *searchpath_override(dirs)])
-    else:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=[override, *searchpath_override(dirs)])
-    return without_default_parts(OmegaConf.to_container(cfg[group], resolve=True))
-
-
-def expand_hybrid(model: DictConfig, dirs: Sequence[Path] | None = None) -> DictConfig:
-    """The model config with each layer named in ``model.hybrid`` replaced by its config
-    (``layer_config``); ``attention`` stays, the model's own. Unchanged without a hybrid."""
-    hybrid = model.get("hybrid") if isinstance(model, DictConfig) else None
-    if hybrid is None:
-        return model
-    cache: dict[str, Any] = {}
-
-    def resolve(choice: Any) -> Any:
-        if not isinstance(choice, str) or choice == "attention":
-            return choice
-        if choice not in cache:
-            cache[choice] = layer_config(choice, dirs)
-        return cache[choice]
-
-    plain = OmegaConf.to_container(hybrid, resolve=True)
-    if isinstance(plain, dict):
-        expanded: Any = {k: resolve(v) for k, v in plain.items()}
-    elif isinstance(plain, list):
-        expanded = [resolve(v) for v in plain]
-    else:
-        raise ConfigError(
-            f"model.hybrid must be a list of layer choices ([base_conv,based]) or a mapping "
-            f"{{layer: choice}} ({{2: softmax}}), got {plain!r}"
-        )
-    plain_model = OmegaConf.to_container(model, resolve=True)
-    plain_model["hybrid"] = expanded
-    return OmegaConf.create(plain_model)
 
 
 def run_search_dirs() -> list[Path]:
@@ -310,21 +180,6 @@ def search_dirs(argv: Sequence[str]) -> list[Path] | None:
         else:
             return None
     return dirs
-
-
-def target_class(config: DictConfig) -> type:
-    """The class (or function) a config's ``_target_`` names."""
-    module, _, name = str(config._target_).rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-def option(name: str) -> str:
-    """The group option chosen for ``name`` in the running Hydra app, else ``name``."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        return f"{name}={HydraConfig.get().runtime.choices.get(name, '?')}"
-    return name
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:

@@ -17,12 +17,12 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig
 
 from transformers_lab.cli import run_hydra, user_errors
-from transformers_lab.config import CONF_DIR, call
+from transformers_lab.config import CONF_DIR
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.build import use_cpu_threads
+from transformers_lab.run.build import build_loggers, call, use_cpu_threads
 from transformers_lab.run.checkpoints import restore
-from transformers_lab.run.console import metrics_dict, print_metrics
-from transformers_lab.run.loggers import build_loggers, finish_wandb
+from transformers_lab.run.fit import metrics_dict, print_metrics
+from transformers_lab.run.loggers import finish_wandb
 from transformers_lab.run.preflight import check_config
 
 log = logging.getLogger(__name__)

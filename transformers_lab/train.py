@@ -46,7 +46,7 @@ def fit_as_trial(cfg: DictConfig) -> Outcome:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
-    from transformers_lab.run.console import say
+    from transformers_lab.run.fit import say
     from transformers_lab.run.job import run_job
 
     with user_errors():

@@ -14,8 +14,14 @@ from omegaconf import OmegaConf
 from transformers_lab.data import SyntheticDataModule
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT
-from transformers_lab.run.build import build_model, build_task, compile_model, model_kwargs
-from transformers_lab.run.callbacks import build_callbacks
+from transformers_lab.run.build import (
+    build_callbacks,
+    build_model,
+    build_task,
+    call,
+    compile_model,
+    model_kwargs,
+)
 
 GPT_CONFIG = {"_target_": "transformers_lab.models.GPT", "n_layer": 1, "n_head": 2, "d_model": 16}
 TASK = {
@@ -136,3 +142,17 @@ def test_compile_true_says_it_compiled_the_model(monkeypatch):
         "compile=true: the model (GPT) runs through torch.compile (inductor), which compiles "
         "it at its first batch"
     )
+
+
+def test_call_gives_the_targets_own_error_in_one_line():
+    bad = OmegaConf.create({"_target_": "torch.nn.Dropout", "p": 2.0})
+    with pytest.raises(ConfigError, match=r"^model: dropout probability has to be between"):
+        call(bad, "model")
+    missing = OmegaConf.create({"_target_": "torch.nn.NoSuchLayer"})
+    with pytest.raises(ConfigError, match=r"^model: cannot import its _target_ 'torch.nn.No"):
+        call(missing, "model")
+    refused = OmegaConf.create(  # Lightning's own refusal, a MisconfigurationException
+        {"_target_": "lightning.pytorch.callbacks.EarlyStopping", "monitor": "x", "mode": "up"}
+    )
+    with pytest.raises(ConfigError, match=r"^callbacks: Lightning refused it: .*mode"):
+        call(refused, "callbacks")

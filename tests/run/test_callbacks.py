@@ -13,11 +13,11 @@ from transformers_lab.errors import ConfigError, Interrupted
 from transformers_lab.run.callbacks.safety import (
     NonFiniteGuard,
     all_finite,
-    interrupted,
     random_states,
     set_random_states,
 )
 from transformers_lab.run.checkpoints import AtomicCheckpointIO, Checkpoint
+from transformers_lab.run.fit import interrupted
 
 
 def test_all_finite_sees_a_nan_or_inf_anywhere():

@@ -6,8 +6,7 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
-from transformers_lab.run.console import metrics_dict, print_metrics
-from transformers_lab.run.fit import final_test, nothing_left_to_train
+from transformers_lab.run.fit import final_test, metrics_dict, nothing_left_to_train, print_metrics
 
 
 def test_metrics_become_sorted_floats(capsys):

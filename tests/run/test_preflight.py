@@ -6,6 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from transformers_lab.errors import ConfigError
+from transformers_lab.run.build import build_model_on_meta
 from transformers_lab.run.preflight import (
     NULL,
     POSITIVE_INT,
@@ -13,7 +14,6 @@ from transformers_lab.run.preflight import (
     check_components,
     check_config,
     check_missing,
-    check_model,
     check_rules,
 )
 
@@ -52,22 +52,22 @@ def model(**kw):
 
 
 def test_the_model_is_built_on_the_meta_device_and_refuses_in_its_own_words():
-    check_model(model())
+    build_model_on_meta(model())
     with pytest.raises(ConfigError, match="^model: d_model=30 must be divisible by num_heads=4"):
-        check_model(model(d_model=30))
+        build_model_on_meta(model(d_model=30))
     with pytest.raises(ConfigError, match="^attention: rope needs an even head dim.*head_dim=9"):
-        check_model(model(d_model=36, pos_encoding="rope"))
+        build_model_on_meta(model(d_model=36, pos_encoding="rope"))
     with pytest.raises(ConfigError, match="^attention: unknown attention kernel 'soft'"):
-        check_model(model(attention="soft"))
+        build_model_on_meta(model(attention="soft"))
     with pytest.raises(ConfigError, match="^attention: pos_encoding=alibi adds a bias"):
-        check_model(model(attention="linear", pos_encoding="alibi"))
+        build_model_on_meta(model(attention="linear", pos_encoding="alibi"))
     cos = {"_target_": "transformers_lab.attention.cosformer.CosFormerAttention"}
     cos["_partial_"] = True
     with pytest.raises(ConfigError, match="max_len=1024, but the GPT's context is 2048"):
-        check_model(model(attention=cos, block_size=2048))
+        build_model_on_meta(model(attention=cos, block_size=2048))
     typo = {"_target_": "transformers_lab.attention.CosformerAttention", "_partial_": True}
     with pytest.raises(ConfigError, match=r"cannot import its _target_ "):
-        check_model(model(attention=typo))
+        build_model_on_meta(model(attention=typo))
 
 
 def test_the_data_s_context_stands_in_for_a_null_block_size():
@@ -76,15 +76,15 @@ def test_the_data_s_context_stands_in_for_a_null_block_size():
     cos = {"_target_": "transformers_lab.attention.cosformer.CosFormerAttention"}
     short = cos | {"_partial_": True, "max_len": 32}
     with pytest.raises(ConfigError, match="max_len=32, but the GPT's context is 64"):
-        check_model(model(attention=short))
+        build_model_on_meta(model(attention=short))
     fits = model(attention=short)
     fits.data.block_size = 32
-    check_model(fits)
+    build_model_on_meta(fits)
 
 
 def test_a_model_that_needs_a_size_only_its_data_gives_is_left_to_the_real_build():
     odd = OmegaConf.create({"model": {"_target_": "torch.nn.Linear", "bias": True}})
-    check_model(odd)  # in_features, out_features: no stand-in, no build, no refusal
+    build_model_on_meta(odd)  # in_features, out_features: no stand-in, no build, no refusal
 
 
 def test_a_run_that_never_stops_and_a_missing_checkpoint():
@@ -125,7 +125,7 @@ def test_a_build_that_reads_its_values_falls_back_from_meta_to_the_cpu():
     own (ValueError) goes up."""
     import torch
 
-    from transformers_lab.run.preflight import on_meta
+    from transformers_lab.run.build import on_meta
 
     assert on_meta(lambda: torch.ones(2).numpy()).tolist() == [1.0, 1.0]
     assert on_meta(lambda: torch.ones(2)).device.type == "meta"  # the cheap path first
@@ -138,11 +138,11 @@ def test_a_hybrid_layer_is_held_to_the_model_s_rules_before_the_data():
     cos = {"_target_": "transformers_lab.attention.cosformer.CosFormerAttention"}
     short = OmegaConf.create(cos | {"_partial_": True, "max_len": 8})
     with pytest.raises(ConfigError, match=r"layer 1 .*max_len=8, but the GPT's context is 64"):
-        check_model(model(**gpt, block_size=64, hybrid={1: short}))
+        build_model_on_meta(model(**gpt, block_size=64, hybrid={1: short}))
     fast = {"_target_": "transformers_lab.attention.fastmax.FastmaxAttention", "_partial_": True}
     future = OmegaConf.create(fast | {"normalize": "sequence_max"})
     with pytest.raises(ConfigError, match=r"^model.hybrid, layer 0 .*GPT attends causally"):
-        check_model(model(**gpt, block_size=64, hybrid={0: future}))
+        build_model_on_meta(model(**gpt, block_size=64, hybrid={0: future}))
 
 
 def test_a_summary_key_is_a_key_of_the_config_or_a_config_group():

@@ -169,7 +169,7 @@ def test_every_option_of_the_plain_groups_composes(group, tmp_path):
     """Each option composes, and its keys are arguments of what it instantiates."""
     import inspect
 
-    from transformers_lab.config import target_class
+    from transformers_lab.run.build import target_class
 
     for path in sorted((CONF_DIR / group).glob("*.yaml")):
         cfg = compose_run("train", [f"{group}={path.stem}"], tmp_path / "r")

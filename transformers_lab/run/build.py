@@ -10,27 +10,181 @@ that names the fix.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import logging
 import os
 import re
+import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ProgressBar
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.profilers import PassThroughProfiler
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from transformers_lab.config import CONF_DIR, call, expand_hybrid, flatten, option, target_class
+from transformers_lab.config import (
+    CONF_DIR,
+    flatten,
+    group_options,
+    run_search_dirs,
+    searchpath_override,
+    without_default_parts,
+)
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.callbacks import build_callbacks
-from transformers_lab.run.loggers import build_loggers
 
 log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- config -> objects
+
+# classes and functions that moved: (old prefix, new prefix) of a ``_target_``
+MOVED = (
+    ("transformers_lab.run.safety.Checkpoint", "transformers_lab.run.checkpoints.Checkpoint"),
+    (
+        "transformers_lab.run.safety.AtomicCheckpointIO",
+        "transformers_lab.run.checkpoints.AtomicCheckpointIO",
+    ),
+    ("transformers_lab.run.safety.", "transformers_lab.run.callbacks.safety."),
+    ("transformers_lab.callbacks.", "transformers_lab.run.callbacks.views."),
+    ("transformers_lab.loggers.", "transformers_lab.run.loggers."),
+    ("transformers_lab.nn.attention.", "transformers_lab.nn.multihead."),
+)
+
+
+def moved_target(target: Any) -> str | None:
+    """Where a ``_target_`` of an earlier version lives now, or None if it did not move."""
+    for old, new in MOVED if isinstance(target, str) else ():
+        if target.startswith(old):
+            return new + target[len(old) :]
+    return None
+
+
+def migrate_targets(node: Any) -> None:
+    """Point, in place, every ``_target_`` of ``node`` that moved (``MOVED``) to its new
+    home, with a note that names both: a config of an earlier version keeps working."""
+    if isinstance(node, DictConfig):
+        target = node._get_node("_target_") if "_target_" in node else None
+        new = moved_target(target._value()) if target is not None else None
+        if new is not None:
+            log.warning("%s moved to %s; update your config", target._value(), new)
+            with open_dict(node):
+                node._target_ = new
+        children = [node._get_node(key) for key in node]
+    elif isinstance(node, ListConfig):
+        children = [node._get_node(i) for i in range(len(node))]
+    else:
+        return
+    for child in children:
+        migrate_targets(child)
+
+
+def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
+    """``instantiate`` with the error of the target itself, not Hydra's wrapping of it; a
+    ``_target_`` that moved is followed to its new home (``migrate_targets``)."""
+    migrate_targets(config)
+    try:
+        return instantiate(config, **kwargs)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if str(exc).startswith("Error locating target"):  # an import path that is not there
+            target = config.get("_target_") if isinstance(config, DictConfig) else None
+            why = str(cause).strip().splitlines()[-1] if cause else ""  # Hydra's question
+            raise ConfigError(
+                f"{what}: cannot import its _target_ {target!r}: {why} Give the dotted path "
+                "of a class or function that exists, its package importable"
+            ) from exc
+        if isinstance(cause, ImportError):  # an optional package the choice needs
+            raise ConfigError(f"{what}: {cause}") from cause
+        # Lightning's own refusal: only a target that imported Lightning raises it, so this
+        # module leaves it unimported (10 s of imports for each bench worker and tool)
+        lightning = sys.modules.get("lightning.fabric.utilities.exceptions")  # pytorch's too
+        if lightning and isinstance(cause, lightning.MisconfigurationException):
+            raise ConfigError(f"{what}: Lightning refused it: {cause}") from cause
+        if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError):
+            raise ConfigError(f"{what}: {cause}") from cause
+        raise ConfigError(f"{what}: {exc}") from exc
+
+
+def layer_config(name: str, dirs: Sequence[Path] | None = None) -> dict[str, Any]:
+    """The config of a hybrid stack's layer ``name`` (``model.hybrid``): an option of the
+    attention group, composed as ``attention=<name>`` would be, or of the mixer group
+    (``base_conv``), found in and composed with ``dirs``: by default ``conf/`` and the
+    config dirs of the run's ``hydra.searchpath`` (``run_search_dirs``), the user's own."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    running = GlobalHydra.instance().is_initialized()
+    dirs = run_search_dirs() if dirs is None else list(dirs)
+    options = {g: group_options(g, dirs) for g in ("attention", "mixer")}
+    if name not in options["attention"] and name not in options["mixer"]:
+        valid = ["attention", *options["attention"], *options["mixer"]]
+        raise ConfigError(
+            f"model.hybrid: unknown layer {name!r}; valid ones are: {', '.join(valid)} "
+            "(attention: the model's own attention config; a kernel of your own config dir "
+            "needs hydra.searchpath=[file://DIR])"
+        )
+    group = "attention" if name in options["attention"] else "mixer"
+    override = f"attention={name}" if group == "attention" else f"+mixer={name}"
+    if running:
+        cfg = compose("train", overrides=[override, *searchpath_override(dirs)])
+    else:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=[override, *searchpath_override(dirs)])
+    return without_default_parts(OmegaConf.to_container(cfg[group], resolve=True))
+
+
+def expand_hybrid(model: DictConfig, dirs: Sequence[Path] | None = None) -> DictConfig:
+    """The model config with each layer named in ``model.hybrid`` replaced by its config
+    (``layer_config``); ``attention`` stays, the model's own. Unchanged without a hybrid."""
+    hybrid = model.get("hybrid") if isinstance(model, DictConfig) else None
+    if hybrid is None:
+        return model
+    cache: dict[str, Any] = {}
+
+    def resolve(choice: Any) -> Any:
+        if not isinstance(choice, str) or choice == "attention":
+            return choice
+        if choice not in cache:
+            cache[choice] = layer_config(choice, dirs)
+        return cache[choice]
+
+    plain = OmegaConf.to_container(hybrid, resolve=True)
+    if isinstance(plain, dict):
+        expanded: Any = {k: resolve(v) for k, v in plain.items()}
+    elif isinstance(plain, list):
+        expanded = [resolve(v) for v in plain]
+    else:
+        raise ConfigError(
+            f"model.hybrid must be a list of layer choices ([base_conv,based]) or a mapping "
+            f"{{layer: choice}} ({{2: softmax}}), got {plain!r}"
+        )
+    plain_model = OmegaConf.to_container(model, resolve=True)
+    plain_model["hybrid"] = expanded
+    return OmegaConf.create(plain_model)
+
+
+def target_class(config: DictConfig) -> type:
+    """The class (or function) a config's ``_target_`` names."""
+    module, _, name = str(config._target_).rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def option(name: str) -> str:
+    """The group option chosen for ``name`` in the running Hydra app, else ``name``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return f"{name}={HydraConfig.get().runtime.choices.get(name, '?')}"
+    return name
 
 
 # what a data module raises for a value of its config that it cannot use
@@ -185,6 +339,77 @@ def build_model(config: DictConfig, datamodule: Any) -> torch.nn.Module:
         raise model_refusal(exc, config) from exc
 
 
+def on_meta(build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``build(*args, **kwargs)`` on the meta device (no memory, no initialisation), or on
+    the CPU for a kernel of the user's that reads its tensors' values while it is built
+    (``.item()``, ``.numpy()``), which the meta device cannot give. A refusal
+    (ValueError; a TypeError again on the CPU) goes up as the constructor raised it."""
+    try:
+        with torch.device("meta"):
+            return build(*args, **kwargs)
+    except ValueError:
+        raise
+    except (RuntimeError, NotImplementedError, TypeError):
+        return build(*args, **kwargs)
+
+
+# what the data would size, as small stand-ins: the model is built before the data is read
+PLACEHOLDERS = {
+    "vocab_size": 8,
+    "src_vocab_size": 8,
+    "tgt_vocab_size": 8,
+    "num_classes": 2,
+    "in_channels": 1,
+    "pad_id": 0,
+    "bos_id": 1,
+    "eos_id": 2,
+}
+
+
+CONTEXTS = ("block_size", "max_len")  # the positions a model holds
+
+
+def placeholder_sizes(model: DictConfig, data: Any) -> dict[str, Any]:
+    """Stand-ins for the sizes ``model`` leaves to the data (null): small vocabularies and
+    classes, the data config's context (the one the model will get), an image of a few
+    patches."""
+    context = next((data.get(key) for key in CONTEXTS if data.get(key)), 16)
+    sizes: dict[str, Any] = {}
+    for key, value in model.items():
+        if value is not None:
+            continue
+        if key in PLACEHOLDERS:
+            sizes[str(key)] = PLACEHOLDERS[str(key)]
+        elif key in CONTEXTS:
+            sizes[str(key)] = context
+        elif key == "image_size":  # a grid of 4 x 4 patches as the model tiles them
+            patch = model.get("patch_size") or 1
+            stride = model.get("patch_stride") or patch
+            sizes[str(key)] = max(patch + 3 * stride - 2 * (model.get("patch_padding") or 0), 1)
+    return sizes
+
+
+def build_model_on_meta(cfg: DictConfig) -> None:
+    """The run's model built as the run will build it, on the meta device and sized with
+    stand-ins for what the data gives (``placeholder_sizes``), for the preflight: its
+    constructors' own refusals (the kernel's options, the layer's parts, RoPE, ALiBi,
+    causal or both ways, positions, a hybrid's layers) are met before the data is read,
+    in their own words."""
+    model = cfg.get("model")
+    if not isinstance(model, DictConfig) or "_target_" not in model:
+        return
+    factory = model_factory(model)
+    sizes = placeholder_sizes(model, cfg.get("data") or {})
+    params = inspect.signature(target_class(model)).parameters
+    given = {str(k) for k, v in model.items() if v is not None} | set(sizes)
+    if any(p.default is p.empty and name not in given for name, p in params.items()):
+        return  # a model of the user's that needs a size only its data gives
+    try:
+        on_meta(factory, **sizes)
+    except (ValueError, TypeError) as exc:
+        raise model_refusal(exc, model) from None
+
+
 def compile_model(model: torch.nn.Module) -> str:
     """``torch.compile`` the model in place (its state dict keeps its keys); a part that
     fails to compile later runs eagerly (dynamo's ``suppress_errors``). Returns the line
@@ -309,3 +534,27 @@ def use_cpu_threads(cfg: DictConfig) -> None:
     a machine do not each take all of its cores."""
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
+
+
+def build_callbacks(
+    config: DictConfig | None, with_logger: bool = True, progress_bar: bool = True
+) -> list[Callback]:
+    """The callbacks of the ``callbacks`` group (null entries are switched off); the
+    learning-rate monitor is left out without a logger, the bar when the trainer has none."""
+    callbacks = []
+    for name, node in (config or {}).items():
+        if node is None:
+            continue
+        callback = call(node, f"callbacks.{name}")
+        if isinstance(callback, LearningRateMonitor) and not with_logger:
+            log.info("no logger: the learning-rate monitor is left out")
+        elif not (isinstance(callback, ProgressBar) and not progress_bar):
+            callbacks.append(callback)
+    return callbacks
+
+
+def build_loggers(config: DictConfig | None) -> list[Logger]:
+    """The loggers of the ``logger`` group (null entries are switched off)."""
+    return [
+        call(node, f"logger.{name}") for name, node in (config or {}).items() if node is not None
+    ]

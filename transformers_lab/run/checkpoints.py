@@ -20,11 +20,11 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.config import flatten, resolved_sections, target_class
+from transformers_lab.config import flatten, resolved_sections
 from transformers_lab.errors import ConfigError
 from transformers_lab.files import atomic_write
 from transformers_lab.nn.layers import migrate_block_keys
-from transformers_lab.run.build import build_datamodule, build_model, build_task
+from transformers_lab.run.build import build_datamodule, build_model, build_task, target_class
 from transformers_lab.run.overrides import override_key
 
 log = logging.getLogger(__name__)

@@ -1,19 +1,24 @@
 """One run, fit and tested as its config says (``fit_and_test``): check the config,
 build data, model, task and trainer, resume where a checkpoint is given, fit, test, and
-return its ``Outcome``. ``tlab-train`` runs it as a job (``run.job``)."""
+return its ``Outcome``; what the run prints (``say``, ``report``), and its account of a
+stop by a signal (``interrupted``). ``tlab-train`` runs it as a job (``run.job``)."""
 
 from __future__ import annotations
 
 import logging
+import shlex
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig
 
 from transformers_lab.config import resolved_sections
-from transformers_lab.errors import ConfigError
+from transformers_lab.errors import ConfigError, Interrupted
 from transformers_lab.models import GPT
 from transformers_lab.models.common import layer_names
 from transformers_lab.run.build import (
@@ -24,7 +29,7 @@ from transformers_lab.run.build import (
     compile_model,
     use_cpu_threads,
 )
-from transformers_lab.run.callbacks.safety import interrupted, interrupted_testing
+from transformers_lab.run.callbacks.safety import StopOnSignal
 from transformers_lab.run.checkpoints import (
     best_score,
     check_checkpoint,
@@ -32,9 +37,8 @@ from transformers_lab.run.checkpoints import (
     checkpoint_path,
     load_checkpoint,
 )
-from transformers_lab.run.console import metrics_dict, report, say
 from transformers_lab.run.loggers import finish_wandb, log_hyperparameters, name_wandb_run
-from transformers_lab.run.overrides import job_overrides, sweep_resume
+from transformers_lab.run.overrides import job_overrides, override_key, sweep_resume
 from transformers_lab.run.preflight import check_config
 from transformers_lab.run.record import Outcome, seeded
 
@@ -51,16 +55,17 @@ def fit_and_test(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Outco
     study's pruning callback, ``sweeps.pruning``)."""
     say(f"run dir: {cfg.paths.output_dir}")
     check_config(cfg)
+    run_config = resolved_sections(cfg)  # model, data and task, as every checkpoint keeps them
     # resuming: the checkpoint's model, data and task config hold (checked before building)
     checkpoint = load_checkpoint(cfg.ckpt_path) if cfg.get("ckpt_path") else None
     if checkpoint is not None:
         may_change = list(cfg.get("resume_may_change") or ())
-        check_resume(checkpoint, resolved_sections(cfg), cfg.ckpt_path, may_change)
+        check_resume(checkpoint, run_config, cfg.ckpt_path, may_change)
     use_cpu_threads(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg.data)
     model = build_model(cfg.model, datamodule)
-    task = build_task(cfg.task, model, datamodule, run_config=resolved_sections(cfg))
+    task = build_task(cfg.task, model, datamodule, run_config=run_config)
     log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
     start = seeded(model, task.run_config.get("data"))  # what the seed fixed, for pairing
     if cfg.get("compile"):
@@ -152,3 +157,68 @@ def final_test(
     except SIGTERMException:
         raise interrupted_testing(trainer, checkpoint) from None
     return metrics_dict(tested[0] if tested else {})
+
+
+def signal_name(trainer: L.Trainer) -> str:
+    """The signal that stopped the run (Lightning's own handler knows only SIGTERM)."""
+    by = next((c.received for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
+    return by or "SIGTERM"
+
+
+def interrupted(
+    trainer: L.Trainer, overrides: Sequence[str] = (), sweep: Sequence[str] | None = None
+) -> Interrupted:
+    """The entry point's account of a training run stopped by a signal, with the command
+    that resumes it: the run's ``overrides`` and the saved ``last.ckpt``; for a job of a
+    sweep, the command that finishes its sweep (``sweep``, from ``run.job``), in which
+    the job resumes from its ``last.ckpt``."""
+    name = signal_name(trainer)
+    callback = trainer.checkpoint_callback
+    last = getattr(callback, "last_model_path", "") or None
+    best = getattr(callback, "best_model_path", "") or None
+    score = getattr(callback, "best_model_score", None)
+    best_score = None if score is None else float(score)
+    if last is None:
+        message = f"stopped by {name} at global step {trainer.global_step}: nothing saved"
+        return Interrupted(message, name, None, best, best_score)
+    stopped = f"stopped by {name} at global step {trainer.global_step}: saved {last}"
+    if sweep is not None:
+        message = f"{stopped}; {' '.join(sweep)}"
+        return Interrupted(message, name, last, best, best_score)
+    kept = [o for o in overrides if override_key(o) != "ckpt_path"]
+    again = " ".join(shlex.quote(o) for o in [*kept, f"ckpt_path={last}"])
+    message = f"{stopped}; resume with tlab-train {again}"
+    return Interrupted(message, name, last, best, best_score)
+
+
+def interrupted_testing(trainer: L.Trainer, checkpoint: str | None) -> Interrupted:
+    """The account of a signal during the test that follows training, with the command
+    that tests ``checkpoint`` (the one being tested) again."""
+    name = signal_name(trainer)
+    then = (
+        f"test it again with tlab-eval ckpt_path={checkpoint} split=test"
+        if checkpoint
+        else "the weights under test were not saved"
+    )
+    return Interrupted(f"stopped by {name} while testing: {then}", name, checkpoint)
+
+
+def metrics_dict(metrics: dict[str, Any]) -> dict[str, float]:
+    """Tensor metrics as plain floats, sorted by name."""
+    return {k: float(v) for k, v in sorted(metrics.items())}
+
+
+def say(*lines: str, file: Any = None) -> None:
+    """Print on the first process only (under DDP every process runs this script)."""
+    if rank_zero_only.rank == 0:
+        print(*lines, sep="\n", file=file or sys.stdout, flush=True)
+
+
+def print_metrics(metrics: dict[str, float]) -> None:
+    """The run's last lines: its final metrics, one per line."""
+    say("final metrics:", *(f"  {name}: {value:.6g}" for name, value in metrics.items()))
+
+
+def report(metrics: dict[str, float], checkpoints: dict[str, str | None]) -> None:
+    print_metrics(metrics)
+    say(f"best checkpoint: {checkpoints['best']}", f"last checkpoint: {checkpoints['last']}")

@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from transformers_lab.config import call
 from transformers_lab.files import atomic_write
 from transformers_lab.run.overrides import (
     SEED_KEYS,
@@ -136,10 +135,3 @@ def finish_wandb(trainer: L.Trainer | None) -> None:
             import wandb
 
             wandb.finish()
-
-
-def build_loggers(config: DictConfig | None) -> list[Logger]:
-    """The loggers of the ``logger`` group (null entries are switched off)."""
-    return [
-        call(node, f"logger.{name}") for name, node in (config or {}).items() if node is not None
-    ]

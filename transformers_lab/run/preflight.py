@@ -24,17 +24,13 @@ from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
+from hydra.utils import get_object
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PRECISION_INPUT_STR
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.config import (
-    CONF_DIR,
-    flatten,
-    target_class,
-    unknown_option,
-)
+from transformers_lab.config import CONF_DIR, flatten, unknown_option
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.build import model_factory, model_refusal
+from transformers_lab.run.build import build_model_on_meta
 from transformers_lab.run.checkpoints import checkpoint_file
 
 
@@ -200,74 +196,6 @@ def check_components(cfg: DictConfig) -> None:
                 raise unknown_option(group, name)
 
 
-def on_meta(build: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``build(*args, **kwargs)`` on the meta device (no memory, no initialisation), or on
-    the CPU for a kernel of the user's that reads its tensors' values while it is built
-    (``.item()``, ``.numpy()``), which the meta device cannot give. A refusal
-    (ValueError; a TypeError again on the CPU) goes up as the constructor raised it."""
-    try:
-        with torch.device("meta"):
-            return build(*args, **kwargs)
-    except ValueError:
-        raise
-    except (RuntimeError, NotImplementedError, TypeError):
-        return build(*args, **kwargs)
-
-
-# what the data would size, as small stand-ins: the model is built before the data is read
-PLACEHOLDERS = {
-    "vocab_size": 8,
-    "src_vocab_size": 8,
-    "tgt_vocab_size": 8,
-    "num_classes": 2,
-    "in_channels": 1,
-    "pad_id": 0,
-    "bos_id": 1,
-    "eos_id": 2,
-}
-CONTEXTS = ("block_size", "max_len")  # the positions a model holds
-
-
-def placeholder_sizes(model: DictConfig, data: Any) -> dict[str, Any]:
-    """Stand-ins for the sizes ``model`` leaves to the data (null): small vocabularies and
-    classes, the data config's context (the one the model will get), an image of a few
-    patches."""
-    context = next((data.get(key) for key in CONTEXTS if data.get(key)), 16)
-    sizes: dict[str, Any] = {}
-    for key, value in model.items():
-        if value is not None:
-            continue
-        if key in PLACEHOLDERS:
-            sizes[str(key)] = PLACEHOLDERS[str(key)]
-        elif key in CONTEXTS:
-            sizes[str(key)] = context
-        elif key == "image_size":  # a grid of 4 x 4 patches as the model tiles them
-            patch = model.get("patch_size") or 1
-            stride = model.get("patch_stride") or patch
-            sizes[str(key)] = max(patch + 3 * stride - 2 * (model.get("patch_padding") or 0), 1)
-    return sizes
-
-
-def check_model(cfg: DictConfig) -> None:
-    """The run's model built as the run will build it, on the meta device and sized with
-    stand-ins for what the data gives (``placeholder_sizes``): its constructors' own
-    refusals (the kernel's options, the layer's parts, RoPE, ALiBi, causal or both ways,
-    positions, a hybrid's layers) are met before the data is read, in their own words."""
-    model = cfg.get("model")
-    if not isinstance(model, DictConfig) or "_target_" not in model:
-        return
-    factory = model_factory(model)
-    sizes = placeholder_sizes(model, cfg.get("data") or {})
-    params = inspect.signature(target_class(model)).parameters
-    given = {str(k) for k, v in model.items() if v is not None} | set(sizes)
-    if any(p.default is p.empty and name not in given for name, p in params.items()):
-        return  # a model of the user's that needs a size only its data gives
-    try:
-        on_meta(factory, **sizes)
-    except (ValueError, TypeError) as exc:
-        raise model_refusal(exc, model) from None
-
-
 # ---------------------------------------------------------------- from the signatures
 
 SIMPLE = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -306,7 +234,7 @@ def check_signature(section: str, node: Any) -> None:
     if not str(node._target_).startswith("transformers_lab."):
         return
     try:
-        cls = target_class(node)
+        cls = get_object(str(node._target_))
         hints: dict[str, Any] = {}
         # a class's own hints first, then those of the classes it passes its options to
         for owner in reversed(cls.__mro__ if isinstance(cls, type) else (cls,)):
@@ -335,7 +263,7 @@ def check_keys(section: str, node: Any) -> None:
     ):
         return
     try:
-        params = inspect.signature(target_class(node)).parameters
+        params = inspect.signature(get_object(str(node._target_))).parameters
     except Exception:  # not importable: the build will say
         return
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -345,9 +273,10 @@ def check_keys(section: str, node: Any) -> None:
             continue
         close = difflib.get_close_matches(str(key), list(params), n=1)
         meant = f" (did you mean {close[0]}?)" if close else ""
+        name = get_object(str(node._target_)).__name__
         raise ConfigError(
-            f"{section}.{key}: {target_class(node).__name__} takes no {key}{meant}; remove "
-            f"it, or choose a {section} that takes it"
+            f"{section}.{key}: {name} takes no {key}{meant}; remove it, or choose a {section} "
+            "that takes it"
         )
 
 
@@ -418,7 +347,7 @@ def check_config(cfg: DictConfig) -> None:
         for key in ("attention", "cross_attention") if section == "model" and node else ():
             check_signature(f"model.{key}", node.get(key))
     check_components(cfg)
-    check_model(cfg)
+    build_model_on_meta(cfg)  # the model's own refusals, before the data is read
     check_schedule(cfg.get("scheduler"))
     trainer = cfg.get("trainer") or {}
     check_accelerator(trainer)

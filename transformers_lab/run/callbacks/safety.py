@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import logging
 import random
-import shlex
 import signal
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -29,8 +27,7 @@ import numpy as np
 import torch
 
 from transformers_lab.data.base import ResumableLoader
-from transformers_lab.errors import Interrupted, NonFiniteError
-from transformers_lab.run.overrides import override_key
+from transformers_lab.errors import NonFiniteError
 from transformers_lab.tasks.clipping import CheckedNorm, TakesCheckedNorm
 
 log = logging.getLogger(__name__)
@@ -244,50 +241,6 @@ class StopOnSignal(L.Callback):
             if signal.getsignal(signum) == self.on_signal:
                 signal.signal(signum, handler)
         self.previous = {}
-
-
-def signal_name(trainer: L.Trainer) -> str:
-    """The signal that stopped the run (Lightning's own handler knows only SIGTERM)."""
-    by = next((c.received for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
-    return by or "SIGTERM"
-
-
-def interrupted(
-    trainer: L.Trainer, overrides: Sequence[str] = (), sweep: Sequence[str] | None = None
-) -> Interrupted:
-    """The entry point's account of a training run stopped by a signal, with the command
-    that resumes it: the run's ``overrides`` and the saved ``last.ckpt``; for a job of a
-    sweep, the command that finishes its sweep (``sweep``, from ``run.job``), in which
-    the job resumes from its ``last.ckpt``."""
-    name = signal_name(trainer)
-    callback = trainer.checkpoint_callback
-    last = getattr(callback, "last_model_path", "") or None
-    best = getattr(callback, "best_model_path", "") or None
-    score = getattr(callback, "best_model_score", None)
-    best_score = None if score is None else float(score)
-    if last is None:
-        message = f"stopped by {name} at global step {trainer.global_step}: nothing saved"
-        return Interrupted(message, name, None, best, best_score)
-    stopped = f"stopped by {name} at global step {trainer.global_step}: saved {last}"
-    if sweep is not None:
-        message = f"{stopped}; {' '.join(sweep)}"
-        return Interrupted(message, name, last, best, best_score)
-    kept = [o for o in overrides if override_key(o) != "ckpt_path"]
-    again = " ".join(shlex.quote(o) for o in [*kept, f"ckpt_path={last}"])
-    message = f"{stopped}; resume with tlab-train {again}"
-    return Interrupted(message, name, last, best, best_score)
-
-
-def interrupted_testing(trainer: L.Trainer, checkpoint: str | None) -> Interrupted:
-    """The account of a signal during the test that follows training, with the command
-    that tests ``checkpoint`` (the one being tested) again."""
-    name = signal_name(trainer)
-    then = (
-        f"test it again with tlab-eval ckpt_path={checkpoint} split=test"
-        if checkpoint
-        else "the weights under test were not saved"
-    )
-    return Interrupted(f"stopped by {name} while testing: {then}", name, checkpoint)
 
 
 # ---------------------------------------------------------------- exact resume
