@@ -161,8 +161,16 @@ CASES = [
     ),
     case("train", ["model=gpt", "data=digits"], "cannot take data=digits"),
     # data
-    case("train", ["data.batch_size=0"], "data.batch_size must be an integer >= 1, got 0"),
-    case("train", ["data.val_fraction=1.5"], "data.val_fraction must be a number in (0, 1)"),
+    case(
+        "train",
+        ["data.batch_size=0"],
+        "refuses data.batch_size=0: batch_size must be an integer >= 1",
+    ),
+    case(
+        "train",
+        ["data.val_fraction=1.5"],
+        "val_fraction=1.5 must be in (0, 1)",
+    ),
     case("train", ["data=mnist", "data.download=false"], "is missing and downloads are off"),
     case("train", ["data=shakespeare_char"], "could not download"),  # offline: no network
     # checkpoints to resume from
@@ -388,7 +396,7 @@ CASES = [
     case("eval", ["ckpt_path={tmp}/nope.ckpt"], "no checkpoint at"),
     case("eval", ["ckpt_path={plain}"], "holds no tlab_config"),
     case("eval", ["ckpt_path={vit}", "split=train"], "split=train is not one of val, test"),
-    case("eval", ["ckpt_path={vit}", "+data.batch_size=0"], "data.batch_size must be an integer"),
+    case("eval", ["ckpt_path={vit}", "+data.batch_size=0"], "batch_size must be an integer >= 1"),
     case("eval", ["ckpt_path={vit}", "logger=nope"], "unknown logger 'nope'"),
     case(  # the checkpoint's data config, which no option of tlab-eval's chose
         "eval",

@@ -16,6 +16,14 @@ def must_be(key: str, expected: str, value: object) -> str:
     return f"{key} must be {expected}, got {value!r}"
 
 
+def at_least(least: int, **values: object) -> None:
+    """Raise ``ValueError`` (``must_be``'s words) unless each of ``values`` is an integer
+    of at least ``least``: a constructor's counts and sizes."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(must_be(key, f"an integer >= {least}", value))
+
+
 class ConfigError(ValueError):
     """A configuration that cannot work; the message says what to change."""
 

@@ -202,7 +202,7 @@ def test_only_gpt_takes_the_compression_data(tmp_path):
     vit = ("experiment=mad", "data=mad_compression", "model=vit")
     proc = tlab_train(*vit, cwd=tmp_path)  # the experiment sets a GPT's option, refused first
     assert proc.returncode == 2 and "model.tie_weights: ViT takes no tie_weights" in proc.stderr
-    proc = tlab_train(*vit, "~model.tie_weights", cwd=tmp_path)
+    proc = tlab_train(*vit, "~model.tie_weights", "task=classification", cwd=tmp_path)
     assert proc.returncode != 0
     assert "bottleneck" in proc.stderr and "use model=gpt" in proc.stderr
 

@@ -73,7 +73,7 @@ def test_the_task_gets_the_detokenizer_and_the_run_config():
     assert checkpoint["tlab_config"] == run
     plain = build_task(OmegaConf.create(TASK), model, object())
     assert plain.detokenize is None and plain.run_config is None
-    with pytest.raises(ConfigError, match="task: sample_every must be >= 1"):
+    with pytest.raises(ConfigError, match="task: sample_every must be an integer >= 1"):
         build_task(OmegaConf.create(TASK | {"sample_every": 0}), model)
 
 

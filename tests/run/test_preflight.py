@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from omegaconf import OmegaConf
 
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.build import build_model_on_meta
+from transformers_lab.run.build import build_on_meta
 from transformers_lab.run.preflight import (
     NULL,
     POSITIVE_INT,
@@ -27,8 +29,10 @@ def test_expectations_compose_with_or():
 
 def test_rules_name_the_key_and_the_value_and_skip_absent_keys():
     check_rules(OmegaConf.create({"model": {"d_model": 64}}))  # keys it lacks are skipped
-    with pytest.raises(ConfigError, match=r"^data.batch_size must be an integer >= 1, got 0$"):
-        check_rules(OmegaConf.create({"data": {"batch_size": 0}}))
+    with pytest.raises(
+        ConfigError, match=r"^trainer.max_steps must be -1 \(no limit\) or an integer >= 1, got 0$"
+    ):
+        check_rules(OmegaConf.create({"trainer": {"max_steps": 0}}))
     with pytest.raises(ConfigError, match=r"optimizer.betas must be two numbers in \[0, 1\)"):
         check_rules(OmegaConf.create({"optimizer": {"betas": [0.9, 1.0]}}))
     with pytest.raises(ConfigError, match="cpu_threads must be null or an integer >= 1, got 'x'"):
@@ -52,22 +56,22 @@ def model(**kw):
 
 
 def test_the_model_is_built_on_the_meta_device_and_refuses_in_its_own_words():
-    build_model_on_meta(model())
+    build_on_meta(model())
     with pytest.raises(ConfigError, match="^model: d_model=30 must be divisible by num_heads=4"):
-        build_model_on_meta(model(d_model=30))
+        build_on_meta(model(d_model=30))
     with pytest.raises(ConfigError, match="^attention: rope needs an even head dim.*head_dim=9"):
-        build_model_on_meta(model(d_model=36, pos_encoding="rope"))
+        build_on_meta(model(d_model=36, pos_encoding="rope"))
     with pytest.raises(ConfigError, match="^attention: unknown attention kernel 'soft'"):
-        build_model_on_meta(model(attention="soft"))
+        build_on_meta(model(attention="soft"))
     with pytest.raises(ConfigError, match="^attention: pos_encoding=alibi adds a bias"):
-        build_model_on_meta(model(attention="linear", pos_encoding="alibi"))
+        build_on_meta(model(attention="linear", pos_encoding="alibi"))
     cos = {"_target_": "transformers_lab.attention.cosformer.CosFormerAttention"}
     cos["_partial_"] = True
     with pytest.raises(ConfigError, match="max_len=1024, but the GPT's context is 2048"):
-        build_model_on_meta(model(attention=cos, block_size=2048))
+        build_on_meta(model(attention=cos, block_size=2048))
     typo = {"_target_": "transformers_lab.attention.CosformerAttention", "_partial_": True}
     with pytest.raises(ConfigError, match=r"cannot import its _target_ "):
-        build_model_on_meta(model(attention=typo))
+        build_on_meta(model(attention=typo))
 
 
 def test_the_data_s_context_stands_in_for_a_null_block_size():
@@ -76,15 +80,15 @@ def test_the_data_s_context_stands_in_for_a_null_block_size():
     cos = {"_target_": "transformers_lab.attention.cosformer.CosFormerAttention"}
     short = cos | {"_partial_": True, "max_len": 32}
     with pytest.raises(ConfigError, match="max_len=32, but the GPT's context is 64"):
-        build_model_on_meta(model(attention=short))
+        build_on_meta(model(attention=short))
     fits = model(attention=short)
     fits.data.block_size = 32
-    build_model_on_meta(fits)
+    build_on_meta(fits)
 
 
 def test_a_model_that_needs_a_size_only_its_data_gives_is_left_to_the_real_build():
     odd = OmegaConf.create({"model": {"_target_": "torch.nn.Linear", "bias": True}})
-    build_model_on_meta(odd)  # in_features, out_features: no stand-in, no build, no refusal
+    build_on_meta(odd)  # in_features, out_features: no stand-in, no build, no refusal
 
 
 def test_a_run_that_never_stops_and_a_missing_checkpoint():
@@ -138,11 +142,11 @@ def test_a_hybrid_layer_is_held_to_the_model_s_rules_before_the_data():
     cos = {"_target_": "transformers_lab.attention.cosformer.CosFormerAttention"}
     short = OmegaConf.create(cos | {"_partial_": True, "max_len": 8})
     with pytest.raises(ConfigError, match=r"layer 1 .*max_len=8, but the GPT's context is 64"):
-        build_model_on_meta(model(**gpt, block_size=64, hybrid={1: short}))
+        build_on_meta(model(**gpt, block_size=64, hybrid={1: short}))
     fast = {"_target_": "transformers_lab.attention.fastmax.FastmaxAttention", "_partial_": True}
     future = OmegaConf.create(fast | {"normalize": "sequence_max"})
     with pytest.raises(ConfigError, match=r"^model.hybrid, layer 0 .*GPT attends causally"):
-        build_model_on_meta(model(**gpt, block_size=64, hybrid={0: future}))
+        build_on_meta(model(**gpt, block_size=64, hybrid={0: future}))
 
 
 def test_a_summary_key_is_a_key_of_the_config_or_a_config_group():
@@ -181,3 +185,31 @@ def test_an_entry_point_s_options_are_typed_then_held_to_their_own_rules():
         typed_options(Options, OmegaConf.create({"limit": "x"}))
     with pytest.raises(ConfigError, match=r"^count must be >= 1, got 0$"):
         typed_options(Options, OmegaConf.create({"count": 0}))
+
+
+def test_a_key_of_the_rules_is_no_constructor_s_own():
+    """A key is validated in one place. ``RULES`` holds only keys that no constructor of
+    ours owns (the entry points', the optimizer's, Lightning's trainer's): a key of the
+    model, data, task or schedule is its constructor's, which the preflight calls early
+    (``build_on_meta``, ``check_schedule``). Each of those keys is then refused by that
+    constructor, in its own words, and RULES has no second rule for it."""
+    ours = ("model.", "data.", "task.", "scheduler.")
+    assert not [key for key in RULES if key.startswith(ours)]
+    mqar = ["experiment=mqar"]  # a GPT, MQAR's data, the language-model task, warm-up cosine
+    owners = {  # a key of each section, and the constructor's refusal of a bad value
+        "data.batch_size=0": "refuses data.batch_size=0: batch_size must be an integer >= 1",
+        "model.n_head=0": "model.n_head must be an integer >= 1, got 0",
+        "task.sample_tokens=-1": "task: sample_tokens must be an integer >= 0, got -1",
+        "scheduler.min_lr_ratio=2.0": "scheduler.min_lr_ratio must be a number in [0, 1]",
+    }
+    from transformers_lab.config import compose_config
+
+    for override, said in owners.items():
+        cfg = compose_config("train", [*mqar, override], "/tmp/r")
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            check_config(cfg)
+    cfg = compose_config(
+        "train", ["experiment=transformer_multi30k", "task.max_decode_len=0"], "/r"
+    )
+    with pytest.raises(ConfigError, match="task: max_decode_len must be an integer >= 1, got 0"):
+        check_config(cfg)

@@ -289,7 +289,7 @@ def test_resume_from_last_continues_the_global_step_and_the_schedule(tmp_path, c
     [
         (
             ["scheduler.max_steps=50"],
-            "scheduler.max_steps=50 must exceed scheduler.warmup_steps=100",
+            "scheduler.max_steps=50 must exceed warmup_steps=100",
         ),
         (["trainer.val_check_interval=1000"], "trainer.check_val_every_n_epoch=null to count"),
     ],

@@ -78,7 +78,7 @@ def test_language_model_task_logs_a_text_sample():
     # five validations, a sample at the 2nd and 4th; the sanity check generates nothing
     assert task.validations == 5 and len(task.samples) == 2
     assert all(len(sample) == 6 for sample in task.samples)  # the prompt token and 5 more
-    with pytest.raises(ValueError, match="sample_every must be >= 1"):
+    with pytest.raises(ValueError, match="sample_every must be an integer >= 1"):
         LanguageModelTask(task.model, ADAMW, sample_every=0)
 
 

@@ -35,6 +35,7 @@ from torch import Generator, Tensor
 from torch.utils.data import TensorDataset
 
 from transformers_lab.data.base import IGNORE, InMemoryDataModule
+from transformers_lab.errors import at_least
 
 MAD_PROBLEMS = (
     "in_context_recall",
@@ -351,6 +352,9 @@ class MADDataModule(InMemoryDataModule):
         repeat: int = 1,
     ) -> None:
         super().__init__()
+        at_least(1, block_size=block_size, train_examples=train_examples, batch_size=batch_size)
+        at_least(1, val_examples=val_examples)
+        at_least(0, num_workers=num_workers)
         if repeat < 1:
             raise ValueError(f"repeat must be >= 1 passes over the training set, got {repeat}")
         if problem not in GENERATORS:

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from transformers_lab.data.base import IGNORE, InMemoryDataModule
+from transformers_lab.errors import at_least
 
 PROBLEMS = ("mqar", "copy", "sort")
 
@@ -141,6 +142,9 @@ class SyntheticDataModule(InMemoryDataModule):
         random_non_queries: bool = True,
     ) -> None:
         super().__init__()
+        at_least(1, block_size=block_size, train_examples=train_examples, batch_size=batch_size)
+        at_least(1, val_examples=val_examples)
+        at_least(0, num_workers=num_workers)
         if problem not in PROBLEMS:
             raise ValueError(
                 f"unknown synthetic problem {problem!r}; valid ones are: {', '.join(PROBLEMS)}"

@@ -19,7 +19,7 @@ from transformers_lab.data.tokenizers import (
     check_encoding,
     load_encoding,
 )
-from transformers_lab.errors import ConfigError
+from transformers_lab.errors import ConfigError, at_least, must_be
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,10 @@ class ShakespeareCharDataModule(DataModule):
         download: bool = True,
     ) -> None:
         super().__init__()
+        at_least(1, block_size=block_size, batch_size=batch_size, train_samples=train_samples)
+        at_least(0, num_workers=num_workers)
+        if isinstance(val_fraction, bool) or not 0 < val_fraction < 1:
+            raise ValueError(must_be("val_fraction", "a number in (0, 1)", val_fraction))
         self.root = data_root(root)
         self.block_size, self.batch_size = block_size, batch_size
         self.train_samples, self.val_fraction = train_samples, val_fraction

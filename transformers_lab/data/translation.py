@@ -23,7 +23,7 @@ from transformers_lab.data.tokenizers import (
     check_encoding,
     load_encoding,
 )
-from transformers_lab.errors import DataFileError
+from transformers_lab.errors import DataFileError, at_least
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
 MULTI30K_FILES = {
@@ -158,6 +158,8 @@ class TranslationDataModule(DataModule):
         download: bool = True,
     ) -> None:
         super().__init__()
+        at_least(1, max_len=max_len, batch_size=batch_size)
+        at_least(0, num_workers=num_workers)
         if dataset not in ("multi30k", "iwslt2017"):
             raise ValueError(f"unknown dataset {dataset!r}; valid ones are: multi30k, iwslt2017")
         if {src_lang, tgt_lang} != set(LANGUAGES):

@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, random_split
 
 from transformers_lab.data.base import DataModule, ResumableLoader
 from transformers_lab.data.download import data_root, ensure_file
-from transformers_lab.errors import DataFileError
+from transformers_lab.errors import DataFileError, at_least
 
 # Archives and checksums: MNIST by sha256; Fashion-MNIST by the MD5s torchvision pins.
 MNIST_MIRROR = "https://ossci-datasets.s3.amazonaws.com/mnist/"
@@ -36,6 +36,8 @@ class ImageDataModule(DataModule):
 
     def __init__(self, batch_size: int = 64, num_workers: int = 0) -> None:
         super().__init__()
+        at_least(1, batch_size=batch_size)
+        at_least(0, num_workers=num_workers)
         self.batch_size, self.num_workers = batch_size, num_workers
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
@@ -93,6 +95,7 @@ class MNISTDataModule(ImageDataModule):
         download: bool = True,
     ) -> None:
         super().__init__(batch_size, num_workers)
+        at_least(0, val_size=val_size)
         self.root, self.val_size = data_root(root), val_size
         self.augment, self.download = augment, download
 

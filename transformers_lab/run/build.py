@@ -389,25 +389,35 @@ def placeholder_sizes(model: DictConfig, data: Any) -> dict[str, Any]:
     return sizes
 
 
-def build_model_on_meta(cfg: DictConfig) -> None:
-    """The run's model built as the run will build it, on the meta device and sized with
-    stand-ins for what the data gives (``placeholder_sizes``), for the preflight: its
-    constructors' own refusals (the kernel's options, the layer's parts, RoPE, ALiBi,
-    causal or both ways, positions, a hybrid's layers) are met before the data is read,
-    in their own words."""
-    model = cfg.get("model")
+def build_on_meta(cfg: DictConfig) -> None:
+    """The run built as it will be, for the preflight, before any data is read: the data
+    module constructed (nothing fetched or read), the model on the meta device sized with
+    stand-ins for what the data gives (``placeholder_sizes``), and the task around it.
+    Their constructors' own refusals (a data size, the kernel's options, the layer's
+    parts, RoPE, ALiBi, causal or both ways, positions, a hybrid's layers, the task's
+    settings) are met at once, in their own words."""
+    data, model, task = (cfg.get(key) for key in ("data", "model", "task"))
+    if isinstance(data, DictConfig) and "_target_" in data:  # its constructor: nothing read
+        factory = call(data, "data", _partial_=True)
+        try:
+            factory()
+        except REFUSALS as exc:
+            raise ConfigError(data_refusal(data, exc)) from exc
     if not isinstance(model, DictConfig) or "_target_" not in model:
         return
     factory = model_factory(model)
-    sizes = placeholder_sizes(model, cfg.get("data") or {})
+    sizes = placeholder_sizes(model, data or {})
     params = inspect.signature(target_class(model)).parameters
     given = {str(k) for k, v in model.items() if v is not None} | set(sizes)
     if any(p.default is p.empty and name not in given for name, p in params.items()):
         return  # a model of the user's that needs a size only its data gives
     try:
-        on_meta(factory, **sizes)
+        built = on_meta(factory, **sizes)
     except (ValueError, TypeError) as exc:
         raise model_refusal(exc, model) from None
+    if isinstance(task, DictConfig) and "_target_" in task:
+        with torch.device("meta"):
+            build_task(task, built)
 
 
 def compile_model(model: torch.nn.Module) -> str:

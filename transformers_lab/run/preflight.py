@@ -30,8 +30,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.config import CONF_DIR, flatten, unknown_option
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.build import build_model_on_meta
+from transformers_lab.run.build import build_on_meta
 from transformers_lab.run.checkpoints import checkpoint_file
+from transformers_lab.tasks.schedules import check_schedule as check_schedule_rule
+from transformers_lab.tasks.schedules import warmup_cosine
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,6 @@ COUNT = Expect(lambda v: is_int(v) and v >= 0, "an integer >= 0")
 POSITIVE = Expect(lambda v: is_number(v) and v > 0, "a number > 0")
 NON_NEGATIVE = Expect(lambda v: is_number(v) and v >= 0, "a number >= 0")
 PROBABILITY = Expect(lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)")
-FRACTION = Expect(lambda v: is_number(v) and 0 < v < 1, "a number in (0, 1)")
-UNIT = Expect(lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]")
 BOOL = Expect(lambda v: isinstance(v, bool), "true or false")
 BETAS = Expect(
     lambda v: isinstance(v, Sequence) and len(v) == 2 and all(map(PROBABILITY.test, v)),
@@ -87,34 +87,19 @@ PRECISIONS = [value for literal in get_args(_PRECISION_INPUT) for value in get_a
 PRECISION = Expect(lambda v: v in PRECISIONS, f"one of {', '.join(get_args(_PRECISION_INPUT_STR))}")
 DEVICE = Expect(available_device, "cpu or a GPU this machine has (cuda, cuda:1, mps)")
 
+# the keys no constructor of ours owns: the entry points' own, torch's optimizer's and
+# Lightning's trainer's (a key of the model, data, task or schedule is its constructor's)
 RULES: dict[str, Expect] = {
-    # tlab-train
+    # the entry points
     "seed": COUNT,
     "cpu_threads": NULL | POSITIVE_INT,
     "compile": BOOL,
     "monitor.mode": one_of("min", "max"),
-    "data.batch_size": POSITIVE_INT,
-    "data.num_workers": COUNT,
-    "data.val_fraction": FRACTION,
-    "data.test_fraction": FRACTION,
-    "data.val_size": COUNT,
-    "data.block_size": POSITIVE_INT,
-    "data.max_len": POSITIVE_INT,
-    "data.train_examples": POSITIVE_INT,
-    "data.val_examples": POSITIVE_INT,
-    "data.train_samples": POSITIVE_INT,
     "optimizer.lr": POSITIVE,
     "optimizer.weight_decay": NON_NEGATIVE,
     "optimizer.momentum": NON_NEGATIVE,
     "optimizer.eps": NON_NEGATIVE,
     "optimizer.betas": BETAS,
-    "scheduler.warmup_steps": COUNT,
-    "scheduler.max_steps": NULL | POSITIVE_INT,
-    "scheduler.min_lr_ratio": UNIT,
-    "task.label_smoothing": PROBABILITY,
-    "task.max_decode_len": POSITIVE_INT,
-    "task.sample_tokens": COUNT,
-    "task.sample_every": POSITIVE_INT,
     # the trainer (tlab-train, tlab-eval)
     "trainer.max_epochs": NULL | NO_LIMIT | POSITIVE_INT,
     "trainer.min_epochs": NULL | COUNT,
@@ -129,7 +114,7 @@ RULES: dict[str, Expect] = {
     "trainer.limit_test_batches": BATCHES | COUNT,
     "trainer.log_every_n_steps": POSITIVE_INT,
     "trainer.num_sanity_val_steps": NO_LIMIT | COUNT,
-    # tlab-sample
+    # tlab-sample, tlab-translate
     "device": DEVICE,
 }
 
@@ -168,17 +153,17 @@ def check_accelerator(trainer: Any) -> None:
 
 
 def check_schedule(scheduler: Any) -> None:
-    """A schedule of pinned length (``scheduler.max_steps``) must outlast its warm-up; a
-    null length follows the run's steps and shortens the warm-up to fit."""
-    if not isinstance(scheduler, DictConfig):
+    """The warm-up cosine schedule held to its own rule (``tasks.schedules``) before the
+    data is read: it is built only once the run's optimizer is."""
+    if not isinstance(scheduler, DictConfig) or "_target_" not in scheduler:
         return
-    length, warmup = scheduler.get("max_steps"), scheduler.get("warmup_steps")
-    if isinstance(length, int) and isinstance(warmup, int) and length <= warmup:
-        raise ConfigError(
-            f"scheduler.max_steps={length} must exceed scheduler.warmup_steps={warmup}: give a "
-            f"longer schedule, a shorter warm-up (scheduler.warmup_steps=...), or "
-            f"scheduler.max_steps=null to follow the run's steps"
-        )
+    if get_object(str(scheduler._target_)) is not warmup_cosine:
+        return
+    keys = ("warmup_steps", "max_steps", "min_lr_ratio")
+    try:
+        check_schedule_rule(**{k: scheduler[k] for k in keys if k in scheduler})
+    except ValueError as exc:
+        raise ConfigError(f"scheduler.{exc}") from None
 
 
 def check_missing(cfg: DictConfig) -> None:
@@ -347,7 +332,7 @@ def check_config(cfg: DictConfig) -> None:
         for key in ("attention", "cross_attention") if section == "model" and node else ():
             check_signature(f"model.{key}", node.get(key))
     check_components(cfg)
-    build_model_on_meta(cfg)  # the model's own refusals, before the data is read
+    build_on_meta(cfg)  # the constructors' own refusals, before the data is read
     check_schedule(cfg.get("scheduler"))
     trainer = cfg.get("trainer") or {}
     check_accelerator(trainer)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformers_lab.data.base import IGNORE
+from transformers_lab.errors import at_least
 from transformers_lab.tasks.base import Task, log_text
 from transformers_lab.tasks.examples import (
     Detokenizer,
@@ -51,8 +52,8 @@ class LanguageModelTask(Task):
         run_config: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(model, optimizer, scheduler, detokenize, run_config)
-        if sample_every < 1:
-            raise ValueError(f"sample_every must be >= 1 validations, got {sample_every}")
+        at_least(1, sample_every=sample_every)  # validations between samples
+        at_least(0, sample_tokens=sample_tokens)
         self.sample_tokens = sample_tokens
         self.sample_every = sample_every
         self.samples: list[str] = []

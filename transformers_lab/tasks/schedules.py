@@ -7,14 +7,32 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from transformers_lab.errors import at_least, must_be
+
+
+def check_schedule(warmup_steps: int, max_steps: int | None, min_lr_ratio: float = 0.1) -> None:
+    """The warm-up cosine schedule's one rule (raises ``ValueError``): counts of steps
+    that are counts, a floor in [0, 1], and a pinned length (``max_steps``) that outlasts
+    the warm-up; a null length follows the run's steps and shortens the warm-up to fit."""
+    at_least(0, warmup_steps=warmup_steps)
+    if max_steps is not None:
+        at_least(1, max_steps=max_steps)
+    if isinstance(min_lr_ratio, bool) or not 0 <= min_lr_ratio <= 1:
+        raise ValueError(must_be("min_lr_ratio", "a number in [0, 1]", min_lr_ratio))
+    if max_steps is not None and max_steps <= warmup_steps:
+        raise ValueError(
+            f"max_steps={max_steps} must exceed warmup_steps={warmup_steps}: give a longer "
+            "schedule, a shorter warm-up (scheduler.warmup_steps=...), or "
+            "scheduler.max_steps=null to follow the run's steps"
+        )
+
 
 def warmup_cosine(
     optimizer: Optimizer, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1
 ) -> LambdaLR:
     """Linear warm-up to the base learning rate over ``warmup_steps``, then a cosine decay
     to ``min_lr_ratio`` times it at ``max_steps`` (constant after), as in nanoGPT."""
-    if max_steps <= warmup_steps:
-        raise ValueError(f"max_steps={max_steps} must exceed warmup_steps={warmup_steps}")
+    check_schedule(warmup_steps, max_steps, min_lr_ratio)
 
     def factor(step: int) -> float:
         if step < warmup_steps:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.text import BLEUScore
 
+from transformers_lab.errors import at_least, must_be
 from transformers_lab.models.transformer import check_beam
 from transformers_lab.tasks.base import Task, log_text
 from transformers_lab.tasks.examples import Detokenizer, Example, token_labels
@@ -49,6 +50,9 @@ class TranslationTask(Task):
     ) -> None:
         super().__init__(model, optimizer, scheduler, detokenize, run_config)
         check_beam(beam_size)
+        at_least(1, max_decode_len=max_decode_len)
+        if isinstance(label_smoothing, bool) or not 0 <= label_smoothing < 1:
+            raise ValueError(must_be("label_smoothing", "a number in [0, 1)", label_smoothing))
         self.label_smoothing, self.bleu_batches = label_smoothing, bleu_batches
         self.test_bleu_batches = test_bleu_batches
         self.max_decode_len, self.beam_size = max_decode_len, beam_size
