@@ -27,7 +27,7 @@ from transformers_lab.analysis.plots import (
     positional_table,
 )
 from transformers_lab.attention import KERNELS
-from transformers_lab.attention.linear.gated_kernel import GatedKernel
+from transformers_lab.attention.gated.kernel import GatedKernel
 from transformers_lab.config import compose_config
 from transformers_lab.models import GPT, Transformer, ViT
 from transformers_lab.nn.layers import sinusoidal_table

@@ -22,7 +22,7 @@ from transformers_lab.attention import (
 )
 from transformers_lab.attention import check as check_module
 from transformers_lab.attention.check import check_kernel, kernel_factory
-from transformers_lab.attention.linear.gated_kernel import GatedKernel
+from transformers_lab.attention.gated.kernel import GatedKernel
 from transformers_lab.attention.performer import PerformerAttention
 from transformers_lab.nn.check import main as check_main
 
@@ -518,8 +518,8 @@ def test_unsupported_p_and_negative_p1_are_refused():
 
 @pytest.mark.parametrize("p", [1, 2])
 def test_fastmax_auto_takes_the_cheaper_exact_path(p, monkeypatch):
-    from transformers_lab.attention import linear as fm
-    from transformers_lab.attention.linear import feature_kernel as fm_kernel
+    from transformers_lab.attention import feature_map as fm
+    from transformers_lab.attention.feature_map import feature_kernel as fm_kernel
 
     kernel = make("fastmax", p=p)  # impl=auto
     dim = fm.feature_dim(D, p)

@@ -146,7 +146,7 @@ def test_flex_with_alibi_equals_our_loop():
 
 
 def test_flex_on_cuda_refuses_heads_narrower_than_its_kernel_takes():
-    from transformers_lab.attention.linear.flex_ops import refusal
+    from transformers_lab.attention.flex_ops import refusal
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert refusal(8, 16, cuda).startswith("FlexAttention's CUDA kernel takes heads at least 16")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from transformers_lab.attention import FastmaxAttention
-from transformers_lab.attention import linear as fm
+from transformers_lab.attention import feature_map as fm
 from transformers_lab.nn.parts import split_layer_parts
 
 B, H, D, DV = 2, 3, 6, 5
@@ -256,7 +256,7 @@ def test_compiled_chunk_steps_give_the_eager_results(name):
     # torch.compile of each step (a fused feature map, polynomial and VJP for p=2), in
     # both linear paths, forward and backward, against the eager steps
     from transformers_lab.attention import build_kernel
-    from transformers_lab.attention.linear.steps import steps
+    from transformers_lab.attention.feature_map.steps import steps
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
@@ -282,7 +282,7 @@ def test_a_compiled_step_compiles_once_for_every_sequence_length(monkeypatch, ca
     from torch._dynamo.testing import CompileCounter
 
     from transformers_lab.attention import build_kernel
-    from transformers_lab.attention.linear import steps as steps_module
+    from transformers_lab.attention.feature_map import steps as steps_module
 
     counter, real = CompileCounter(), torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": counter}))
@@ -316,7 +316,7 @@ def test_compiled_kernels_on_the_quadratic_path_say_once_a_class_that_it_is_not_
     # impl=auto takes the quadratic path while the keys are no more than the features
     # (fastmax p=2 with D=8: 45; linear: 8), whose N x N form has no compiled steps
     from transformers_lab.attention import build_kernel
-    from transformers_lab.attention.linear import feature_kernel
+    from transformers_lab.attention.feature_map import feature_kernel
 
     monkeypatch.setattr(feature_kernel, "UNCOMPILED_SAID", set())
     q, k, v = (torch.randn(1, 2, 8, 8) for _ in range(3))
@@ -340,7 +340,7 @@ def test_compiled_kernels_on_the_quadratic_path_say_once_a_class_that_it_is_not_
 def test_a_step_past_the_recompile_limit_runs_eagerly_and_keeps_compiling(monkeypatch, caplog):
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
-    from transformers_lab.attention.linear import steps as steps_module
+    from transformers_lab.attention.feature_map import steps as steps_module
 
     def limited(fn, **kw):
         def run(x):
@@ -360,7 +360,7 @@ def test_a_step_past_the_recompile_limit_runs_eagerly_and_keeps_compiling(monkey
 
 
 def test_a_step_that_cannot_compile_runs_eagerly_and_says_so_once(monkeypatch, caplog):
-    from transformers_lab.attention.linear import steps as steps_module
+    from transformers_lab.attention.feature_map import steps as steps_module
 
     def refuse(fn, **kw):
         def broken(*args):

@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import get_class
 
-from transformers_lab.attention import check
-from transformers_lab.attention.linear import fla_ops
+from transformers_lab.attention import check, fla_ops
 from transformers_lab.config import attention_configs
 from transformers_lab.nn.multihead import MultiHeadAttention
 
@@ -140,7 +139,7 @@ def test_auto_takes_our_loop_where_fla_refuses_the_dtype(interpreter, monkeypatc
     def as_on_cuda(backend, *_):
         return None if backend == "loop" else "fla"
 
-    monkeypatch.setattr("transformers_lab.attention.linear.gated_kernel.choose", as_on_cuda)
+    monkeypatch.setattr("transformers_lab.attention.gated.kernel.choose", as_on_cuda)
     qkv, gates, _, _ = inputs(loop, 20, padded=False)
     assert torch.equal(auto(*qkv, causal=True, **gates), loop(*qkv, causal=True, **gates))
     with pytest.raises(ValueError, match="fla's delta rule runs in bf16 or fp16 only"):
@@ -235,7 +234,7 @@ def test_a_dropped_padding_fails_the_comparison(interpreter, monkeypatch):
     loop, fla = kernels("fastmax")
     real = fla_ops.fla_polynomial
     monkeypatch.setattr(
-        "transformers_lab.attention.linear.feature_kernel.fla_polynomial",
+        "transformers_lab.attention.feature_map.feature_kernel.fla_polynomial",
         lambda qs, ks, v, p, keep=None: real(qs, ks, v, p, None),
     )
     assert compare(loop, fla, 37, padded=True)[0] > 1e-3

@@ -1,4 +1,4 @@
-"""The gated recurrence (attention/linear/gated.py): decay and the delta rule, chunked,
+"""The gated recurrence (attention/gated/recurrence.py): decay and the delta rule, chunked,
 against the token-by-token recurrence in float64."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from transformers_lab.attention import build_kernel
-from transformers_lab.attention.linear import gated
-from transformers_lab.attention.linear.gated import (
+from transformers_lab.attention.gated import recurrence as gated
+from transformers_lab.attention.gated.recurrence import (
     chunked_recurrence,
     naive_recurrence,
     unit_lower_inverse,

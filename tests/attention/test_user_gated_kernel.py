@@ -15,11 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.end_to_end.test_readme import readme_block  # the code blocks of README and docs/
-from transformers_lab.attention import REGISTRY
+from transformers_lab.attention import REGISTRY, fla_ops
 from transformers_lab.attention.deltanet import DeltaNetAttention
+from transformers_lab.attention.gated.recurrence import chunked_recurrence
 from transformers_lab.attention.gla import GLAAttention
-from transformers_lab.attention.linear import fla_ops
-from transformers_lab.attention.linear.gated import chunked_recurrence
 from transformers_lab.attention.simple_gla import SimpleGLAAttention
 from transformers_lab.config import searchpath_override
 from transformers_lab.nn.check import main as check_main

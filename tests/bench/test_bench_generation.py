@@ -5,7 +5,7 @@ import csv
 import pytest
 
 from transformers_lab.attention import KERNELS
-from transformers_lab.attention.resolve import kernel_class
+from transformers_lab.attention.resolve import kernel_class_at
 from transformers_lab.bench import generation
 from transformers_lab.bench.kernels import PATH_VARIANTS, default_variants, variant_configs
 
@@ -55,13 +55,13 @@ def test_every_attention_option_generates_by_default(tmp_path):
     options = [n for n in default_variants() if n not in PATH_VARIANTS]
     assert sorted({r["kernel"] for r in rows}) == sorted(options)
     configs = variant_configs(options)
-    classes = {kernel_class(c["_target_"]) for c in configs.values()}
+    classes = {kernel_class_at(c["_target_"]) for c in configs.values()}
     assert {
         cls for cls in KERNELS.values() if cls.__module__.startswith("transformers_lab")
     } <= classes
     for name, config in configs.items():
         sizes = [int(r["state_size"]) for r in rows if r["kernel"] == name]
-        assert (sizes[0] == sizes[1]) == kernel_class(config["_target_"]).linear, name
+        assert (sizes[0] == sizes[1]) == kernel_class_at(config["_target_"]).linear, name
     assert "ms / token" in (tmp_path / "generation.md").read_text()
 
 

@@ -35,7 +35,7 @@ for _module in pkgutil.iter_modules(__path__):
 
 from transformers_lab.attention.additive import AdditiveAttention  # noqa: E402
 from transformers_lab.attention.fastmax import FastmaxAttention  # noqa: E402
-from transformers_lab.attention.linear import FeatureKernel  # noqa: E402
+from transformers_lab.attention.feature_map import FeatureKernel  # noqa: E402
 from transformers_lab.attention.softmax import (  # noqa: E402
     CosineAttention,
     DotAttention,

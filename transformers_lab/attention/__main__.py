@@ -33,13 +33,13 @@ def user_kernels(config_dirs: Sequence[Path]) -> list[type[AttentionKernel]]:
     """The kernel classes of the attention options in the user's ``config_dirs`` (importing
     them registers them)."""
     from transformers_lab.attention.resolve import config_dirs as with_conf
-    from transformers_lab.attention.resolve import kernel_class
+    from transformers_lab.attention.resolve import kernel_class_at
     from transformers_lab.config import attention_configs, group_options
 
     dirs = with_conf(config_dirs)
     theirs = set(group_options("attention", dirs)) - set(group_options("attention"))
     configs = attention_configs(dirs, sorted(theirs))
-    return [kernel_class(config["_target_"]) for config in configs.values()]
+    return [kernel_class_at(config["_target_"]) for config in configs.values()]
 
 
 def presets(config_dirs: Sequence[Path] = ()) -> dict[str, list[str]]:

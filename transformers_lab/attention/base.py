@@ -293,7 +293,7 @@ class AttentionKernel(nn.Module):
         key_padding_mask: Tensor | None = None,
     ) -> Tensor:
         """``weights @ v``, with dropout on the weights in training. Kernels with a faster
-        path (SDPA, the linear engine) override it."""
+        path (SDPA, the feature-map engine) override it."""
         self.check_inputs(q, k, v, key_padding_mask)
         w = self.weights(q, k, causal=causal, key_padding_mask=key_padding_mask)
         return nn.functional.dropout(w, self.dropout, self.training).to(v.dtype) @ v

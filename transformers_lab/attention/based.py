@@ -16,7 +16,7 @@ import math
 from torch import Tensor
 
 from transformers_lab.attention import naive
-from transformers_lab.attention.linear import FeatureKernel
+from transformers_lab.attention.feature_map import FeatureKernel
 
 
 class BasedAttention(FeatureKernel):

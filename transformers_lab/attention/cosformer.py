@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from transformers_lab.attention import naive
-from transformers_lab.attention.linear import FeatureKernel
+from transformers_lab.attention.feature_map import FeatureKernel
 
 # added to relu(x), so that every key a query sees has a positive weight (module docstring)
 FEATURE_FLOOR = 1e-6

@@ -10,7 +10,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from transformers_lab.attention.base import GateInput
-from transformers_lab.attention.linear.gated_kernel import GatedKernel
+from transformers_lab.attention.gated.kernel import GatedKernel
 
 
 class DeltaNetAttention(GatedKernel):

@@ -1,7 +1,7 @@
 """Linear attention with the elu + 1 feature map (Katharopoulos et al., "Transformers are
 RNNs", 2020): the weight of key j for query i is phi(q_i) . phi(k_j), normalised over the
 keys, with phi(x) = elu(x) + 1 > 0 elementwise. Linear in the sequence length, with a
-recurrent state of constant size for decoding, on the linear engine (p = 0)."""
+recurrent state of constant size for decoding, on the feature-map engine (p = 0)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformers_lab.attention import naive
-from transformers_lab.attention.linear import FeatureKernel
+from transformers_lab.attention.feature_map import FeatureKernel
 
 
 class LinearAttention(FeatureKernel):

@@ -7,7 +7,7 @@ The softmax's exponential is replaced by its Taylor polynomial of order p (1 or 
 
 f factorises over features of q and k (1 + D + D(D+1)/2 of them for p=2, the symmetric
 half of q~ (x) q~), so time and memory grow linearly with the sequence: the paths are
-those of every linear kernel (``attention.linear``). This file holds fastmax's own part,
+those of every linear kernel (``attention.feature_map``). This file holds fastmax's own part,
 its features (each token by its own norm, queries scaled) and its float64 reference.
 """
 
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformers_lab.attention import naive
-from transformers_lab.attention.linear.feature_kernel import FeatureKernel
-from transformers_lab.attention.linear.features import SUPPORTED_P
+from transformers_lab.attention.feature_map.feature_kernel import FeatureKernel
+from transformers_lab.attention.feature_map.features import SUPPORTED_P
 
 
 class FastmaxAttention(FeatureKernel):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformers_lab.attention.base import GateInput
-from transformers_lab.attention.linear.gated_kernel import GatedKernel
+from transformers_lab.attention.gated.kernel import GatedKernel
 
 
 class GatedDeltaNetAttention(GatedKernel):

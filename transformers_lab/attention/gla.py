@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from transformers_lab.attention.base import GateInput
-from transformers_lab.attention.linear.gated_kernel import TemperedDecayKernel
+from transformers_lab.attention.gated.kernel import TemperedDecayKernel
 
 
 class GLAAttention(TemperedDecayKernel):

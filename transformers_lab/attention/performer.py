@@ -5,7 +5,7 @@ softmax kernel exp(q·k/√D). With x = u / D^(1/4) and m random directions w_r,
     phi(u) = exp(w_r·x - |x|²/2)_r / √m,    E[phi(q)·phi(k)] = exp(q·k/√D),
 
 and the weights are phi(q_i)·phi(k_j) normalised over the keys, in linear time on
-the linear engine (p = 0). The directions are orthogonal in blocks of D, each row scaled
+the feature-map engine (p = 0). The directions are orthogonal in blocks of D, each row scaled
 to the norm of a Gaussian vector (so that each is marginally N(0, I)), drawn per head.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from transformers_lab.attention import naive
-from transformers_lab.attention.linear import FeatureKernel
+from transformers_lab.attention.feature_map import FeatureKernel
 
 
 def orthogonal_gaussian(

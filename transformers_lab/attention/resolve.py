@@ -96,11 +96,11 @@ def kernel_config(
             "as package.module.Class; a kernel of your own config dir needs --config-dir DIR "
             "(or hydra.searchpath=[file://DIR])"
         )
-    kernel_class(config["_target_"])  # importable, and a kernel
+    kernel_class_at(config["_target_"])  # importable, and a kernel
     return {**config, "_partial_": True, **options}
 
 
-def kernel_class(path: str) -> type[AttentionKernel]:
+def kernel_class_at(path: str) -> type[AttentionKernel]:
     """The AttentionKernel subclass at the dotted ``path`` (importing its module registers
     it)."""
     module_name, _, class_name = path.rpartition(".")

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from transformers_lab.attention.linear.gated_kernel import GatedKernel
+from transformers_lab.attention.gated.kernel import GatedKernel
 
 
 class RetNetAttention(GatedKernel):

@@ -1,5 +1,5 @@
 """fla's Triton ops alone, as kernels the bench can time: the reference that our
-``backend=fla`` (``attention.linear.fla_ops``), which adds our feature maps, layout and
+``backend=fla`` (``attention.fla_ops``), which adds our feature maps, layout and
 normalisation around the same op, is held to on a GPU.
 
 - ``linear_fla_op``: ``chunk_linear_attn``, normalised, on elu + 1 features (our ``linear``);

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformers_lab.attention.base import GateInput
-from transformers_lab.attention.linear.gated_kernel import GatedKernel
+from transformers_lab.attention.gated.kernel import GatedKernel
 
 
 class DecayLinearAttention(GatedKernel):

@@ -4,7 +4,7 @@ A linear kernel maps queries and keys to features u (``features``) and weighs ke
 query i by ``f(u_q_i . u_k_j)``, normalised over the keys, with f the polynomial of order
 ``p`` (``features.poly``): for fastmax and Based p = 1 or 2, whose monomials the engine
 expands itself; for kernels that compute their features outright (elu + 1, random
-features) p = 0 and f(x) = x. Every path then runs on the linear engine: the N x N
+features) p = 0 and f(x) = x. Every path then runs on the feature-map engine: the N x N
 reference (``quadratic``), the non-causal state (``factorized``), the chunked causal form
 (``chunked``) and the recurrent step (``recurrent``). A subclass gives ``features``,
 ``feature_count`` and its ``reference_weights``; the rest is here.
@@ -20,14 +20,14 @@ from torch import Tensor
 
 from transformers_lab.attention.backends import check_backend, choose, compute_dtype, settle
 from transformers_lab.attention.base import AttentionKernel, Memory, attention_mask
-from transformers_lab.attention.linear.chunked import chunked_causal
-from transformers_lab.attention.linear.factorized import factorized
-from transformers_lab.attention.linear.features import feature_dim, read_state, weighted_state
-from transformers_lab.attention.linear.fla_ops import fla_polynomial, polynomial_refusal
-from transformers_lab.attention.linear.flex_ops import flex_polynomial
-from transformers_lab.attention.linear.flex_ops import refusal as flex_refusal
-from transformers_lab.attention.linear.quadratic import polynomial_matrix, quadratic
-from transformers_lab.attention.linear.recurrent import recurrent_step
+from transformers_lab.attention.feature_map.chunked import chunked_causal
+from transformers_lab.attention.feature_map.factorized import factorized
+from transformers_lab.attention.feature_map.features import feature_dim, read_state, weighted_state
+from transformers_lab.attention.feature_map.quadratic import polynomial_matrix, quadratic
+from transformers_lab.attention.feature_map.recurrent import recurrent_step
+from transformers_lab.attention.fla_ops import fla_polynomial, polynomial_refusal
+from transformers_lab.attention.flex_ops import flex_polynomial
+from transformers_lab.attention.flex_ops import refusal as flex_refusal
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class FeatureKernel(AttentionKernel):
             dimension, where the N x N form is the cheaper, linear beyond. Both give the
             same result; incremental decoding always uses the recurrent state.
         compiled: each chunk step of the linear paths through ``torch.compile``
-            (``linear/steps.py``): the same results, 1.6-2.0x faster for fastmax p=2 at
+            (``feature_map/steps.py``): the same results, 1.6-2.0x faster for fastmax p=2 at
             N=4096-16384 on one CPU thread, after a compile of 10-20 s a shape on first use.
         dropout: drops whole keys. During training each (batch, head, key) is kept with
             probability 1 - dropout and its value scaled by 1 / (1 - dropout); the

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformers_lab.attention.linear.features import (
+from transformers_lab.attention.feature_map.features import (
     chunk_major,
     chunk_view,
     chunks_t,
@@ -17,7 +17,7 @@ from transformers_lab.attention.linear.features import (
     features_d_vjp,
     first_order_only,
 )
-from transformers_lab.attention.linear.steps import steps
+from transformers_lab.attention.feature_map.steps import steps
 
 
 def factorized(

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformers_lab.attention import fla_ops
 from transformers_lab.attention.backends import check_backend, choose, compute_dtype
 from transformers_lab.attention.base import AttentionKernel
-from transformers_lab.attention.linear import fla_ops
-from transformers_lab.attention.linear.gated import (
+from transformers_lab.attention.gated.recurrence import (
     HALF,
     chunked_recurrence,
     naive_recurrence,

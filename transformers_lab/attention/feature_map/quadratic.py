@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from transformers_lab.attention.base import attention_mask
-from transformers_lab.attention.linear.features import poly
+from transformers_lab.attention.feature_map.features import poly
 
 
 def polynomial_matrix(q: Tensor, k: Tensor, p: int, allowed: Tensor | None) -> Tensor:

@@ -1,4 +1,4 @@
-"""The linear engine: the paths every linear kernel runs on.
+"""The feature-map engine: the paths every linear kernel of a feature map runs on.
 
 A linear kernel (``FeatureKernel``) maps queries and keys to features u and weighs key j
 for query i by ``f(u_q_i . u_k_j)``, normalised over the keys, with f a polynomial of
@@ -32,14 +32,14 @@ States are stored value-major, (B, H, Dv + 1, F), so that the gradients w.r.t. t
 features come out of the matrix products contiguous.
 """
 
-from transformers_lab.attention.linear.chunked import chunked_causal
-from transformers_lab.attention.linear.factorized import factorized
-from transformers_lab.attention.linear.feature_kernel import (
+from transformers_lab.attention.feature_map.chunked import chunked_causal
+from transformers_lab.attention.feature_map.factorized import factorized
+from transformers_lab.attention.feature_map.feature_kernel import (
     FeatureKernel,
     normalise_output,
     safe_divide,
 )
-from transformers_lab.attention.linear.features import (
+from transformers_lab.attention.feature_map.features import (
     SUPPORTED_P,
     feature_dim,
     feature_map,
@@ -50,8 +50,8 @@ from transformers_lab.attention.linear.features import (
     read_state,
     weighted_state,
 )
-from transformers_lab.attention.linear.quadratic import polynomial_matrix, quadratic
-from transformers_lab.attention.linear.recurrent import recurrent_step
+from transformers_lab.attention.feature_map.quadratic import polynomial_matrix, quadratic
+from transformers_lab.attention.feature_map.recurrent import recurrent_step
 
 __all__ = [
     "SUPPORTED_P",

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from transformers_lab.attention.linear.features import (
+from transformers_lab.attention.feature_map.features import (
     blocks_t,
     chunk_major,
     chunk_view,
@@ -19,7 +19,7 @@ from transformers_lab.attention.linear.features import (
     first_order_only,
     weighted_state,
 )
-from transformers_lab.attention.linear.steps import steps
+from transformers_lab.attention.feature_map.steps import steps
 
 
 def group_size(c: int, f: int, batch_heads: int) -> int:

@@ -3,7 +3,7 @@
 kernel computed (elu + 1, random features, a learned projection), scored by their plain
 dot product. In the feature-major layout the linear paths use, with its vector-Jacobian
 product, the weights that turn phi(q) . phi(k) into the polynomial, and the state of a
-set of keys. p = 0 is how every linear kernel shares the linear engine."""
+set of keys. p = 0 is how every linear kernel shares the feature-map engine."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from transformers_lab.attention.linear.features import read_state, weighted_state
+from transformers_lab.attention.feature_map.features import read_state, weighted_state
 
 
 def recurrent_step(
