@@ -77,7 +77,7 @@ def test_a_checkpoint_the_callback_names_but_never_wrote_is_none(tmp_path):
     run's outcome and report name only checkpoints that exist."""
     from types import SimpleNamespace
 
-    from transformers_lab.run.checkpoints import checkpoint_path
+    from transformers_lab.run.fit import checkpoint_path
 
     written = tmp_path / "best.ckpt"
     written.write_bytes(b"x")

@@ -305,23 +305,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_write(path, lambda f: torch.save(checkpoint, f), sync=True)
 
 
-def checkpoint_path(trainer: L.Trainer, which: str) -> str | None:
-    """``best_model_path`` or ``last_model_path`` of the checkpoint callback, if saved: a
-    path the callback names but never wrote (``debug=fdr``, whose fast_dev_run saves
-    nothing, still sets ``last_model_path``) is None."""
-    callback = trainer.checkpoint_callback
-    path = getattr(callback, which, "") if callback is not None else ""
-    if path and "://" not in path and not Path(path).is_file():
-        return None
-    return path or None
-
-
-def best_score(trainer: L.Trainer) -> float | None:
-    """The best value of the monitored metric, as the checkpoint callback saw it."""
-    score = getattr(trainer.checkpoint_callback, "best_model_score", None)
-    return None if score is None else float(score)
-
-
 def saved_run(checkpoint: dict[str, Any], path: Any, data_overrides: Any) -> DictConfig:
     """The run config stored in a checkpoint, with the command line's ``data.*`` merged."""
     saved = checkpoint.get("tlab_config")

@@ -9,6 +9,7 @@ import logging
 import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -30,13 +31,7 @@ from transformers_lab.run.build import (
     use_cpu_threads,
 )
 from transformers_lab.run.callbacks.safety import StopOnSignal
-from transformers_lab.run.checkpoints import (
-    best_score,
-    check_checkpoint,
-    check_resume,
-    checkpoint_path,
-    load_checkpoint,
-)
+from transformers_lab.run.checkpoints import check_checkpoint, check_resume, load_checkpoint
 from transformers_lab.run.loggers import finish_wandb, log_hyperparameters, name_wandb_run
 from transformers_lab.run.overrides import job_overrides, override_key, sweep_resume
 from transformers_lab.run.preflight import check_config
@@ -65,11 +60,12 @@ def fit_and_test(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Outco
     L.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg.data)
     model = build_model(cfg.model, datamodule)
+    compiled = compile_model(model) if cfg.get("compile") else None  # its weights as built
     task = build_task(cfg.task, model, datamodule, run_config=run_config)
     log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
     start = seeded(model, task.run_config.get("data"))  # what the seed fixed, for pairing
-    if cfg.get("compile"):
-        say(compile_model(model))
+    if compiled:
+        say(compiled)
     resumed_step = None
     if checkpoint is not None:  # and its tensors fit (a checkpoint with no saved config)
         check_checkpoint(checkpoint, task, cfg.ckpt_path, task.run_config)
@@ -222,3 +218,20 @@ def print_metrics(metrics: dict[str, float]) -> None:
 def report(metrics: dict[str, float], checkpoints: dict[str, str | None]) -> None:
     print_metrics(metrics)
     say(f"best checkpoint: {checkpoints['best']}", f"last checkpoint: {checkpoints['last']}")
+
+
+def checkpoint_path(trainer: L.Trainer, which: str) -> str | None:
+    """``best_model_path`` or ``last_model_path`` of the checkpoint callback, if saved: a
+    path the callback names but never wrote (``debug=fdr``, whose fast_dev_run saves
+    nothing, still sets ``last_model_path``) is None."""
+    callback = trainer.checkpoint_callback
+    path = getattr(callback, which, "") if callback is not None else ""
+    if path and "://" not in path and not Path(path).is_file():
+        return None
+    return path or None
+
+
+def best_score(trainer: L.Trainer) -> float | None:
+    """The best value of the monitored metric, as the checkpoint callback saw it."""
+    score = getattr(trainer.checkpoint_callback, "best_model_score", None)
+    return None if score is None else float(score)
