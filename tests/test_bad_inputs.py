@@ -101,7 +101,7 @@ CASES = [
     ),
     case("train", ["attention=cosine", "attention.init_tau=0"], "cosine: need 0 < init_tau"),
     case("train", ["attention=additive", "attention.attn_dim=0"], "attn_dim must be positive"),
-    # the layer around the kernel (attention/parts.py), the window, hybrid stacks
+    # the layer around the kernel (nn/parts.py), the window, hybrid stacks
     case("train", ["attention.short_conv=-1"], "attention.short_conv must be an integer >= 0"),
     case("train", ["attention.short_conv=1.5"], "attention.short_conv must be an integer >= 0"),
     case("train", ["attention=sliding_window", "attention.window=0"], "window must be a positive"),

@@ -110,6 +110,7 @@ def test_translate_main_reads_stdin_line_by_line(transformer_ckpt, tmp_path, mon
     ("overrides", "message"),
     [
         (["ckpt_path=GPT"], "tlab-translate needs an encoder-decoder Transformer checkpoint"),
+        (["ckpt_path=GPT"], "trained on ShakespeareCharDataModule; tlab-sample generates text"),
         (["decode=sample"], "unknown decode=sample; valid ones are: greedy, beam"),
         (["decode=beam", "beam_size=0"], "beam_size=0: beam search keeps at least one beam"),
         (["input_file=MISSING"], "input_file MISSING does not exist"),

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
 from transformers_lab.data.base import TextData
-from transformers_lab.errors import ConfigError, must_be
+from transformers_lab.errors import ConfigError, at_least
 from transformers_lab.models import GPT
 from transformers_lab.models.common import check_sampling
 from transformers_lab.run.build import use_cpu_threads
@@ -44,9 +44,7 @@ class SampleOptions:
     stream: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("num_samples", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(must_be(name, "an integer >= 1", getattr(self, name)))
+        at_least(1, num_samples=self.num_samples, max_new_tokens=self.max_new_tokens)
         check_sampling(self.temperature, self.top_k, self.top_p)
 
     @property

@@ -23,11 +23,11 @@ from omegaconf import DictConfig, ListConfig
 
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
-from transformers_lab.errors import ConfigError, must_be
-from transformers_lab.models import Transformer
+from transformers_lab.errors import ConfigError, at_least
+from transformers_lab.models import GPT, Transformer
 from transformers_lab.models.transformer import check_beam
 from transformers_lab.run.build import use_cpu_threads
-from transformers_lab.run.checkpoints import restore
+from transformers_lab.run.checkpoints import WrongModel, restore
 from transformers_lab.run.preflight import check_config, typed_options
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule
     restored."""
     try:
         _, datamodule, task = restore(cfg.ckpt_path, cfg.get("data"), Transformer, WANTED)
-    except ConfigError as exc:
-        if "holds a GPT" in str(exc):  # the other generating tool takes it
+    except WrongModel as exc:
+        if issubclass(exc.found, GPT):  # the other generating tool takes it
             raise ConfigError(f"{exc}; tlab-sample generates text from it") from None
         raise
     return task.model, datamodule
@@ -74,8 +74,7 @@ class TranslateOptions:
                 f"max_new_tokens={self.max_new_tokens}: a translation needs at least one "
                 "token; give max_new_tokens >= 1 (or null for the model's longest)"
             )
-        if self.batch_size < 1:
-            raise ValueError(must_be("batch_size", "an integer >= 1", self.batch_size))
+        at_least(1, batch_size=self.batch_size)
 
 
 def given_sentences(cfg: DictConfig) -> list[str] | None:

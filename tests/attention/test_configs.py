@@ -72,3 +72,16 @@ def test_fastmax_options_override_from_the_command_line(tmp_path):
     factory, _ = split_layer_parts(instantiate(cfg.attention))  # the layer's switches aside
     kernel = factory(head_dim=4, num_heads=2)
     assert type(kernel).__name__ == "FastmaxAttention" and kernel.p == 1
+
+
+def test_the_layers_switches_are_one_list_in_the_code_and_the_configs():
+    """``conf/layer/parts.yaml`` (what every attention option composes with, and what the
+    kernel check and the kernel table leave to the layer) holds exactly the layer's own
+    switches (``nn.parts.LayerParts``), at their defaults."""
+    from dataclasses import asdict
+
+    from transformers_lab.config import layer_part_defaults
+    from transformers_lab.nn.parts import LayerParts
+
+    assert layer_part_defaults() == asdict(LayerParts())
+    assert tuple(layer_part_defaults()) == PART_KEYS

@@ -1,7 +1,7 @@
-"""A run that fails safely (transformers_lab/run/safety.py): last.ckpt is always the latest
-state and is written atomically; a NaN stops the run with the step and the causes; SIGTERM,
-Ctrl+C and kill -9 lose nothing, and resuming ends exactly where the uninterrupted run
-ends; the same seed gives the same metrics."""
+"""A run that fails safely (run/callbacks/safety.py, run/checkpoints.py): last.ckpt is
+always the latest state and is written atomically; a NaN stops the run with the step and
+the causes; SIGTERM, Ctrl+C and kill -9 lose nothing, and resuming ends exactly where
+the uninterrupted run ends; the same seed gives the same metrics."""
 
 from __future__ import annotations
 

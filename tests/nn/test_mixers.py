@@ -1,7 +1,6 @@
 """The layer around a kernel, as the field builds it: short convolutions, gate inputs, the
-output gate and norm, sliding windows, hybrid stacks (``attention/parts.py``,
-``nn/parts.py``, ``nn/mixers.py``, ``attention/sliding_window.py``,
-``models/common.layer_choices``)."""
+output gate and norm, sliding windows, hybrid stacks (``nn/parts.py``, ``nn/mixers.py``,
+``attention/sliding_window.py``, ``models/common.layer_choices``)."""
 
 from __future__ import annotations
 

@@ -107,3 +107,24 @@ def test_weights_that_do_not_fit_are_refused_and_fitting_ones_pass():
     state["model.weight"] = torch.ones(3, 2)
     with pytest.raises(ConfigError, match="c.ckpt was saved from a different model config"):
         check_checkpoint({"state_dict": state}, task, "c.ckpt")
+
+
+def test_only_our_models_checkpoints_have_their_block_keys_renamed(tmp_path):
+    """``blocks.0.attn`` of an earlier version is ``blocks.0.mixer``; a model of the user's
+    whose own keys say ``attn`` keeps them."""
+    from transformers_lab.nn.layers import migrate_block_keys
+
+    state = {"model.blocks.0.attn.w": torch.ones(1), "model.blocks.0.norm_attn.w": torch.ones(1)}
+    theirs = {"tlab_config": {"model": {"_target_": "mine.Net"}}, "state_dict": dict(state)}
+    ours = {"tlab_config": {"model": {"_target_": "transformers_lab.models.GPT"}}}
+    ours["state_dict"] = dict(state)
+    for name, checkpoint in (("theirs", theirs), ("ours", ours)):
+        torch.save(checkpoint, tmp_path / f"{name}.ckpt")
+    assert set(load_checkpoint(tmp_path / "theirs.ckpt")["state_dict"]) == set(state)
+    renamed = {"model.blocks.0.mixer.w", "model.blocks.0.norm_mixer.w"}
+    assert set(load_checkpoint(tmp_path / "ours.ckpt")["state_dict"]) == renamed
+    keys = {"a.0.attn.w": 1, "b.0.attn.w": 2}
+    assert migrate_block_keys(keys, prefix="a.0.") == 1 and set(keys) == {
+        "a.0.mixer.w",
+        "b.0.attn.w",
+    }

@@ -1,4 +1,4 @@
-"""run.fit and run.console: the final test, a resume with nothing left, the metrics printed."""
+"""run.fit: the final test, a resume with nothing left, the metrics printed."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def test_the_model_is_built_on_the_meta_device_and_refuses_in_its_own_words():
     with pytest.raises(ConfigError, match="max_len=1024, but the GPT's context is 2048"):
         build_on_meta(model(attention=cos, block_size=2048))
     typo = {"_target_": "transformers_lab.attention.CosformerAttention", "_partial_": True}
-    with pytest.raises(ConfigError, match=r"cannot import its _target_ "):
+    with pytest.raises(ConfigError, match=r"^model.attention: cannot import its _target_ 'tra"):
         build_on_meta(model(attention=typo))
 
 
@@ -213,3 +213,27 @@ def test_a_key_of_the_rules_is_no_constructor_s_own():
     )
     with pytest.raises(ConfigError, match="task: max_decode_len must be an integer >= 1, got 0"):
         check_config(cfg)
+
+
+def test_stand_ins_are_only_what_the_data_gives():
+    """An encoder of token data (patch_size null) gets a vocabulary, not an image: its own
+    refusal of both or neither is not met by a stand-in."""
+    encoder = {"_target_": "transformers_lab.models.EncoderClassifier", "num_classes": None}
+    encoder |= {"image_size": None, "patch_size": None, "in_channels": None, "n_head": 2}
+    build_on_meta(OmegaConf.create({"model": encoder, "data": {"block_size": 16}}))
+    patches = encoder | {"patch_size": 4}
+    build_on_meta(OmegaConf.create({"model": patches, "data": {}}))
+
+
+def test_each_schedule_is_held_to_its_own_rule_in_one_line():
+    from transformers_lab.config import compose_config
+
+    cases = {
+        ("scheduler.min_lr_ratio=low",): "scheduler.min_lr_ratio must be a number in [0, 1]",
+        ("scheduler.warmup_steps=-5",): "scheduler.warmup_steps must be an integer >= 0",
+        ("scheduler=noam", "scheduler.warmup_steps=0"): "scheduler.warmup_steps must be an",
+    }
+    for overrides, said in cases.items():
+        cfg = compose_config("train", ["experiment=mqar", *overrides], "/tmp/r")
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            check_config(cfg)

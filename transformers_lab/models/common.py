@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from transformers_lab.errors import must_be
+from transformers_lab.errors import at_least
 from transformers_lab.nn import Block, KernelFactory
 from transformers_lab.nn.multihead import (
     head_size,
@@ -81,9 +81,7 @@ def check_sizes(dropout: float, **counts: int) -> None:
     """A model's shared options: its ``counts`` (layers, heads, width) at least 1 and a
     dropout probability below 1 (the MLP's ratio is ``nn.Block``'s). Each model calls it
     first, with its own names for them."""
-    for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(must_be(name, "an integer >= 1", value))
+    at_least(1, **counts)
     if not 0 <= dropout < 1:
         raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
 

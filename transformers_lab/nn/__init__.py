@@ -1,6 +1,7 @@
-"""Layers shared by every model: multi-head attention around a kernel (``attention``),
-blocks, embeddings and positions (``layers``), rotary positions (``rotary``), and the
-weight-decay groups (``optim``)."""
+"""Layers shared by every model: multi-head attention around a kernel (``multihead``) and
+the parts around the kernel, whose switches it owns (``parts``), mixers (``mixers``),
+blocks, embeddings and positions (``layers``), rotary positions (``rotary``), the
+weight-decay groups (``optim``), and the layer around a kernel checked (``check``)."""
 
 from transformers_lab.nn.layers import (
     ACTIVATIONS,

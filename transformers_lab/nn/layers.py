@@ -246,11 +246,14 @@ RENAMED_PARTS = {"attn": "mixer", "norm_attn": "norm_mixer"}
 OLD_PART = re.compile(r"(^|\.)(\d+)\.(attn|norm_attn)\.")
 
 
-def migrate_block_keys(state_dict: dict[str, Any]) -> int:
+def migrate_block_keys(state_dict: dict[str, Any], prefix: str | None = None) -> int:
     """Rename, in place, the keys an earlier version gave a Block's parts (``blocks.0.attn``
-    is ``blocks.0.mixer`` now): its checkpoints load and resume. Returns how many."""
+    is ``blocks.0.mixer`` now): its checkpoints load and resume. With ``prefix``, only the
+    keys of the Block there. Returns how many."""
     renamed = 0
     for key in list(state_dict):
+        if prefix is not None and not key.startswith(prefix):
+            continue
         new = OLD_PART.sub(lambda m: f"{m[1]}{m[2]}.{RENAMED_PARTS[m[3]]}.", key, count=1)
         if new != key:
             state_dict[new] = state_dict.pop(key)
@@ -319,7 +322,7 @@ class Block(nn.Module):
         self.norm_mlp = nn.LayerNorm(d_model, bias=bias) if mlp_ratio else None
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
-        migrate_block_keys(state_dict)  # a checkpoint of an earlier version (``attn``)
+        migrate_block_keys(state_dict, prefix)  # a checkpoint of an earlier version (attn)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(

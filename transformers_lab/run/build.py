@@ -96,10 +96,15 @@ def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
     except InstantiationException as exc:
         cause = exc.__cause__
         if str(exc).startswith("Error locating target"):  # an import path that is not there
-            target = config.get("_target_") if isinstance(config, DictConfig) else None
+            # Hydra names the target and, for a nested node, its key (full_key: attention)
+            named = re.match(r"Error locating target '([^']+)'", str(exc))
+            target = named[1] if named else config.get("_target_")
+            nested = re.search(r"full_key: ([\w.]+)", str(exc))
+            key = nested[1] if nested else ""
+            where = key if key.startswith(f"{what}.") else f"{what}.{key}" if key else what
             why = str(cause).strip().splitlines()[-1] if cause else ""  # Hydra's question
             raise ConfigError(
-                f"{what}: cannot import its _target_ {target!r}: {why} Give the dotted path "
+                f"{where}: cannot import its _target_ {target!r}: {why} Give the dotted path "
                 "of a class or function that exists, its package importable"
             ) from exc
         if isinstance(cause, ImportError):  # an optional package the choice needs
@@ -382,8 +387,8 @@ def placeholder_sizes(model: DictConfig, data: Any) -> dict[str, Any]:
             sizes[str(key)] = PLACEHOLDERS[str(key)]
         elif key in CONTEXTS:
             sizes[str(key)] = context
-        elif key == "image_size":  # a grid of 4 x 4 patches as the model tiles them
-            patch = model.get("patch_size") or 1
+        elif key == "image_size" and model.get("patch_size") is not None:  # 4 x 4 patches
+            patch = model.get("patch_size")
             stride = model.get("patch_stride") or patch
             sizes[str(key)] = max(patch + 3 * stride - 2 * (model.get("patch_padding") or 0), 1)
     return sizes
@@ -409,6 +414,9 @@ def build_on_meta(cfg: DictConfig) -> None:
     sizes = placeholder_sizes(model, data or {})
     params = inspect.signature(target_class(model)).parameters
     given = {str(k) for k, v in model.items() if v is not None} | set(sizes)
+    if "vocab_size" in params and not {"vocab_size", "image_size"} & given:
+        sizes["vocab_size"] = PLACEHOLDERS["vocab_size"]  # token input (no patches)
+        given.add("vocab_size")
     if any(p.default is p.empty and name not in given for name, p in params.items()):
         return  # a model of the user's that needs a size only its data gives
     try:

@@ -54,7 +54,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"{path} is not a checkpoint (it holds a {type(checkpoint).__name__}); "
             f"{GIVE_CHECKPOINT}"
         )
-    if migrate_block_keys(checkpoint.get("state_dict", {})):
+    model = (checkpoint.get("tlab_config") or {}).get("model") or {}
+    ours = str(model.get("_target_", "")).startswith("transformers_lab.models.")
+    if ours and migrate_block_keys(checkpoint.get("state_dict", {})):
         log.info("%s: an earlier version's checkpoint; Block.attn is Block.mixer now", path)
     return checkpoint
 
@@ -77,7 +79,7 @@ def checkpoint_step(path: str | Path) -> int | None:
 
 def checkpoint_time(path: str | Path) -> float:
     """The fitting time a checkpoint's run had spent when it was saved, its earlier
-    parts included (what ``safety.Checkpoint`` keeps); 0 where it holds none or cannot
+    parts included (what ``Checkpoint`` keeps); 0 where it holds none or cannot
     be read: nothing earlier to count."""
     states = (peek(path) or {}).get("callbacks", {}).values()
     return next((float(s["time_s"]) for s in states if isinstance(s, dict) and "time_s" in s), 0.0)
@@ -318,6 +320,15 @@ def saved_run(checkpoint: dict[str, Any], path: Any, data_overrides: Any) -> Dic
     return run
 
 
+class WrongModel(ConfigError):
+    """A checkpoint of another model class than the one asked for (``restore``'s
+    ``needs``); ``found`` is its class, for a tool to say which other tool takes it."""
+
+    def __init__(self, message: str, found: type) -> None:
+        super().__init__(message)
+        self.found = found
+
+
 class Restored(NamedTuple):
     """A checkpoint brought back: its contents, its data module (the tokenizer it was
     trained with) and its task, weights loaded (``task.model`` is the network)."""
@@ -341,9 +352,10 @@ def restore(
         cls = target_class(run.model)
         if not (isinstance(cls, type) and issubclass(cls, needs)):
             trained_on = str(run.data.get("_target_", "?")).rpartition(".")[2]
-            raise ConfigError(
+            raise WrongModel(
                 f"{wanted or f'a {needs.__name__} checkpoint is needed'}; {ckpt_path} holds a "
-                f"{cls.__name__} trained on {trained_on}"
+                f"{cls.__name__} trained on {trained_on}",
+                cls,
             )
     datamodule = build_datamodule(run.data, checkpoint)  # the tokenizer it was trained with
     task = build_task(run.task, build_model(run.model, datamodule), datamodule)

@@ -2,9 +2,10 @@
 mistake is caught at once, as one ``ConfigError`` line that says what was wrong and how
 to fix it.
 
-The model is built as the run will build it, on the meta device, with stand-ins for the
-sizes the data gives (``check_model``): its own constructors refuse what cannot work, in
-their words; nothing here re-states their rules. ``RULES`` holds what no constructor
+The run is built as it will be, before any data is read (``run.build.build_on_meta``: the
+data module constructed, the model and task on the meta device, with stand-ins for the
+sizes the data gives): their own constructors refuse what cannot work, in their words;
+nothing here re-states their rules. ``RULES`` holds what no constructor
 owns (the trainer's, the optimizer's, the entry points' own keys); a key that the config
 does not have (another model, another entry point) is skipped. The values a node gives
 one of our classes must have the types its constructor declares (``check_signature``).
@@ -32,8 +33,7 @@ from transformers_lab.config import CONF_DIR, flatten, unknown_option
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.build import build_on_meta
 from transformers_lab.run.checkpoints import checkpoint_file
-from transformers_lab.tasks.schedules import check_schedule as check_schedule_rule
-from transformers_lab.tasks.schedules import warmup_cosine
+from transformers_lab.tasks.schedules import RULES as SCHEDULE_RULES
 
 
 @dataclass(frozen=True)
@@ -153,16 +153,20 @@ def check_accelerator(trainer: Any) -> None:
 
 
 def check_schedule(scheduler: Any) -> None:
-    """The warm-up cosine schedule held to its own rule (``tasks.schedules``) before the
-    data is read: it is built only once the run's optimizer is."""
+    """A schedule of ours held to its own rule (``tasks.schedules.RULES``) before the data
+    is read: it is built only once the run's optimizer is."""
     if not isinstance(scheduler, DictConfig) or "_target_" not in scheduler:
         return
-    if get_object(str(scheduler._target_)) is not warmup_cosine:
-        return
-    keys = ("warmup_steps", "max_steps", "min_lr_ratio")
     try:
-        check_schedule_rule(**{k: scheduler[k] for k in keys if k in scheduler})
-    except ValueError as exc:
+        rule = SCHEDULE_RULES.get(get_object(str(scheduler._target_)))
+    except Exception:  # not importable: the task's build says so, in one line
+        return
+    if rule is None:
+        return
+    keys = inspect.signature(rule).parameters
+    try:
+        rule(**{k: scheduler[k] for k in keys if k in scheduler})
+    except (ValueError, TypeError) as exc:
         raise ConfigError(f"scheduler.{exc}") from None
 
 
@@ -210,6 +214,11 @@ def simple_parts(annotation: Any) -> list[Any] | None:
     return parts if all(p in SIMPLE or p is type(None) for p in parts) else None
 
 
+def in_words(parts: list[Any]) -> str:
+    """An annotation's simple parts as a config's words: ``an integer or null``."""
+    return " or ".join("null" if p is type(None) else SIMPLE[p] for p in parts)
+
+
 def check_signature(section: str, node: Any) -> None:
     """The values a config node gives its own class (a ``transformers_lab`` class) have
     the types its constructor declares: ``model.bias=yes`` is refused here rather than
@@ -231,7 +240,7 @@ def check_signature(section: str, node: Any) -> None:
         if key in ("_target_", "_partial_") or parts is None or value is None:
             continue  # null: the default, or the data's value (model.block_size: null)
         if not any(accepts(kind, value) for kind in parts):
-            expected = " or ".join("null" if p is type(None) else SIMPLE[p] for p in parts)
+            expected = in_words(parts)
             raise ConfigError(
                 f"{section}.{key} must be {expected} ({cls.__name__} takes {key}: "
                 f"{' | '.join('None' if p is type(None) else p.__name__ for p in parts)}), "
@@ -277,7 +286,7 @@ def typed_options(cls: type, cfg: DictConfig) -> Any:
             continue
         parts = simple_parts(hints[f.name])
         if parts is not None and not any(accepts(kind, value) for kind in parts):
-            expected = " or ".join("null" if p is type(None) else SIMPLE[p] for p in parts)
+            expected = in_words(parts)
             raise ConfigError(f"{f.name} must be {expected}, got {shown(value)}")
         values[f.name] = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
     try:

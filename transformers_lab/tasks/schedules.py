@@ -17,7 +17,8 @@ def check_schedule(warmup_steps: int, max_steps: int | None, min_lr_ratio: float
     at_least(0, warmup_steps=warmup_steps)
     if max_steps is not None:
         at_least(1, max_steps=max_steps)
-    if isinstance(min_lr_ratio, bool) or not 0 <= min_lr_ratio <= 1:
+    number = isinstance(min_lr_ratio, int | float) and not isinstance(min_lr_ratio, bool)
+    if not number or not 0 <= min_lr_ratio <= 1:
         raise ValueError(must_be("min_lr_ratio", "a number in [0, 1]", min_lr_ratio))
     if max_steps is not None and max_steps <= warmup_steps:
         raise ValueError(
@@ -43,12 +44,23 @@ def warmup_cosine(
     return LambdaLR(optimizer, factor)
 
 
+def check_noam(d_model: int, warmup_steps: int = 4000) -> None:
+    """The Noam schedule's one rule (raises ``ValueError``): a width and a warm-up of at
+    least one."""
+    at_least(1, d_model=d_model, warmup_steps=warmup_steps)
+
+
 def noam(optimizer: Optimizer, d_model: int, warmup_steps: int = 4000) -> LambdaLR:
     """The schedule of Vaswani et al.: lr = base * d_model^-0.5 * min(step^-0.5,
     step * warmup^-1.5), so set the optimizer's lr to 1 (or a scale of it)."""
+    check_noam(d_model, warmup_steps)
 
     def factor(step: int) -> float:
         step = step + 1
         return d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
 
     return LambdaLR(optimizer, factor)
+
+
+# each schedule's rule, which the preflight calls before the optimizer exists
+RULES = {warmup_cosine: check_schedule, noam: check_noam}

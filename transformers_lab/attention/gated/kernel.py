@@ -1,7 +1,8 @@
-"""The module every gated kernel is: ``GatedKernel``, on the gated recurrence (``gated``).
+"""The module every gated kernel is: ``GatedKernel``, on the gated recurrence
+(``recurrence``).
 
 A gated kernel keeps one state S (B, H, Dk, Dv) a sequence and, token by token, decays it
-and writes its key and value (``gated``'s module doc): RetNet, GLA, Mamba2's scalar decay
+and writes its key and value (``recurrence``'s module doc): RetNet, GLA, Mamba2's scalar decay
 (``simple_gla``), DeltaNet and Gated DeltaNet. A subclass says how its decay and its
 delta-rule rate come from its gate inputs (``decay_and_rate``), and may map q and k first
 (``feature_map``: elu + 1, relu, an L2 norm); training runs the chunked path, decoding the
