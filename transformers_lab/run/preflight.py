@@ -219,27 +219,41 @@ def in_words(parts: list[Any]) -> str:
     return " or ".join("null" if p is type(None) else SIMPLE[p] for p in parts)
 
 
-def check_signature(section: str, node: Any) -> None:
-    """The values a config node gives its own class (a ``transformers_lab`` class) have
-    the types its constructor declares: ``model.bias=yes`` is refused here rather than
-    taken as true. Limits are ``RULES``' and the constructors' own."""
+def misfit(annotation: Any, value: Any) -> list[Any] | None:
+    """The simple parts of ``annotation`` (``int | None``) when ``value`` fits none of
+    them; None where it fits one, or the annotation is of another kind."""
+    parts = simple_parts(annotation)
+    return parts if parts is not None and not any(accepts(k, value) for k in parts) else None
+
+
+def node_class(node: Any) -> Any:
+    """The class (or function) of ours a config node builds, or None: not a node with a
+    ``_target_`` of ``transformers_lab``, or not importable (the build will say)."""
     if not isinstance(node, DictConfig) or "_target_" not in node:
-        return
+        return None
     if not str(node._target_).startswith("transformers_lab."):
-        return
+        return None
     try:
-        cls = get_object(str(node._target_))
+        return get_object(str(node._target_))
+    except Exception:
+        return None
+
+
+def check_signature(section: str, node: Any, cls: Any) -> None:
+    """The values a config node gives its own class ``cls`` (``node_class``) have the
+    types its constructor declares: ``model.bias=yes`` is refused here rather than taken
+    as true. Limits are ``RULES``' and the constructors' own."""
+    try:
         hints: dict[str, Any] = {}
         # a class's own hints first, then those of the classes it passes its options to
         for owner in reversed(cls.__mro__ if isinstance(cls, type) else (cls,)):
             hints |= get_type_hints(owner.__init__ if isinstance(cls, type) else owner)
-    except Exception:  # not importable (the build will say), or unresolvable hints
+    except Exception:  # unresolvable hints
         return
     for key, value in node.items():
-        parts = simple_parts(hints.get(str(key)))
-        if key in ("_target_", "_partial_") or parts is None or value is None:
+        if key in ("_target_", "_partial_") or value is None:
             continue  # null: the default, or the data's value (model.block_size: null)
-        if not any(accepts(kind, value) for kind in parts):
+        if (parts := misfit(hints.get(str(key)), value)) is not None:
             expected = in_words(parts)
             raise ConfigError(
                 f"{section}.{key} must be {expected} ({cls.__name__} takes {key}: "
@@ -248,18 +262,11 @@ def check_signature(section: str, node: Any) -> None:
             )
 
 
-def check_keys(section: str, node: Any) -> None:
-    """A config node gives its own class (a ``transformers_lab`` class) only options its
+def check_keys(section: str, node: Any, cls: Any) -> None:
+    """A config node gives its own class ``cls`` (``node_class``) only options its
     constructor takes: ``+model.hybrid=...`` on the Transformer is refused with the
     options it has, not met as Python's ``unexpected keyword argument``."""
-    if not isinstance(node, DictConfig) or not str(node.get("_target_", "")).startswith(
-        "transformers_lab."
-    ):
-        return
-    try:
-        params = inspect.signature(get_object(str(node._target_))).parameters
-    except Exception:  # not importable: the build will say
-        return
+    params = inspect.signature(cls).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
     for key in node:
@@ -267,10 +274,9 @@ def check_keys(section: str, node: Any) -> None:
             continue
         close = difflib.get_close_matches(str(key), list(params), n=1)
         meant = f" (did you mean {close[0]}?)" if close else ""
-        name = get_object(str(node._target_)).__name__
         raise ConfigError(
-            f"{section}.{key}: {name} takes no {key}{meant}; remove it, or choose a {section} "
-            "that takes it"
+            f"{section}.{key}: {cls.__name__} takes no {key}{meant}; remove it, or choose a "
+            f"{section} that takes it"
         )
 
 
@@ -284,10 +290,8 @@ def typed_options(cls: type, cfg: DictConfig) -> Any:
         value = cfg.get(f.name, ABSENT)
         if value is ABSENT:
             continue
-        parts = simple_parts(hints[f.name])
-        if parts is not None and not any(accepts(kind, value) for kind in parts):
-            expected = in_words(parts)
-            raise ConfigError(f"{f.name} must be {expected}, got {shown(value)}")
+        if (parts := misfit(hints[f.name], value)) is not None:
+            raise ConfigError(f"{f.name} must be {in_words(parts)}, got {shown(value)}")
         values[f.name] = OmegaConf.to_object(value) if OmegaConf.is_config(value) else value
     try:
         return cls(**values)
@@ -336,10 +340,12 @@ def check_config(cfg: DictConfig) -> None:
     check_rules(cfg)
     for section in ("model", "data", "task"):
         node = cfg.get(section)
-        check_keys(section, node)
-        check_signature(section, node)
+        if (cls := node_class(node)) is not None:
+            check_keys(section, node, cls)
+            check_signature(section, node, cls)
         for key in ("attention", "cross_attention") if section == "model" and node else ():
-            check_signature(f"model.{key}", node.get(key))
+            if (kernel := node_class(node.get(key))) is not None:
+                check_signature(f"model.{key}", node.get(key), kernel)
     check_components(cfg)
     build_on_meta(cfg)  # the constructors' own refusals, before the data is read
     check_schedule(cfg.get("scheduler"))
