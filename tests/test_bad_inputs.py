@@ -88,7 +88,7 @@ CASES = [
     ),
     case("train", ["model.dropout=-0.1"], "model.dropout must be a number in [0, 1), got -0.1"),
     case("train", ["attention.dropout=1.5"], "attention: dropout must be in [0, 1), got 1.5"),
-    case("train", ["model.d_model=33"], "d_model=33 must be divisible by num_heads=2"),
+    case("train", ["model.d_model=33"], "d_model=33 must be divisible by n_head=2"),
     case("train", ["model.n_head=0"], "model.n_head must be an integer >= 1, got 0"),
     case("train", ["model.n_layer=0"], "model.n_layer must be an integer >= 1, got 0"),
     case("train", ["model.mlp_ratio=abc"], "model.mlp_ratio must be a number (ViT takes mlp_ratio"),

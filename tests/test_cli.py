@@ -100,6 +100,12 @@ def test_renamed_keys_run_under_their_new_names(capsys, monkeypatch):
     err = capsys.readouterr().err
     said = "note: data.seq_len is now called data.block_size; running with data.block_size=64"
     assert said in err
+    # the context has one name, block_size: the Transformer's and the translation data's too
+    assert renamed(["model.max_len=64", "data.max_len=64", "attention.max_len=64"]) == [
+        "model.block_size=64",
+        "data.block_size=64",
+        "attention.max_len=64",  # cosFormer's own horizon M, not the model's context
+    ]
     unchanged = ["data.block_size=8", "model.seq_len=3"]
     assert renamed(unchanged) == unchanged
     # Hydra reads sys.argv: run_hydra puts the new names there

@@ -13,9 +13,9 @@ from transformers_lab.config import (
     compose_config,
     flatten,
     optuna_direction,
-    resolved_sections,
 )
 from transformers_lab.errors import ConfigError
+from transformers_lab.run.checkpoints import resolved_sections
 
 
 def test_resolvers():

@@ -38,7 +38,7 @@ def autocast() -> torch.autocast:
 @pytest.mark.parametrize("name", sorted(KERNELS))
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_kernel_under_bf16_autocast_is_close_to_float32(name, causal):
-    kernel = build_kernel(name, head_dim=D, num_heads=H)
+    kernel = build_kernel(name, head_dim=D, n_head=H)
     if not causal and kernel.causal_only:
         pytest.skip(f"{name} is causal only")
     q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
@@ -54,7 +54,7 @@ def test_every_kernel_under_bf16_autocast_is_close_to_float32(name, causal):
 
 
 def test_additive_scores_are_summed_in_float32_under_autocast():
-    kernel = build_kernel("additive", head_dim=D, num_heads=H)
+    kernel = build_kernel("additive", head_dim=D, n_head=H)
     q, k = (torch.randn(B, H, N, D).bfloat16() for _ in range(2))
     with autocast():
         scores = kernel.scores(q, k)
@@ -63,7 +63,7 @@ def test_additive_scores_are_summed_in_float32_under_autocast():
 
 
 def test_fastmax_states_are_float32_under_autocast():
-    kernel = build_kernel("fastmax", head_dim=D, num_heads=H, p=2)
+    kernel = build_kernel("fastmax", head_dim=D, n_head=H, p=2)
     q, k, v = (torch.randn(B, H, N, D).bfloat16() for _ in range(3))
     with autocast():
         _, state = kernel.decode(q, k, v)

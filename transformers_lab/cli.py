@@ -129,6 +129,8 @@ def check_run_dir(argv: Sequence[str]) -> None:
 RENAMED = {
     "data.seq_len": "data.block_size",
     "data.task": "data.problem",
+    "model.max_len": "model.block_size",  # the context has one name: Transformer, Encoder
+    "data.max_len": "data.block_size",  # and the translation data
     "max_len": "max_new_tokens",  # tlab-translate: the tokens it writes, as tlab-sample names it
 }
 

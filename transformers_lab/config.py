@@ -23,9 +23,6 @@ log = logging.getLogger(__name__)
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
-# the sections of a run's config that rebuild its model; stored in every checkpoint
-MODEL_SECTIONS = ("model", "data", "task")
-
 
 def optuna_direction(mode: str) -> str:
     """``${optuna_direction:${monitor.mode}}``: min/max as Optuna's minimize/maximize."""
@@ -191,8 +188,3 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     for key, value in config.items():
         out.update(flatten(value, f"{prefix}{key}."))
     return out
-
-
-def resolved_sections(config: DictConfig, keys: tuple[str, ...] = MODEL_SECTIONS) -> dict:
-    """Plain, resolved copies of the config sections that rebuild a run's model."""
-    return {k: OmegaConf.to_container(config[k], resolve=True) for k in keys if k in config}

@@ -1,4 +1,5 @@
-"""The error types of transformers_lab, in one place.
+"""The error types that every layer of transformers_lab raises (a run stopped by a signal
+is ``run.fit.Interrupted``, beside the run that words it).
 
 Each says what went wrong and how to fix it, in one line; the entry points print it as
 ``error: <message>`` and exit with status 2 (``cli.user_errors``), or, for a run that
@@ -6,8 +7,6 @@ stopped on purpose, with the run's own status (``RunStopped.exit_code``).
 """
 
 from __future__ import annotations
-
-import signal
 
 
 def must_be(key: str, expected: str, value: object) -> str:
@@ -48,21 +47,3 @@ class RunStopped(Exception):
 
 class NonFiniteError(RunStopped):
     """The loss, a gradient or a weight became NaN or infinite."""
-
-
-class Interrupted(RunStopped):
-    """SIGTERM or SIGINT stopped the run after saving a checkpoint (``checkpoint``); the
-    best checkpoint so far and its score are ``best`` and ``best_score``."""
-
-    def __init__(
-        self,
-        message: str,
-        signal_name: str,
-        checkpoint: str | None,
-        best: str | None = None,
-        best_score: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.signal_name, self.checkpoint = signal_name, checkpoint
-        self.best, self.best_score = best, best_score
-        self.exit_code = 128 + getattr(signal, signal_name)  # the shell's convention

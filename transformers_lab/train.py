@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
-from transformers_lab.errors import Interrupted, RunStopped
+from transformers_lab.errors import RunStopped
 from transformers_lab.sweeps.plugins import register_plugins
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def fit_as_trial(cfg: DictConfig) -> Outcome:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
-    from transformers_lab.run.fit import say
+    from transformers_lab.run.fit import Interrupted, say
     from transformers_lab.run.job import run_job
 
     with user_errors():

@@ -125,9 +125,9 @@ def batches(sentences: Iterator[str] | list[str], size: int) -> Iterator[list[st
 
 def source_ids(sentences: list[str], datamodule: L.LightningDataModule) -> torch.Tensor:
     """Source ids (B, S) as the model was trained on them: the tokens, then EOS, then PAD;
-    a sentence longer than the data's ``max_len`` is cut, as in evaluation."""
+    a sentence longer than the data's ``block_size`` is cut, as in evaluation."""
     eos = datamodule.tokenizer.special_id("<eos>")
-    longest = datamodule.max_len - 2  # room for BOS and EOS, as in training
+    longest = datamodule.block_size - 2  # room for BOS and EOS, as in training
     rows = []
     for sentence in sentences:
         ids = datamodule.tokenize(sentence)

@@ -47,7 +47,7 @@ def small_transformer(kernel: str) -> Transformer:
     cross = "softmax" if getattr(KERNELS[kernel], "positional", False) else None  # cosformer
     return Transformer(
         src_vocab_size=13, tgt_vocab_size=11, d_model=16, n_head=2, n_encoder_layers=1,
-        n_decoder_layers=1, max_len=16, pad_id=0, dropout=0.0, attention=kernel,
+        n_decoder_layers=1, block_size=16, pad_id=0, dropout=0.0, attention=kernel,
         cross_attention=cross,
     )  # fmt: skip
 

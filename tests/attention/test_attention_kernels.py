@@ -49,7 +49,7 @@ CONFIG_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in KE
 
 
 def make(name: str, dtype: torch.dtype = torch.float64, **options) -> AttentionKernel:
-    kernel = build_kernel(name, head_dim=D, num_heads=H, **options).to(dtype)
+    kernel = build_kernel(name, head_dim=D, n_head=H, **options).to(dtype)
     with torch.no_grad():  # move learned parameters off their init, so tests see them
         for p in kernel.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -81,9 +81,9 @@ def test_every_kernel_declares_itself():
     for name, cls in KERNELS.items():
         assert cls.name == name and isinstance(cls.normalized, bool)
         assert cls.reference_weights is not AttentionKernel.reference_weights, name
-        kernel = build_kernel(name, head_dim=D, num_heads=H)
+        kernel = build_kernel(name, head_dim=D, n_head=H)
         grows = kernel.state_size(1000) > kernel.state_size(10)
-        assert grows != cls.linear, name
+        assert grows != cls.constant_state, name
 
 
 # ---------------------------------------------------------------- the check catches
@@ -233,20 +233,20 @@ def test_fastmax_sequence_max_is_refused_where_attention_is_causal():
     factory = functools.partial(FastmaxAttention, normalize="sequence_max")
     with pytest.raises(ValueError, match="GPT attends causally: fastmax normalize=sequence_max"):
         GPT(vocab_size=10, block_size=8, n_layer=1, n_head=2, d_model=8, attention=factory)
-    encoder = EncoderClassifier(num_classes=3, vocab_size=10, max_len=8, n_layer=1, n_head=2,
+    encoder = EncoderClassifier(num_classes=3, vocab_size=10, block_size=8, n_layer=1, n_head=2,
                                 d_model=8, attention=factory)  # fmt: skip
     assert encoder(torch.randint(0, 10, (2, 8))).shape[0] == 2
     with pytest.raises(ValueError, match="normalize must be true, false, 'token' or"):
-        FastmaxAttention(head_dim=D, num_heads=H, normalize="max")
+        FastmaxAttention(head_dim=D, n_head=H, normalize="max")
 
 
 def test_fastmax_learns_its_scale_per_head_within_its_bound():
-    kernel = FastmaxAttention(head_dim=D, num_heads=H, scale=0.5, learn_scale=True)
+    kernel = FastmaxAttention(head_dim=D, n_head=H, scale=0.5, learn_scale=True)
     torch.testing.assert_close(kernel.temperature(), torch.full((H, 1, 1), 0.5))
     q, k, v = qkv(5, 5, dtype=torch.float32)
     kernel(q, k, v, causal=True).sum().backward()
     assert kernel.log_scale.grad is not None and kernel.log_scale.grad.abs().sum() > 0
-    p1 = FastmaxAttention(head_dim=D, num_heads=H, p=1, scale=0.5, learn_scale=True)
+    p1 = FastmaxAttention(head_dim=D, n_head=H, p=1, scale=0.5, learn_scale=True)
     with torch.no_grad():
         p1.log_scale.fill_(3.0)
     torch.testing.assert_close(p1.temperature(), torch.ones(H, 1, 1))  # p=1 stays positive
@@ -257,21 +257,21 @@ def test_based_is_fastmax_p2_without_normalisation_on_feature_dim_wide_queries_a
     based = make("based", feature_dim=6)
     assert (based.qk_dim, based.head_dim) == (6, D)  # q and k are 6 wide, v is D wide
     q, k, v = qkv(7, 9, qk=6)
-    fastmax = FastmaxAttention(head_dim=6, num_heads=H, p=2, normalize=False, scale=6**-0.5)
+    fastmax = FastmaxAttention(head_dim=6, n_head=H, p=2, normalize=False, scale=6**-0.5)
     torch.testing.assert_close(based(q, k, v, causal=True), fastmax(q, k, v, causal=True))
     assert based.state_size(1, D) == H * (D + 1) * (1 + 6 + 6 * 7 // 2)
     assert list(based.parameters()) == []  # the layer's projections are its only weights
-    with pytest.raises(ValueError, match=r"based: kernel was built for qk_dim=6, num_heads=3"):
+    with pytest.raises(ValueError, match=r"based: kernel was built for qk_dim=6, n_head=3"):
         based(*qkv(7, 9))  # q and k of head_dim
 
 
 def test_performer_features_are_seeded_orthogonal_and_redrawn_in_training_only():
-    a = PerformerAttention(head_dim=D, num_heads=H, num_features=12, seed=5)
-    b = PerformerAttention(head_dim=D, num_heads=H, num_features=12, seed=5)
+    a = PerformerAttention(head_dim=D, n_head=H, num_features=12, seed=5)
+    b = PerformerAttention(head_dim=D, n_head=H, num_features=12, seed=5)
     assert a.omega.shape == (H, 12, D) and torch.equal(a.omega, b.omega)
     assert not torch.equal(a.omega, PerformerAttention(D, H, num_features=12, seed=6).omega)
     torch.manual_seed(3)
-    c = PerformerAttention(head_dim=D, num_heads=H, num_features=12)
+    c = PerformerAttention(head_dim=D, n_head=H, num_features=12)
     torch.manual_seed(3)
     assert torch.equal(c.omega, PerformerAttention(D, H, num_features=12).omega)
     block = a.omega[0, :D] / a.omega[0, :D].norm(dim=-1, keepdim=True)  # one block of D rows
@@ -280,7 +280,7 @@ def test_performer_features_are_seeded_orthogonal_and_redrawn_in_training_only()
     before = a.omega.clone()
     a.eval()(q, k, v)
     assert torch.equal(a.omega, before)  # no redraw unless asked
-    redrawing = PerformerAttention(head_dim=D, num_heads=H, num_features=12, seed=5, redraw=True)
+    redrawing = PerformerAttention(head_dim=D, n_head=H, num_features=12, seed=5, redraw=True)
     redrawing.eval()(q, k, v)
     assert torch.equal(redrawing.omega, before)
     redrawing.train()(q, k, v)
@@ -295,7 +295,7 @@ def test_performer_estimates_softmax_without_bias():
     want = (q @ k.transpose(-2, -1) / D**0.5).softmax(-1)
 
     def error(m: int) -> float:
-        kernel = PerformerAttention(head_dim=D, num_heads=H, num_features=m, seed=0).double()
+        kernel = PerformerAttention(head_dim=D, n_head=H, num_features=m, seed=0).double()
         return (kernel.weights(q, k) - want).abs().mean().item()
 
     few, many = error(128), error(8192)  # 64 times the features: about 8 times closer
@@ -385,7 +385,7 @@ def test_softmax_equals_sdpa():
 
 
 def test_cosine_temperature_initial_value_and_clamp():
-    kernel = CosineAttention(head_dim=D, num_heads=H)
+    kernel = CosineAttention(head_dim=D, n_head=H)
     torch.testing.assert_close(kernel.tau(), torch.full((H, 1, 1), 10.0))
     with torch.no_grad():
         kernel.log_tau.fill_(20.0)
@@ -394,10 +394,10 @@ def test_cosine_temperature_initial_value_and_clamp():
 
 
 def test_additive_parameters_are_sized_by_head_dim():
-    kernel = AdditiveAttention(head_dim=D, num_heads=H, attn_dim=6)
+    kernel = AdditiveAttention(head_dim=D, n_head=H, attn_dim=6)
     assert kernel.w_q.shape == (H, D, 6) and kernel.w_k.shape == (H, D, 6)
     assert kernel.w.shape == (H, 6) and kernel.b.shape == (H, 6)
-    assert AdditiveAttention(head_dim=D, num_heads=H).w.shape == (H, D)
+    assert AdditiveAttention(head_dim=D, n_head=H).w.shape == (H, D)
 
 
 def test_additive_chunks_respect_the_budget_and_change_nothing():
@@ -475,7 +475,7 @@ def test_fastmax_dropout_drops_whole_keys_identically_in_every_path():
 def test_unknown_kernel_name_lists_the_valid_ones():
     message = "unknown attention kernel 'flash'; valid kernels are: .*fastmax.*softmax"
     with pytest.raises(ValueError, match=message):
-        build_kernel("flash", head_dim=D, num_heads=H)
+        build_kernel("flash", head_dim=D, n_head=H)
 
 
 def test_mismatched_head_dims_are_named():
@@ -507,13 +507,13 @@ def test_unsupported_p_and_negative_p1_are_refused():
     with pytest.raises(
         ValueError, match=r"unsupported Taylor order p=3; supported orders are \(1, 2\)"
     ):
-        FastmaxAttention(head_dim=D, num_heads=H, p=3)
+        FastmaxAttention(head_dim=D, n_head=H, p=3)
     with pytest.raises(ValueError, match="p=1 gives negative attention weights"):
-        FastmaxAttention(head_dim=D, num_heads=H, p=1, normalize=False)
+        FastmaxAttention(head_dim=D, n_head=H, p=1, normalize=False)
     with pytest.raises(ValueError, match="p=1 gives negative attention weights"):
-        FastmaxAttention(head_dim=D, num_heads=H, p=1, scale=2.0)
+        FastmaxAttention(head_dim=D, n_head=H, p=1, scale=2.0)
     with pytest.raises(ValueError, match="unknown impl"):
-        FastmaxAttention(head_dim=D, num_heads=H, impl="cuda")
+        FastmaxAttention(head_dim=D, n_head=H, impl="cuda")
 
 
 @pytest.mark.parametrize("p", [1, 2])
@@ -542,3 +542,17 @@ def test_fastmax_p1_weights_are_never_negative():
     q, k, _ = qkv(16, 16)
     k[:, :, 3] = -q[:, :, 0]  # an antipodal pair: the extreme score -1
     assert (kernel.weights(q, k) >= 0).all()
+
+
+def test_a_kernel_that_sets_the_old_linear_flag_is_read_as_constant_state(caplog):
+    """``linear`` was the flag's name: a user's kernel that still sets it keeps its meaning
+    (what the conformance check and the generation bench read), with a note to rename."""
+    from transformers_lab.attention.sliding_window import SlidingWindowAttention
+
+    with caplog.at_level("WARNING"):
+
+        class OldFlag(SlidingWindowAttention, register=False):
+            linear = False
+
+    assert OldFlag.constant_state is False and SlidingWindowAttention.constant_state is True
+    assert "OldFlag sets linear; the kernel contract now calls it constant_state" in caplog.text

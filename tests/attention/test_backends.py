@@ -34,7 +34,7 @@ def test_the_kernels_each_fused_kernel_covers():
     }
     for name in COVERED:  # every option of a covered kernel says auto, and keeps it
         assert CONFIGS[name]["backend"] == "auto", name
-        assert check.kernel_factory(name)(head_dim=8, num_heads=2).backend == "auto"
+        assert check.kernel_factory(name)(head_dim=8, n_head=2).backend == "auto"
 
 
 @pytest.mark.parametrize("name", COVERED)
@@ -47,8 +47,8 @@ def test_auto_takes_our_loop_on_a_cpu(name):
 
 @pytest.mark.parametrize("name", COVERED)
 def test_auto_on_a_cpu_gives_our_loop_bit_for_bit(name):
-    loop = check.kernel_factory(name, {"backend": "loop"})(head_dim=16, num_heads=2)
-    auto = check.kernel_factory(name)(head_dim=16, num_heads=2)
+    loop = check.kernel_factory(name, {"backend": "loop"})(head_dim=16, n_head=2)
+    auto = check.kernel_factory(name)(head_dim=16, n_head=2)
     auto.load_state_dict(loop.state_dict())
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 150, loop.qk_dim if i < 2 else 16) for i in range(3))
@@ -57,7 +57,7 @@ def test_auto_on_a_cpu_gives_our_loop_bit_for_bit(name):
 
 
 def test_null_is_our_loop_as_it_was_before_the_option_had_other_names():
-    assert build_kernel("gla", head_dim=8, num_heads=2, backend=None).backend == "loop"
+    assert build_kernel("gla", head_dim=8, n_head=2, backend=None).backend == "loop"
 
 
 @pytest.mark.parametrize(
@@ -75,7 +75,7 @@ def test_null_is_our_loop_as_it_was_before_the_option_had_other_names():
 )  # fmt: skip
 def test_a_backend_that_is_not_one_or_does_not_cover_the_kernel_is_refused(name, backend, message):
     with pytest.raises(ValueError, match=message) as info:
-        build_kernel(name, head_dim=8, num_heads=2, backend=backend)
+        build_kernel(name, head_dim=8, n_head=2, backend=backend)
     assert "\n" not in str(info.value)
 
 
@@ -83,7 +83,7 @@ def test_a_backend_that_is_not_one_or_does_not_cover_the_kernel_is_refused(name,
 @pytest.mark.parametrize("name", ["deltanet", "fastmax", "linear"])
 def test_fla_without_cuda_is_refused_when_the_kernel_is_built(name):
     with pytest.raises(ValueError) as info:
-        build_kernel(name, head_dim=8, num_heads=2, backend="fla")
+        build_kernel(name, head_dim=8, n_head=2, backend="fla")
     message = str(info.value)
     assert "\n" not in message
     assert f"{name}: attention.backend=fla cannot run on this machine: no CUDA GPU" in message
@@ -92,15 +92,15 @@ def test_fla_without_cuda_is_refused_when_the_kernel_is_built(name):
 
 def test_a_sliding_window_on_flex_takes_no_dropout():
     with pytest.raises(ValueError, match="attention.backend=flex has no dropout, got dropout=0.1"):
-        build_kernel("sliding_window", head_dim=8, num_heads=2, backend="flex", dropout=0.1)
+        build_kernel("sliding_window", head_dim=8, n_head=2, backend="flex", dropout=0.1)
 
 
 # ------------------------------------------------------------------ FlexAttention, forward
 
 
 def flex_pair(name: str, **options):
-    loop = check.kernel_factory(name, {**options, "backend": "loop"})(head_dim=16, num_heads=2)
-    flex = check.kernel_factory(name, {**options, "backend": "flex"})(head_dim=16, num_heads=2)
+    loop = check.kernel_factory(name, {**options, "backend": "loop"})(head_dim=16, n_head=2)
+    flex = check.kernel_factory(name, {**options, "backend": "flex"})(head_dim=16, n_head=2)
     flex.load_state_dict(loop.state_dict())
     return loop, flex
 

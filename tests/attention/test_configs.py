@@ -33,7 +33,7 @@ def test_every_attention_option_composes_into_a_registered_kernel(tmp_path, opti
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         cfg = compose("probe", overrides=[f"attention={option}"])
     factory, _ = split_layer_parts(instantiate(cfg.attention))  # the layer's switches aside
-    kernel = factory(head_dim=4, num_heads=2)
+    kernel = factory(head_dim=4, n_head=2)
     assert type(kernel) in KERNELS.values()
     settings = {k: v for k, v in cfg.attention.items() if not k.startswith("_") and v is not None}
     kept = {k: v for k, v in settings.items() if hasattr(kernel, k)}  # some set other fields
@@ -45,7 +45,7 @@ def test_kernel_config_instantiates_a_factory(name):
     cfg = OmegaConf.load(CONF / "attention" / f"{name}.yaml")
     assert cfg._partial_ is True
     factory, _ = split_layer_parts(instantiate(cfg))
-    kernel = factory(head_dim=8, num_heads=2)
+    kernel = factory(head_dim=8, n_head=2)
     assert isinstance(kernel, AttentionKernel) and isinstance(kernel, KERNELS[name])
     q = torch.randn(1, 2, 5, kernel.qk_dim)  # Based's q and k are feature_dim wide
     v = torch.randn(1, 2, 5, 8)
@@ -70,7 +70,7 @@ def test_fastmax_options_override_from_the_command_line(tmp_path):
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         cfg = compose("probe", overrides=["attention=fastmax", "attention.p=1"])
     factory, _ = split_layer_parts(instantiate(cfg.attention))  # the layer's switches aside
-    kernel = factory(head_dim=4, num_heads=2)
+    kernel = factory(head_dim=4, n_head=2)
     assert type(kernel).__name__ == "FastmaxAttention" and kernel.p == 1
 
 

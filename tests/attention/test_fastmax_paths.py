@@ -15,7 +15,7 @@ TOL = {torch.float64: {"rtol": 1e-10, "atol": 1e-10}, torch.float32: {"rtol": 1e
 
 def inputs(nq, nk, dtype, p, padded):
     kernel = FastmaxAttention(
-        head_dim=D, num_heads=H, impl="linear", p=p, scale=0.9 if p == 1 else 1.7
+        head_dim=D, n_head=H, impl="linear", p=p, scale=0.9 if p == 1 else 1.7
     )
     q = torch.randn(B, H, nq, D, dtype=torch.float64)
     k = torch.randn(B, H, nk, D, dtype=torch.float64)
@@ -90,7 +90,7 @@ def test_feature_map_factorises_the_polynomial(p):
 
 
 def test_module_decode_prefill_then_steps_matches_forward():
-    kernel = FastmaxAttention(head_dim=D, num_heads=H, chunk_size=4, impl="linear")
+    kernel = FastmaxAttention(head_dim=D, n_head=H, chunk_size=4, impl="linear")
     q, k, v = (torch.randn(B, H, 19, n, dtype=torch.float64) for n in (D, D, DV))
     full = kernel(q, k, v, causal=True)
     out, state = kernel.decode(q[:, :, :10], k[:, :, :10], v[:, :, :10])
@@ -106,7 +106,7 @@ def test_module_decode_prefill_then_steps_matches_forward():
 
 
 def test_decode_with_padding_matches_forward_with_padding():
-    kernel = FastmaxAttention(head_dim=D, num_heads=H, impl="linear")
+    kernel = FastmaxAttention(head_dim=D, n_head=H, impl="linear")
     q, k, v = (torch.randn(B, H, 8, n, dtype=torch.float64) for n in (D, D, DV))
     mask = torch.zeros(B, 8, dtype=torch.bool)
     mask[0, :3] = True
@@ -145,7 +145,7 @@ def test_chunked_never_builds_the_prefix_sum_of_outer_products():
 
 
 def test_float32_states_under_autocast():
-    kernel = FastmaxAttention(head_dim=D, num_heads=H, impl="linear")
+    kernel = FastmaxAttention(head_dim=D, n_head=H, impl="linear")
     q, k, v = (torch.randn(B, H, 12, n) for n in (D, D, DV))
     expected = kernel(q, k, v, causal=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -158,7 +158,7 @@ def test_float32_states_under_autocast():
 
 def test_normalisation_uses_each_token_alone():
     """Scaling one key changes no other token's normalised key (no max over the sequence)."""
-    kernel = FastmaxAttention(head_dim=D, num_heads=H, impl="linear")
+    kernel = FastmaxAttention(head_dim=D, n_head=H, impl="linear")
     q, k, v = (torch.randn(B, H, 6, n, dtype=torch.float64) for n in (D, D, DV))
     _, ks, _ = kernel.prepare(q, k, v, None)
     k2 = k.clone()
@@ -210,7 +210,7 @@ def test_chunked_backward_passes_gradcheck_across_chunks(p, nq, nk, group):
 def test_double_backward_is_refused_not_wrong():
     """The hand-written backward passes are first-order only: asking for a second order
     raises instead of returning silently wrong numbers."""
-    kernel = FastmaxAttention(head_dim=D, num_heads=H, impl="linear")
+    kernel = FastmaxAttention(head_dim=D, n_head=H, impl="linear")
     q, k, v = (torch.randn(1, H, 6, n, requires_grad=True) for n in (D, D, DV))
     for causal in (False, True):
         out = kernel(q, k, v, causal=causal)
@@ -229,9 +229,7 @@ def test_matmul_flops_counts_what_the_linear_paths_run(variant, causal):
 
     from transformers_lab.config import attention_configs
 
-    kernel = split_layer_parts(instantiate(attention_configs()[variant]))[0](
-        head_dim=8, num_heads=2
-    )
+    kernel = split_layer_parts(instantiate(attention_configs()[variant]))[0](head_dim=8, n_head=2)
     kernel.impl, kernel.chunk_size = "linear", 16
     d = kernel.qk_dim  # Based's feature_dim
     q, k, v = (torch.randn(1, 2, 40, w, requires_grad=True) for w in (d, d, 8))  # 40: padded
@@ -260,10 +258,8 @@ def test_compiled_chunk_steps_give_the_eager_results(name):
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
-    eager = build_kernel(name, head_dim=8, num_heads=2, chunk_size=16, impl="linear")
-    compiled = build_kernel(
-        name, head_dim=8, num_heads=2, chunk_size=16, impl="linear", compiled=True
-    )
+    eager = build_kernel(name, head_dim=8, n_head=2, chunk_size=16, impl="linear")
+    compiled = build_kernel(name, head_dim=8, n_head=2, chunk_size=16, impl="linear", compiled=True)
     for causal in (True, False):
         want = gradients(eager, q, k, v, causal)
         got = gradients(compiled, q, k, v, causal)
@@ -290,7 +286,7 @@ def test_a_compiled_step_compiles_once_for_every_sequence_length(monkeypatch, ca
     try:
         torch._dynamo.reset()
         kernel = build_kernel(
-            "fastmax", head_dim=8, num_heads=2, chunk_size=16, impl="linear", compiled=True
+            "fastmax", head_dim=8, n_head=2, chunk_size=16, impl="linear", compiled=True
         )
 
         def run(n):
@@ -321,9 +317,9 @@ def test_compiled_kernels_on_the_quadratic_path_say_once_a_class_that_it_is_not_
     monkeypatch.setattr(feature_kernel, "UNCOMPILED_SAID", set())
     q, k, v = (torch.randn(1, 2, 8, 8) for _ in range(3))
     with caplog.at_level("WARNING"):
-        build_kernel("fastmax", head_dim=8, num_heads=2)(q, k, v)  # not compiled: nothing
+        build_kernel("fastmax", head_dim=8, n_head=2)(q, k, v)  # not compiled: nothing
         for name in ("fastmax", "fastmax", "linear"):  # two fastmax modules: one class
-            kernel = build_kernel(name, head_dim=8, num_heads=2, compiled=True)
+            kernel = build_kernel(name, head_dim=8, n_head=2, compiled=True)
             for causal in (True, False, True):
                 kernel(q, k, v, causal=causal)
     said = [r.getMessage() for r in caplog.records if "runs uncompiled" in r.getMessage()]

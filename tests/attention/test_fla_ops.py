@@ -75,9 +75,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def kernels(name: str, head_dim: int = 16, **options):
     """Our loop's kernel and fla's, the same parameters."""
     factory = check.kernel_factory(name, {"chunk_size": 16, **options, "backend": "loop"})
-    loop = factory(head_dim=head_dim, num_heads=2)
+    loop = factory(head_dim=head_dim, n_head=2)
     fla = check.kernel_factory(name, {"chunk_size": 16, **options, "backend": "fla"})(
-        head_dim=head_dim, num_heads=2
+        head_dim=head_dim, n_head=2
     )
     fla.load_state_dict(loop.state_dict())
     return loop, fla
@@ -179,9 +179,7 @@ def test_in_the_layer_with_its_parts_on_fla_equals_our_loop(interpreter, name):
         for p in layer.parameters():
             p.add_(0.05 * torch.randn_like(p))
     theirs = copy.deepcopy(layer)
-    theirs.kernel = check.kernel_factory(name, {**parts, "backend": "fla"})(
-        head_dim=16, num_heads=4
-    )
+    theirs.kernel = check.kernel_factory(name, {**parts, "backend": "fla"})(head_dim=16, n_head=4)
     theirs.kernel.load_state_dict(layer.kernel.state_dict())
     x = torch.randn(2, 45, 64)
     found = []

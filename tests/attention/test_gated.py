@@ -167,7 +167,7 @@ def test_the_recurrences_are_the_published_formulas():
 
 def test_retnet_takes_one_decay_for_every_head_or_one_per_head():
     def gammas(**options):
-        return build_kernel("retnet", head_dim=8, num_heads=3, **options).log_gamma.exp()
+        return build_kernel("retnet", head_dim=8, n_head=3, **options).log_gamma.exp()
 
     torch.testing.assert_close(gammas(gamma=0.9), torch.full((3,), 0.9))
     torch.testing.assert_close(gammas(gamma=[0.5, 0.9, 1]), torch.tensor([0.5, 0.9, 1.0]))
@@ -206,7 +206,7 @@ def test_bad_shapes_are_refused_in_one_line(change, error):
 def test_the_explicit_weights_give_the_forward_at_a_real_length(name):
     """``weights @ v == forward`` in float32 at N=320, where inverting (I + A) by a power
     series over the whole sequence blew up (the analysis tools draw these maps)."""
-    kernel = build_kernel(name, head_dim=16, num_heads=2)
+    kernel = build_kernel(name, head_dim=16, n_head=2)
     q, k, v = (torch.randn(1, 2, 320, 16) for _ in range(3))
     k = F.normalize(F.silu(k), dim=-1)  # as the delta rule's layer gives its keys
     gates = kernel.sample_gates(1, 320)

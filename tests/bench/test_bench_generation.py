@@ -61,7 +61,7 @@ def test_every_attention_option_generates_by_default(tmp_path):
     } <= classes
     for name, config in configs.items():
         sizes = [int(r["state_size"]) for r in rows if r["kernel"] == name]
-        assert (sizes[0] == sizes[1]) == kernel_class_at(config["_target_"]).linear, name
+        assert (sizes[0] == sizes[1]) == kernel_class_at(config["_target_"]).constant_state, name
     assert "ms / token" in (tmp_path / "generation.md").read_text()
 
 

@@ -165,7 +165,7 @@ def causal_options() -> list[str]:
     kernels = {name: split_layer_parts(instantiate(CONFIGS[name]))[0] for name in OPTIONS}
     return [
         name for name, factory in kernels.items()
-        if not factory(head_dim=16, num_heads=4).causal_refusal()
+        if not factory(head_dim=16, n_head=4).causal_refusal()
     ]  # fmt: skip
 
 

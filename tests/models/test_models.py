@@ -31,7 +31,7 @@ def tiny_transformer(attention="softmax", **kw) -> Transformer:
         "n_head": 2,
         "n_encoder_layers": 2,
         "n_decoder_layers": 2,
-        "max_len": 20,
+        "block_size": 20,
         "dropout": 0.0,
     } | kw
     if getattr(KERNELS[attention], "positional", False):  # cosformer: no cross-attention
@@ -209,7 +209,7 @@ def test_gpt_state_size_counts_what_the_cache_holds(name):
         _, cache = model.forward_cached(idx[:, :n])
         held[n] = state_numbers(cache) // 2
         assert model.state_size(n) == held[n]
-    assert (held[3] == held[9]) == KERNELS[name].linear
+    assert (held[3] == held[9]) == KERNELS[name].constant_state
     assert model.state_size() == model.state_size(model.block_size)
 
 
@@ -252,7 +252,7 @@ def test_transformer_cached_greedy_equals_full_recompute(name, positions):
     for _ in range(8):  # greedy by recomputing the whole target every step
         next_id = model._never_emit(model.decode(ys, memory, pad)[:, -1]).argmax(-1)
         ys = torch.cat([ys, next_id[:, None]], dim=1)
-    cached = model.greedy(src, max_len=8)
+    cached = model.greedy(src, max_new_tokens=8)
     eos = (ys[:, 1:] == model.eos_id).cumsum(1) - (ys[:, 1:] == model.eos_id).long() > 0
     expected = ys[:, 1:].masked_fill(eos, model.pad_id)  # padding after EOS
     assert torch.equal(cached, expected[:, : cached.shape[1]])
@@ -262,8 +262,10 @@ def test_transformer_cached_greedy_equals_full_recompute(name, positions):
 def test_beam_search_with_beam_one_equals_greedy(name):
     model = tiny_transformer(name)
     src = source_batch()
-    assert torch.equal(model.beam_search(src, beam_size=1, max_len=10), model.greedy(src, 10))
-    beams = model.translate(src, max_len=10, beam_size=4)
+    assert torch.equal(
+        model.beam_search(src, beam_size=1, max_new_tokens=10), model.greedy(src, 10)
+    )
+    beams = model.translate(src, max_new_tokens=10, beam_size=4)
     assert beams.shape[0] == 3 and beams.shape[1] <= 10
 
 
@@ -281,7 +283,7 @@ def test_beam_search_equals_exhaustive_search(alpha):
         n_head=2,
         n_encoder_layers=1,
         n_decoder_layers=1,
-        max_len=8,
+        block_size=8,
         dropout=0.0,
         tie_output=False,
     ).eval()
@@ -304,7 +306,7 @@ def test_beam_search_equals_exhaustive_search(alpha):
                     yield seq
 
     beams = model.beam_search(
-        src, beam_size=len(words) ** steps, max_len=steps, length_penalty=alpha
+        src, beam_size=len(words) ** steps, max_new_tokens=steps, length_penalty=alpha
     )
     for b in range(3):
         best = max(hypotheses(), key=lambda s: logprob(b, s) / ((5 + len(s)) / 6) ** alpha)
@@ -414,11 +416,11 @@ def test_weight_decay_groups():
 
 
 def test_bad_input_gets_clear_errors():
-    with pytest.raises(ValueError, match="d_model=30 must be divisible by num_heads=4"):
+    with pytest.raises(ValueError, match="d_model=30 must be divisible by n_head=4"):
         GPT(V, 16, n_head=4, d_model=30)
     model = tiny_gpt()
     with pytest.raises(
-        ValueError, match=r"25 tokens is longer than the positions table \(max_len=24\)"
+        ValueError, match=r"25 tokens is longer than the positions table \(block_size=24\)"
     ):
         model(torch.randint(0, V, (1, 25)))
     with pytest.raises(ValueError, match=r"token id 23 is outside the vocabulary \[0, 23\)"):
@@ -488,9 +490,9 @@ def test_fixed_positions_are_as_large_as_the_token_embeddings_they_are_added_to(
     positions now start as large as the tokens they are added to (within 25%)."""
     ids = torch.randint(0, vocab, (4, 32))
     gpt = GPT(vocab, 32, n_layer=1, n_head=2, d_model=64, pos_encoding=pos)
-    transformer = Transformer(vocab, vocab, max_len=32, d_model=64, n_head=2, pos_encoding=pos)
+    transformer = Transformer(vocab, vocab, block_size=32, d_model=64, n_head=2, pos_encoding=pos)
     encoder = EncoderClassifier(
-        3, vocab_size=vocab, max_len=32, d_model=64, n_head=2, pos_encoding=pos
+        3, vocab_size=vocab, block_size=32, d_model=64, n_head=2, pos_encoding=pos
     )
     added = {  # (token vectors, position vectors) as each model sums them
         "gpt": (gpt.tok(ids), gpt.pos.table_rows(32)),

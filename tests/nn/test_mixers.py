@@ -227,7 +227,7 @@ class GatedSoftmax(AttentionKernel, register=False):
 
     def state_size(self, n: int, value_dim: int | None = None) -> int:
         value_dim = self.head_dim if value_dim is None else value_dim
-        return self.num_heads * n * (self.head_dim + value_dim + 1)
+        return self.n_head * n * (self.head_dim + value_dim + 1)
 
 
 def test_a_kernel_declares_gate_inputs_and_the_layer_projects_them_from_x():
@@ -410,6 +410,33 @@ def test_base_conv_is_zoologys_gated_convolution():
     torch.testing.assert_close(mixer(x), conv * mixer.projection(x) + x)
     with pytest.raises(ValueError, match="base_conv.kernel_size must be an integer >= 1"):
         BaseConv(6, kernel_size=0)
+
+
+class OldStyleMixer(BaseConv):
+    """A user's mixer written when the head count was called ``num_heads``."""
+
+    def __init__(self, d_model: int, num_heads: int, kernel_size: int = 3) -> None:
+        super().__init__(d_model, kernel_size=kernel_size)
+        self.heads_given = num_heads
+
+
+def test_a_mixer_takes_n_head_and_an_old_style_one_builds_with_a_note(monkeypatch, caplog):
+    from functools import partial
+
+    from transformers_lab.attention import base
+    from transformers_lab.nn.layers import sequence_mixer
+
+    monkeypatch.setattr(base, "OLD_HEADS_NOTED", set())
+    with caplog.at_level("WARNING"):
+        assert isinstance(sequence_mixer(6, 2, partial(BaseConv, kernel_size=2)), BaseConv)
+        assert not caplog.records
+        old = [sequence_mixer(6, 2, partial(OldStyleMixer, kernel_size=2)) for _ in range(2)]
+    assert [m.heads_given for m in old] == [2, 2]
+    assert old[0](torch.randn(1, 4, 6)).shape == (1, 4, 6)
+    assert [r.getMessage() for r in caplog.records] == [
+        "note: OldStyleMixer takes num_heads; the mixer contract now calls it n_head "
+        "(rename the parameter)"
+    ]
 
 
 def test_a_hybrid_from_the_command_line_trains_and_its_layers_are_recorded(tmp_path):

@@ -7,7 +7,17 @@ import functools
 import pytest
 import torch
 
-from transformers_lab.attention import KERNELS, FastmaxAttention, SoftmaxAttention
+from transformers_lab.attention import (
+    KERNELS,
+    AttentionKernel,
+    FastmaxAttention,
+    SoftmaxAttention,
+    base,
+    call_with_heads,
+    masked_softmax,
+)
+from transformers_lab.attention.base import attention_mask
+from transformers_lab.models.gpt import GPT
 from transformers_lab.nn import MultiHeadAttention
 
 D_MODEL, HEADS = 16, 4
@@ -76,7 +86,7 @@ def test_every_kernel_runs_in_self_and_cross_attention(name):
         return
     cross = MultiHeadAttention(D_MODEL, HEADS, name, cross=True, context_dim=12)
     assert cross(x, mem).shape == x.shape
-    assert layer.kernel.head_dim == D_MODEL // HEADS and layer.kernel.num_heads == HEADS
+    assert layer.kernel.head_dim == D_MODEL // HEADS and layer.kernel.n_head == HEADS
 
 
 def test_a_kernel_with_its_own_qk_width_gets_queries_and_keys_of_it():
@@ -132,7 +142,7 @@ def test_decode_equals_full_causal_forward():
 
 
 def test_bad_configuration_is_refused_with_both_numbers():
-    with pytest.raises(ValueError, match="d_model=30 must be divisible by num_heads=4"):
+    with pytest.raises(ValueError, match="d_model=30 must be divisible by n_head=4"):
         MultiHeadAttention(30, 4)
     with pytest.raises(ValueError, match="unknown attention kernel 'nope'"):
         MultiHeadAttention(D_MODEL, HEADS, "nope")
@@ -157,7 +167,7 @@ def test_bad_inputs_are_refused():
 def test_prepared_memory_equals_cross_attention(name):
     if getattr(KERNELS[name], "positional", False):
         pytest.skip(f"{name} takes no cross-attention (test_every_kernel_runs_in_self_and_cross)")
-    if KERNELS[name](head_dim=8, num_heads=2).noncausal_refusal():
+    if KERNELS[name](head_dim=8, n_head=2).noncausal_refusal():
         with pytest.raises(ValueError, match=f"attention={name} .* causal only"):
             MultiHeadAttention(D_MODEL, HEADS, name, cross=True)
         return
@@ -173,3 +183,75 @@ def test_prepared_memory_equals_cross_attention(name):
             layer.attention_weights(x, prepared)
     else:  # the memory's keys and mask give the same weights
         torch.testing.assert_close(layer.attention_weights(x, prepared), weights)
+
+
+# ---------------------------------------------------------------- the heads' one name
+
+
+def tempered_weights(kernel, q, k, *, causal=False, key_padding_mask=None):
+    """softmax(tau_h q.k), tau_h the kernel's per-head ``log_tau`` (H, 1, 1) exponentiated."""
+    kernel.check_inputs(q, k, None, key_padding_mask)
+    nq, nk = q.shape[2], k.shape[2]
+    allowed = attention_mask(
+        nq, nk, causal=causal, key_padding_mask=key_padding_mask, device=q.device
+    )
+    return masked_softmax(kernel.log_tau.exp() * (q @ k.transpose(-2, -1)), allowed)
+
+
+class OldStyleKernel(AttentionKernel, register=False):
+    """A user's kernel written to the old contract: its ``__init__`` takes ``num_heads``
+    and sizes a parameter by it."""
+
+    def __init__(self, head_dim: int, num_heads: int, dropout: float = 0.0) -> None:
+        super().__init__(head_dim, num_heads, dropout)
+        self.log_tau = torch.nn.Parameter(torch.zeros(num_heads, 1, 1))
+
+    weights = tempered_weights
+
+
+class NewStyleKernel(AttentionKernel, register=False):
+    def __init__(self, head_dim: int, n_head: int, dropout: float = 0.0) -> None:
+        super().__init__(head_dim, n_head, dropout)
+        self.log_tau = torch.nn.Parameter(torch.zeros(n_head, 1, 1))
+
+    weights = tempered_weights
+
+
+OLD_NOTE = (
+    "note: OldStyleKernel takes num_heads; the kernel contract now calls it n_head "
+    "(rename the parameter)"
+)
+
+
+def notes(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "takes num_heads" in r.getMessage()]
+
+
+def test_an_old_style_kernel_builds_and_runs_in_a_layer_and_a_model_with_one_note(
+    monkeypatch, caplog
+):
+    monkeypatch.setattr(base, "OLD_HEADS_NOTED", set())
+    factory = functools.partial(OldStyleKernel, dropout=0.0)  # as Hydra's _partial_ gives it
+    with caplog.at_level("WARNING"):
+        layer = MultiHeadAttention(D_MODEL, HEADS, factory)
+        x = torch.randn(2, 7, D_MODEL)
+        out = layer(x, causal=True)
+        out.sum().backward()
+        assert out.shape == x.shape and layer.kernel.log_tau.grad is not None
+        assert layer.kernel.n_head == HEADS and layer.kernel.log_tau.shape == (HEADS, 1, 1)
+        model = GPT(vocab_size=11, block_size=8, n_layer=2, n_head=2, d_model=8, attention=factory)
+        assert model(torch.randint(0, 11, (2, 8))).shape[:2] == (2, 8)
+        assert all(b.mixer.kernel.n_head == 2 for b in model.blocks)
+    assert notes(caplog) == [OLD_NOTE]  # once for the class, not once a layer
+
+
+def test_a_new_style_kernel_gets_n_head_and_no_note(monkeypatch, caplog):
+    monkeypatch.setattr(base, "OLD_HEADS_NOTED", set())
+    with caplog.at_level("WARNING"):
+        layer = MultiHeadAttention(D_MODEL, HEADS, functools.partial(NewStyleKernel))
+        assert layer(torch.randn(2, 5, D_MODEL), causal=True).shape == (2, 5, D_MODEL)
+        assert layer.kernel.n_head == HEADS and layer.kernel.log_tau.shape == (HEADS, 1, 1)
+        seen = {}
+        call_with_heads(lambda **sizes: seen.update(sizes), 3, head_dim=8)  # no names to read
+        assert seen == {"head_dim": 8, "n_head": 3}
+    assert notes(caplog) == []

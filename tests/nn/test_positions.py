@@ -40,7 +40,7 @@ def test_rope_weights_depend_on_relative_positions_only(kernel, options):
     depends on m - n), for softmax and for a linear kernel whose weights are a function of
     q·k (fastmax normalises each token by its own norm, which a rotation keeps)."""
     rotary = Rotary(D).double()
-    attention = build_kernel(kernel, head_dim=D, num_heads=H, **options).double()
+    attention = build_kernel(kernel, head_dim=D, n_head=H, **options).double()
     q = torch.randn(B, H, N, D, dtype=torch.float64)
     k = torch.randn(B, H, N, D, dtype=torch.float64)
     at_zero = attention.weights(rotary(q), rotary(k), causal=True)
@@ -74,12 +74,12 @@ def test_rope_reaches_every_models_self_attention_and_no_cross_attention():
               pos_encoding="rope")  # fmt: skip
     assert vit.blocks[0].mixer.rotary is not None
     assert vit(torch.randn(2, 1, 8, 8)).shape == (2, 3)
-    enc = EncoderClassifier(3, vocab_size=10, max_len=8, d_model=8, n_layer=1, n_head=2)
+    enc = EncoderClassifier(3, vocab_size=10, block_size=8, d_model=8, n_layer=1, n_head=2)
     assert enc.blocks[0].mixer.rotary is None  # sinusoidal by default
     from transformers_lab.models import Transformer
 
     t = Transformer(10, 10, d_model=8, n_head=2, n_encoder_layers=1, n_decoder_layers=1,
-                    max_len=8, pos_encoding="rope")  # fmt: skip
+                    block_size=8, pos_encoding="rope")  # fmt: skip
     assert t.encoder[0].mixer.rotary is not None and t.decoder[0].mixer.rotary is not None
     assert t.decoder[0].cross.rotary is None
 
@@ -129,8 +129,8 @@ def test_every_kernel_that_forms_scores_takes_alibi_and_passes_the_contract(kern
     from transformers_lab.attention.check import check_kernel, kernel_factory, with_alibi
 
     assert check_kernel(with_alibi(kernel_factory(kernel))) == []
-    plain = build_kernel(kernel, head_dim=D, num_heads=H).double()
-    biased = build_kernel(kernel, head_dim=D, num_heads=H).double()
+    plain = build_kernel(kernel, head_dim=D, n_head=H).double()
+    biased = build_kernel(kernel, head_dim=D, n_head=H).double()
     biased.load_state_dict(plain.state_dict())
     biased.use_alibi()
     q, k = (

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from transformers_lab.errors import ConfigError, Interrupted
+from transformers_lab.errors import ConfigError
 from transformers_lab.run.callbacks.safety import (
     NonFiniteGuard,
     all_finite,
@@ -17,7 +17,7 @@ from transformers_lab.run.callbacks.safety import (
     set_random_states,
 )
 from transformers_lab.run.checkpoints import AtomicCheckpointIO, Checkpoint
-from transformers_lab.run.fit import interrupted
+from transformers_lab.run.fit import Interrupted, interrupted
 
 
 def test_all_finite_sees_a_nan_or_inf_anywhere():

@@ -28,6 +28,25 @@ def test_a_missing_or_foreign_file_is_refused_with_what_to_give(tmp_path):
         load_checkpoint(tmp_path / "list.ckpt")
 
 
+def test_an_earlier_version_s_context_key_is_read_as_block_size(tmp_path):
+    """Transformer, EncoderClassifier and the translation data called their context
+    ``max_len``: a checkpoint saved then loads with ``block_size`` (a user's class keeps
+    its own names)."""
+    config = {
+        "model": {"_target_": "transformers_lab.models.Transformer", "max_len": 32},
+        "data": {"_target_": "transformers_lab.data.TranslationDataModule", "max_len": 32},
+        "task": {"_target_": "my.Task", "max_len": 5},
+    }
+    torch.save({"state_dict": {}, "tlab_config": config}, tmp_path / "old.ckpt")
+    saved = load_checkpoint(tmp_path / "old.ckpt")["tlab_config"]
+    assert saved["model"] == {"_target_": "transformers_lab.models.Transformer", "block_size": 32}
+    assert saved["data"]["block_size"] == 32 and "max_len" not in saved["data"]
+    assert saved["task"]["max_len"] == 5
+    mine = {"model": {"_target_": "my.Model", "max_len": 7}}
+    torch.save({"state_dict": {}, "tlab_config": mine}, tmp_path / "mine.ckpt")
+    assert load_checkpoint(tmp_path / "mine.ckpt")["tlab_config"]["model"]["max_len"] == 7
+
+
 def test_the_step_a_checkpoint_was_saved_at(tmp_path):
     torch.save({"global_step": 42, "state_dict": {}}, tmp_path / "a.ckpt")
     assert checkpoint_step(tmp_path / "a.ckpt") == 42
@@ -60,9 +79,12 @@ def test_weights_of_another_shape_are_refused_with_the_config_that_changed():
     saved = {"state_dict": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}
     with pytest.raises(ConfigError, match=r"different model config \(1 tensors \(weight\)\)"):
         check_checkpoint(saved, module, "c.ckpt")
-    saved["tlab_config"] = {"model": {"d": 4}}
+    changed = check_resume(
+        {"tlab_config": {"model": {"d": 4}}}, {"model": {"d": 2}}, "c", ["model"]
+    )
+    assert changed == ["model.d: 4 -> 2"]  # allowed to change, and named when shapes differ
     with pytest.raises(ConfigError, match=r"\(model.d: 4 -> 2\)"):
-        check_checkpoint(saved, module, "c.ckpt", {"model": {"d": 2}})
+        check_checkpoint(saved, module, "c.ckpt", changed)
     check_checkpoint({"state_dict": module.state_dict()}, module, "c.ckpt")
 
 

@@ -195,7 +195,7 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(failing_sweep):
     rows = read_csv(sweep / "summary.csv")
     status = {r["overrides"].split()[0]: r for r in rows}
     assert status["model.n_head=3"]["status"] == "failed"
-    assert "d_model=64 must be divisible by num_heads=3" in status["model.n_head=3"]["error"]
+    assert "d_model=64 must be divisible by n_head=3" in status["model.n_head=3"]["error"]
     assert (
         status["model.n_head=2"]["status"] == "ok"
         and float(status["model.n_head=2"]["val/acc"]) >= 0

@@ -100,7 +100,7 @@ def test_translation_task_logs_loss_bleu_and_translations(tmp_path, monkeypatch,
     from transformers_lab.data import TranslationDataModule
 
     write_multi30k(tmp_path, monkeypatch)
-    dm = TranslationDataModule(root=str(tmp_path), batch_size=3, download=False, max_len=40)
+    dm = TranslationDataModule(root=str(tmp_path), batch_size=3, download=False, block_size=40)
     dm.setup()
     model = Transformer(
         d_model=16, n_head=2, n_encoder_layers=1, n_decoder_layers=1, **dm.model_kwargs()

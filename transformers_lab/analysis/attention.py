@@ -217,8 +217,8 @@ def plot_attention_maps(
 
     if not maps:
         raise ValueError("no attention maps to plot (did the model run inside the capture?)")
-    num_heads = max(w.shape[1] for w in maps.values())
-    heads = list(heads) if heads is not None else list(range(min(num_heads, max_heads)))
+    n_head = max(w.shape[1] for w in maps.values())
+    heads = list(heads) if heads is not None else list(range(min(n_head, max_heads)))
     fig = Figure(figsize=(cell * len(heads) + 0.5, cell * len(maps) + 0.6))
     axes = fig.subplots(len(maps), len(heads), squeeze=False)
     for row, (layer, weights) in enumerate(maps.items()):

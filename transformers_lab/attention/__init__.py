@@ -1,10 +1,10 @@
 """Attention kernels: the interchangeable core of every model.
 
-Each kernel is an ``nn.Module`` built per layer as ``factory(head_dim=..., num_heads=...)``
+Each kernel is an ``nn.Module`` built per layer as ``factory(head_dim=..., n_head=...)``
 and called as ``kernel(q, k, v, causal=..., key_padding_mask=...)``; see ``base`` for the
 contract. A kernel class registers itself under its ``name`` when its module is imported;
 every module of this package is imported here, so a new kernel is one file (and its yaml
-in ``conf/attention/``). ``build_kernel("fastmax", head_dim=32, num_heads=4, p=2)`` builds
+in ``conf/attention/``). ``build_kernel("fastmax", head_dim=32, n_head=4, p=2)`` builds
 one by name; ``python -m transformers_lab.attention.check NAME`` checks one against the
 contract.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from functools import partial
 from typing import Any
 
 from transformers_lab.attention.base import (
@@ -20,6 +21,7 @@ from transformers_lab.attention.base import (
     AttentionKernel,
     Memory,
     attention_mask,
+    call_with_heads,
     masked_softmax,
 )
 
@@ -55,9 +57,9 @@ def kernel_class(name: str) -> type[AttentionKernel]:
         ) from None
 
 
-def build_kernel(name: str, *, head_dim: int, num_heads: int, **options: Any) -> AttentionKernel:
+def build_kernel(name: str, *, head_dim: int, n_head: int, **options: Any) -> AttentionKernel:
     """Build the kernel ``name`` for one layer, with its kernel-specific ``options``."""
-    return kernel_class(name)(head_dim=head_dim, num_heads=num_heads, **options)
+    return call_with_heads(partial(kernel_class(name), **options), n_head, head_dim=head_dim)
 
 
 __all__ = [
@@ -73,6 +75,7 @@ __all__ = [
     "SoftmaxAttention",
     "attention_mask",
     "build_kernel",
+    "call_with_heads",
     "kernel_class",
     "masked_softmax",
 ]

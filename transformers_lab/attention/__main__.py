@@ -16,15 +16,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from transformers_lab.attention import KERNELS, AttentionKernel
+from transformers_lab.attention.base import call_with_heads
 
 BEGIN = "<!-- kernel table: python -m transformers_lab.attention --readme README.md -->"
 END = "<!-- end of kernel table -->"
 
 
 def state(cls: type) -> str:
-    kernel = cls(head_dim=64, num_heads=1)
+    kernel = call_with_heads(cls, 1, head_dim=64)
     dims = "D = Dv = 64" if kernel.qk_dim == 64 else f"D = {kernel.qk_dim}, Dv = 64"
-    if cls.linear:
+    if cls.constant_state:
         return f"constant: {kernel.state_size(1):,} numbers a head ({dims})"
     return f"grows: {kernel.state_size(1):,} numbers a head and token ({dims})"
 

@@ -85,13 +85,13 @@ class AdditiveAttention(AttentionKernel):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         attn_dim: int | None = None,
         bias: bool = True,
         memory_budget_mb: float = 64.0,
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout)
+        super().__init__(head_dim, n_head, dropout)
         attn_dim = head_dim if attn_dim is None else attn_dim
         if attn_dim <= 0:
             raise ValueError(f"additive: attn_dim must be positive, got {attn_dim}")
@@ -102,13 +102,13 @@ class AdditiveAttention(AttentionKernel):
         # Same init as nn.Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
         bound_in, bound_out = 1.0 / math.sqrt(head_dim), 1.0 / math.sqrt(attn_dim)
         self.w_q = nn.Parameter(
-            torch.empty(num_heads, head_dim, attn_dim).uniform_(-bound_in, bound_in)
+            torch.empty(n_head, head_dim, attn_dim).uniform_(-bound_in, bound_in)
         )
         self.w_k = nn.Parameter(
-            torch.empty(num_heads, head_dim, attn_dim).uniform_(-bound_in, bound_in)
+            torch.empty(n_head, head_dim, attn_dim).uniform_(-bound_in, bound_in)
         )
-        self.b = nn.Parameter(torch.zeros(num_heads, attn_dim)) if bias else None
-        self.w = nn.Parameter(torch.empty(num_heads, attn_dim).uniform_(-bound_out, bound_out))
+        self.b = nn.Parameter(torch.zeros(n_head, attn_dim)) if bias else None
+        self.w = nn.Parameter(torch.empty(n_head, attn_dim).uniform_(-bound_out, bound_out))
 
     def extra_repr(self) -> str:
         return (
@@ -118,7 +118,7 @@ class AdditiveAttention(AttentionKernel):
 
     def chunk_rows(self, batch: int, nk: int, dtype: torch.dtype) -> int:
         """How many queries one chunk holds under the memory budget (at least one)."""
-        per_row = _LIVE_COPIES * batch * self.num_heads * nk * self.attn_dim
+        per_row = _LIVE_COPIES * batch * self.n_head * nk * self.attn_dim
         per_row *= torch.finfo(dtype).bits // 8
         return max(1, int(self.memory_budget_mb * 2**20) // per_row)
 

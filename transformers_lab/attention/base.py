@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -34,6 +35,8 @@ from torch import Tensor, nn
 
 from transformers_lab.attention import naive
 from transformers_lab.attention.backends import check_backend
+
+log = logging.getLogger(__name__)
 
 
 def attention_mask(
@@ -60,7 +63,7 @@ def attention_mask(
     return allowed
 
 
-def alibi_slopes(num_heads: int) -> list[float]:
+def alibi_slopes(n_head: int) -> list[float]:
     """The head slopes of ALiBi (Press et al., 2022): the geometric sequence that starts
     at 2^(-8/n) with that ratio, for n heads; for n not a power of two, those of the
     largest power of two below n, then every other slope of twice that many heads."""
@@ -69,10 +72,10 @@ def alibi_slopes(num_heads: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
         return [start ** (i + 1) for i in range(n)]
 
-    if num_heads & (num_heads - 1) == 0:
-        return geometric(num_heads)
-    m = 2 ** math.floor(math.log2(num_heads))
-    return geometric(m) + geometric(2 * m)[0::2][: num_heads - m]
+    if n_head & (n_head - 1) == 0:
+        return geometric(n_head)
+    m = 2 ** math.floor(math.log2(n_head))
+    return geometric(m) + geometric(2 * m)[0::2][: n_head - m]
 
 
 def alibi_bias(slopes: Tensor, nq: int, nk: int) -> Tensor:
@@ -181,6 +184,30 @@ def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+OLD_HEADS_NOTED: set[Any] = set()  # the factories of the old contract said once
+
+
+def call_with_heads(factory: Any, n_head: int, **sizes: int) -> Any:
+    """``factory(**sizes, n_head=n_head)``: a kernel (``head_dim=``) or a mixer
+    (``d_model=``). A factory of the old contract, whose class takes ``num_heads`` and no
+    ``n_head``, gets ``num_heads=`` and one note a class, so that it keeps working."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read: the contract's name
+        params = {}
+    if "n_head" in params or "num_heads" not in params:
+        return factory(**sizes, n_head=n_head)
+    target = getattr(factory, "func", factory)  # Hydra's partial of a class, or the class
+    if target not in OLD_HEADS_NOTED:
+        OLD_HEADS_NOTED.add(target)
+        log.warning(
+            "note: %s takes num_heads; the %s contract now calls it n_head (rename the parameter)",
+            getattr(target, "__name__", repr(target)),
+            "kernel" if "head_dim" in sizes else "mixer",
+        )
+    return factory(**sizes, num_heads=n_head)
+
+
 class AttentionKernel(nn.Module):
     """Base class of the kernels. Subclasses implement ``weights`` and
     ``reference_weights`` (and ``forward`` where a path faster than ``weights @ v``
@@ -194,7 +221,7 @@ class AttentionKernel(nn.Module):
         head_dim: D, the size of one head (kernels with parameters size them by it): the
             width of its values, and of its queries and keys unless the kernel sets
             ``qk_dim``.
-        num_heads: H, the number of heads the kernel serves.
+        n_head: H, the number of heads the kernel serves.
         dropout: probability of dropping attention weights during training.
 
     ``qk_dim`` is the width of the queries and keys the kernel takes, ``head_dim`` unless
@@ -205,7 +232,8 @@ class AttentionKernel(nn.Module):
     name: ClassVar[str] = "kernel"
     formula: ClassVar[str] = ""  # the weights, in one line (the README's kernel table)
     normalized: ClassVar[bool] = True  # every row of weights() sums to 1 (or is all zero)
-    linear: ClassVar[bool] = False  # decode keeps a state whose size does not grow with n
+    # decoding keeps a state whose size does not grow with n (was ``linear``)
+    constant_state: ClassVar[bool] = False
     forms_scores: ClassVar[bool] = False  # adds score_bias to its q-k scores (ALiBi): opt in
     causal_only: ClassVar[bool] = False  # reads the sequence in order: no encoder, no cross
     # the options that tell one setting of the kernel from another in a record's name
@@ -221,6 +249,13 @@ class AttentionKernel(nn.Module):
         super().__init_subclass__(**kwargs)
         if "__init__" in cls.__dict__:
             cls.__init__ = takes_backend(cls.__dict__["__init__"])  # type: ignore[method-assign]
+        if "linear" in cls.__dict__ and "constant_state" not in cls.__dict__:  # the old name
+            cls.constant_state = bool(cls.__dict__["linear"])
+            log.warning(
+                "note: %s sets linear; the kernel contract now calls it constant_state "
+                "(rename the class attribute)",
+                cls.__name__,
+            )
         name = cls.__dict__.get("name")
         if not register or name is None:
             return
@@ -232,17 +267,17 @@ class AttentionKernel(nn.Module):
             )
         REGISTRY[name] = cls
 
-    def __init__(self, head_dim: int, num_heads: int, dropout: float = 0.0) -> None:
+    def __init__(self, head_dim: int, n_head: int, dropout: float = 0.0) -> None:
         super().__init__()
         if not (isinstance(head_dim, int) and head_dim > 0):
             raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
-        if not (isinstance(num_heads, int) and num_heads > 0):
-            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        if not (isinstance(n_head, int) and n_head > 0):
+            raise ValueError(f"n_head must be a positive int, got {n_head!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.head_dim = head_dim
         self.qk_dim = head_dim
-        self.num_heads = num_heads
+        self.n_head = n_head
         self.dropout = dropout
         self.alibi = False
 
@@ -256,7 +291,7 @@ class AttentionKernel(nn.Module):
                 "pos_encoding=rope with it, or a kernel that forms scores"
             )
         self.alibi = True
-        slopes = torch.tensor(alibi_slopes(self.num_heads))
+        slopes = torch.tensor(alibi_slopes(self.n_head))
         self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     def score_bias(self, nq: int, nk: int, like: Tensor) -> Tensor | float:
@@ -269,9 +304,9 @@ class AttentionKernel(nn.Module):
         """``score_bias`` written naively in float64, from the slopes of the formula."""
         if not self.alibi:
             return 0.0
-        slopes = alibi_slopes(self.num_heads)
-        bias = torch.zeros(self.num_heads, nq, nk, dtype=torch.float64)
-        for h in range(self.num_heads):
+        slopes = alibi_slopes(self.n_head)
+        bias = torch.zeros(self.n_head, nq, nk, dtype=torch.float64)
+        for h in range(self.n_head):
             for i in range(nq):
                 for j in range(nk):
                     bias[h, i, j] = -slopes[h] * abs(i + (nk - nq) - j)
@@ -279,9 +314,7 @@ class AttentionKernel(nn.Module):
 
     def extra_repr(self) -> str:
         alibi = ", alibi=True" if self.alibi else ""
-        return (
-            f"head_dim={self.head_dim}, num_heads={self.num_heads}, dropout={self.dropout}{alibi}"
-        )
+        return f"head_dim={self.head_dim}, n_head={self.n_head}, dropout={self.dropout}{alibi}"
 
     def forward(  # type: ignore[override]
         self,
@@ -345,7 +378,7 @@ class AttentionKernel(nn.Module):
         the bare kernel outside its layer: each gate's activation of N(0, 1) draws."""
         return {
             name: gate.activate(
-                torch.randn(batch, self.num_heads, tokens, *([self.qk_dim] * gate.per_channel))
+                torch.randn(batch, self.n_head, tokens, *([self.qk_dim] * gate.per_channel))
             ).to(dtype)
             for name, gate in self.gate_inputs.items()
         }
@@ -367,7 +400,7 @@ class AttentionKernel(nn.Module):
         a KV cache holds every key and value (it grows with n); a linear kernel's state
         does not grow."""
         value_dim = self.head_dim if value_dim is None else value_dim
-        return self.num_heads * n * (self.qk_dim + value_dim)
+        return self.n_head * n * (self.qk_dim + value_dim)
 
     def decode(
         self,
@@ -417,11 +450,11 @@ class AttentionKernel(nn.Module):
                 f"{self.name}: query head dim {q.shape[-1]} != key head dim {k.shape[-1]}; "
                 "q and k must share the last dimension"
             )
-        if q.shape[-1] != self.qk_dim or q.shape[1] != self.num_heads:
+        if q.shape[-1] != self.qk_dim or q.shape[1] != self.n_head:
             dim = "head_dim" if self.qk_dim == self.head_dim else "qk_dim"
             raise ValueError(
                 f"{self.name}: kernel was built for {dim}={self.qk_dim}, "
-                f"num_heads={self.num_heads} but got q of shape {tuple(q.shape)} "
+                f"n_head={self.n_head} but got q of shape {tuple(q.shape)} "
                 f"(batch, heads, tokens, {dim})"
             )
         if k.shape[2] == 0:
@@ -475,9 +508,9 @@ class KeywiseAttention(AttentionKernel, register=False):
     forms_scores = True
 
     def __init__(
-        self, head_dim: int, num_heads: int, dropout: float = 0.0, scale: float | None = None
+        self, head_dim: int, n_head: int, dropout: float = 0.0, scale: float | None = None
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout)
+        super().__init__(head_dim, n_head, dropout)
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     def extra_repr(self) -> str:

@@ -36,7 +36,7 @@ class BasedAttention(FeatureKernel):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         feature_dim: int = 16,
         chunk_size: int = 128,
@@ -46,7 +46,7 @@ class BasedAttention(FeatureKernel):
     ) -> None:
         super().__init__(
             head_dim,
-            num_heads,
+            n_head,
             dropout,
             p=2,
             chunk_size=chunk_size,

@@ -59,7 +59,7 @@ import torch
 from hydra.utils import instantiate
 from torch import Tensor
 
-from transformers_lab.attention.base import AttentionKernel, visible_keys
+from transformers_lab.attention.base import AttentionKernel, call_with_heads, visible_keys
 from transformers_lab.attention.resolve import UnknownKernel, kernel_config
 from transformers_lab.config import CONF_DIR, layer_part_defaults
 
@@ -78,7 +78,7 @@ class CheckError(ValueError):
 def kernel_factory(
     target: str, options: dict[str, Any] | None = None, dirs: Sequence[Path] = (CONF_DIR,)
 ) -> Factory:
-    """A factory ``f(head_dim=, num_heads=)`` for TARGET (a kernel yaml, an option of the
+    """A factory ``f(head_dim=, n_head=)`` for TARGET (a kernel yaml, an option of the
     attention group in ``dirs``, a registered name or a class path) with ``options``. The
     layer's switches an attention config carries (``short_conv=4``: ``conf/layer/parts.yaml``)
     are left out: they are the layer's (``layer_factory``, the layer checks of ``nn.check``)."""
@@ -108,8 +108,8 @@ def layer_factory_config(
 def with_alibi(factory: Factory) -> Factory:
     """The factory's kernels with ALiBi's bias on their scores (``use_alibi``)."""
 
-    def build_with_alibi(**geometry: int) -> AttentionKernel:
-        kernel = factory(**geometry)
+    def build_with_alibi(head_dim: int, n_head: int) -> AttentionKernel:
+        kernel = call_with_heads(factory, n_head, head_dim=head_dim)
         kernel.use_alibi()
         return kernel
 
@@ -129,7 +129,7 @@ def perturbed(module: torch.nn.Module) -> torch.nn.Module:
 def build(factory: Factory) -> AttentionKernel:
     """The float64 kernel under test; a kernel with gate inputs gets them from its keys
     (``gated``)."""
-    kernel = perturbed(factory(head_dim=D, num_heads=H))
+    kernel = perturbed(call_with_heads(factory, H, head_dim=D))
     return gated(kernel) if kernel.gate_inputs else kernel
 
 
@@ -402,8 +402,8 @@ def check_state(kernel: AttentionKernel) -> list[str]:
             failures.append(
                 f"after {n} tokens the state holds {held} numbers, state_size says {declared}"
             )
-    if type(kernel).linear and sizes[4] != sizes[12]:
-        failures.append(f"a linear kernel's state grows with n: {sizes[4]} -> {sizes[12]}")
+    if type(kernel).constant_state and sizes[4] != sizes[12]:
+        failures.append(f"a constant-state kernel's state grows with n: {sizes[4]} -> {sizes[12]}")
     return failures
 
 

@@ -48,7 +48,7 @@ class CosFormerAttention(FeatureKernel):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         max_len: int = 1024,
         chunk_size: int = 128,
@@ -58,7 +58,7 @@ class CosFormerAttention(FeatureKernel):
     ) -> None:
         super().__init__(
             head_dim,
-            num_heads,
+            n_head,
             dropout,
             p=0,
             chunk_size=chunk_size,

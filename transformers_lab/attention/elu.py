@@ -27,7 +27,7 @@ class LinearAttention(FeatureKernel):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         chunk_size: int = 128,
         impl: str = "auto",
@@ -36,7 +36,7 @@ class LinearAttention(FeatureKernel):
     ) -> None:
         super().__init__(
             head_dim,
-            num_heads,
+            n_head,
             dropout,
             p=0,
             chunk_size=chunk_size,

@@ -68,7 +68,7 @@ class FastmaxAttention(FeatureKernel):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         p: int = 2,
         scale: float = 1.0,
@@ -82,7 +82,7 @@ class FastmaxAttention(FeatureKernel):
     ) -> None:
         super().__init__(
             head_dim,
-            num_heads,
+            n_head,
             dropout,
             p=p,
             chunk_size=chunk_size,
@@ -116,7 +116,7 @@ class FastmaxAttention(FeatureKernel):
         self.eps = eps
         self.max_log_scale = 0.0 if p == 1 else math.inf  # p=1: s <= 1
         if learn_scale:
-            self.log_scale = nn.Parameter(torch.full((num_heads, 1, 1), math.log(scale)))
+            self.log_scale = nn.Parameter(torch.full((n_head, 1, 1), math.log(scale)))
 
     def temperature(self) -> Tensor | float:
         """s: the float ``scale``, or the learned per-head (H, 1, 1), clamped for p=1."""

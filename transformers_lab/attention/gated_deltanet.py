@@ -37,15 +37,15 @@ class GatedDeltaNetAttention(GatedKernel):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         chunk_size: int = 64,
         backend: str | None = "auto",
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
-        a = torch.empty(num_heads).uniform_(1, 16)
+        super().__init__(head_dim, n_head, dropout, chunk_size, backend)
+        a = torch.empty(n_head).uniform_(1, 16)
         self.A_log = nn.Parameter(a.log())
-        dt = torch.exp(torch.rand(num_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+        dt = torch.exp(torch.rand(n_head) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
 
     def decay_and_rate(self, gates: dict[str, Tensor], like: Tensor):  # type: ignore[override]

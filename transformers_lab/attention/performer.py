@@ -60,7 +60,7 @@ class PerformerAttention(FeatureKernel):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         num_features: int = 64,
         redraw: bool = False,
@@ -72,7 +72,7 @@ class PerformerAttention(FeatureKernel):
     ) -> None:
         super().__init__(
             head_dim,
-            num_heads,
+            n_head,
             dropout,
             p=0,
             chunk_size=chunk_size,
@@ -91,7 +91,7 @@ class PerformerAttention(FeatureKernel):
         self.register_buffer("omega", self.draw())  # (H, m, D), saved with the model
 
     def draw(self) -> Tensor:
-        return orthogonal_gaussian(self.num_heads, self.num_features, self.head_dim, self.generator)
+        return orthogonal_gaussian(self.n_head, self.num_features, self.head_dim, self.generator)
 
     @property
     def feature_count(self) -> int:

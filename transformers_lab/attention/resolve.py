@@ -11,7 +11,7 @@ A TARGET is, in this order:
 
 Each becomes the same thing, a kernel config: a plain dict with ``_target_`` and
 ``_partial_: true`` that ``hydra.utils.instantiate`` turns into a factory
-``f(head_dim=, num_heads=)``. A config is what a worker process or a run rebuilds a kernel
+``f(head_dim=, n_head=)``. A config is what a worker process or a run rebuilds a kernel
 from, so a user's kernel travels as its config, not as its name.
 """
 

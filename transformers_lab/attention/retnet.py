@@ -29,25 +29,25 @@ class RetNetAttention(GatedKernel):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         chunk_size: int = 64,
         gamma: float | Sequence[float] | None = None,
         backend: str | None = "auto",
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
+        super().__init__(head_dim, n_head, dropout, chunk_size, backend)
         given = gamma
         if gamma is None:
-            gamma = [1 - 2.0 ** (-5 - h) for h in range(num_heads)]
+            gamma = [1 - 2.0 ** (-5 - h) for h in range(n_head)]
         elif isinstance(gamma, (int, float)):
-            gamma = [gamma] * num_heads
+            gamma = [gamma] * n_head
         elif isinstance(gamma, Sequence) and not isinstance(gamma, str):
             gamma = list(gamma)
         if not (
-            isinstance(gamma, list) and len(gamma) == num_heads and all(_is_decay(g) for g in gamma)
+            isinstance(gamma, list) and len(gamma) == n_head and all(_is_decay(g) for g in gamma)
         ):
             raise ValueError(
-                f"retnet: gamma must be one decay in (0, 1], or one per head ({num_heads}), "
+                f"retnet: gamma must be one decay in (0, 1], or one per head ({n_head}), "
                 f"got {given!r}; leave it null for RetNet's 1 - 2^(-5 - h)"
             )
         self.register_buffer(

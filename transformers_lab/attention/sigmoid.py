@@ -27,12 +27,12 @@ class SigmoidAttention(KeywiseAttention):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         scale: float | None = None,
         bias: float | None = None,
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, scale)
+        super().__init__(head_dim, n_head, dropout, scale)
         self.bias = bias
 
     def extra_repr(self) -> str:

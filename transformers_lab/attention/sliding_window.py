@@ -50,7 +50,7 @@ class SlidingWindowAttention(AttentionKernel):
     name = "sliding_window"
     formula = "softmax(q·k/√D) over the last W keys"
     forms_scores = True
-    linear = True  # decoding keeps W keys, whatever the context
+    constant_state = True  # decoding keeps W keys, whatever the context
     positional = True  # the window is a distance within one sequence: no cross-attention
     fused_backends = ("flex",)
     labelled = ("window",)
@@ -58,13 +58,13 @@ class SlidingWindowAttention(AttentionKernel):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         window: int = 64,
         scale: float | None = None,
         backend: str | None = "auto",
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout)
+        super().__init__(head_dim, n_head, dropout)
         self.backend = check_backend(self.name, backend, self.fused_backends)
         if self.backend == "flex" and dropout:
             raise ValueError(
@@ -186,7 +186,7 @@ class SlidingWindowAttention(AttentionKernel):
     def state_size(self, n: int, value_dim: int | None = None) -> int:
         """The ring buffer: W keys and values a head, whatever n."""
         value_dim = self.head_dim if value_dim is None else value_dim
-        return self.num_heads * self.window * (self.head_dim + value_dim)
+        return self.n_head * self.window * (self.head_dim + value_dim)
 
     def decode(
         self,

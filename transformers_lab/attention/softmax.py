@@ -29,9 +29,9 @@ class SoftmaxAttention(AttentionKernel):
     formula = "softmax(q·k/√D)"
 
     def __init__(
-        self, head_dim: int, num_heads: int, dropout: float = 0.0, scale: float | None = None
+        self, head_dim: int, n_head: int, dropout: float = 0.0, scale: float | None = None
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout)
+        super().__init__(head_dim, n_head, dropout)
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     def extra_repr(self) -> str:
@@ -123,8 +123,8 @@ class DotAttention(SoftmaxAttention):
     name = "dot"
     formula = "softmax(q·k)"
 
-    def __init__(self, head_dim: int, num_heads: int, dropout: float = 0.0) -> None:
-        super().__init__(head_dim, num_heads, dropout, scale=1.0)
+    def __init__(self, head_dim: int, n_head: int, dropout: float = 0.0) -> None:
+        super().__init__(head_dim, n_head, dropout, scale=1.0)
 
 
 class CosineAttention(SoftmaxAttention):
@@ -146,20 +146,20 @@ class CosineAttention(SoftmaxAttention):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         init_tau: float = 10.0,
         max_tau: float = 100.0,
         eps: float = 1e-6,
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, scale=1.0)
+        super().__init__(head_dim, n_head, dropout, scale=1.0)
         if not 0.0 < init_tau <= max_tau:
             raise ValueError(
                 f"cosine: need 0 < init_tau <= max_tau, got init_tau={init_tau}, max_tau={max_tau}"
             )
         self.max_log_tau = math.log(max_tau)
         self.eps = eps
-        self.log_tau = nn.Parameter(torch.full((num_heads, 1, 1), math.log(init_tau)))
+        self.log_tau = nn.Parameter(torch.full((n_head, 1, 1), math.log(init_tau)))
 
     def tau(self) -> Tensor:
         """The clamped per-head temperature, shape (H, 1, 1)."""

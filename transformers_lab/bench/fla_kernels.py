@@ -28,8 +28,8 @@ from transformers_lab.attention.base import AttentionKernel
 class _FlaKernel(AttentionKernel, register=False):
     """A bench kernel on one of fla's ops (see the module doc)."""
 
-    def __init__(self, head_dim: int, num_heads: int, dropout: float = 0.0) -> None:
-        super().__init__(head_dim, num_heads, dropout)
+    def __init__(self, head_dim: int, n_head: int, dropout: float = 0.0) -> None:
+        super().__init__(head_dim, n_head, dropout)
         if why := unavailable("fla"):
             raise ValueError(f"{type(self).__name__} cannot run here: {why}")
 
@@ -59,8 +59,8 @@ class FlaBasedAttention(_FlaKernel):
     """fla's ``fused_chunk_based``: Based's 2nd-order Taylor map of exp on 16-wide q and k,
     normalised: our ``based``."""
 
-    def __init__(self, head_dim: int, num_heads: int, dropout: float = 0.0) -> None:
-        super().__init__(head_dim, num_heads, dropout)
+    def __init__(self, head_dim: int, n_head: int, dropout: float = 0.0) -> None:
+        super().__init__(head_dim, n_head, dropout)
         self.qk_dim = 16
 
     def op(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -135,8 +135,9 @@ class TranslationDataModule(DataModule):
             (the training text's words seen at least ``min_freq`` times, other words
             spelled in characters; about 4x shorter sequences than ``char``) or
             ``tiktoken`` (``encoding``, shared by both sides).
-        max_len: longest tokenised sentence kept (longer training pairs are dropped,
-            longer evaluation pairs truncated).
+        block_size: the longest tokenised sentence kept, BOS and EOS included: the
+            model's context (longer training pairs are dropped, longer evaluation pairs
+            truncated).
         batch_size, bucket: batching; ``bucket`` > 0 groups training pairs of similar
             length (pools of ``bucket`` batches), 0 shuffles plainly.
     """
@@ -151,14 +152,14 @@ class TranslationDataModule(DataModule):
         encoding: str = "gpt2",
         bpe_file: str | None = None,
         min_freq: int = 5,
-        max_len: int = 256,
+        block_size: int = 256,
         batch_size: int = 64,
         bucket: int = 50,
         num_workers: int = 0,
         download: bool = True,
     ) -> None:
         super().__init__()
-        at_least(1, max_len=max_len, batch_size=batch_size)
+        at_least(1, block_size=block_size, batch_size=batch_size)
         at_least(0, num_workers=num_workers)
         if dataset not in ("multi30k", "iwslt2017"):
             raise ValueError(f"unknown dataset {dataset!r}; valid ones are: multi30k, iwslt2017")
@@ -180,7 +181,7 @@ class TranslationDataModule(DataModule):
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.tokenizer_kind, self.encoding, self.bpe_file = tokenizer, encoding, bpe_file
         self.min_freq = min_freq
-        self.max_len, self.batch_size, self.bucket = max_len, batch_size, bucket
+        self.block_size, self.batch_size, self.bucket = block_size, batch_size, bucket
         self.num_workers, self.download = num_workers, download
         self.tokenizer: Any = None
         self.sets: dict[str, PairDataset] = {}
@@ -242,7 +243,7 @@ class TranslationDataModule(DataModule):
         if self.tokenizer is None:
             self.tokenizer = self.build_tokenizer([*self.raw["train"][0], *self.raw["train"][1]])
         bos, eos = self.tokenizer.special_id("<bos>"), self.tokenizer.special_id("<eos>")
-        longest = self.max_len - 2  # room for BOS and EOS
+        longest = self.block_size - 2  # room for BOS and EOS
         for split, (src_lines, tgt_lines) in self.raw.items():
             if len(src_lines) != len(tgt_lines):
                 raise DataFileError(
@@ -270,7 +271,7 @@ class TranslationDataModule(DataModule):
         return {
             "src_vocab_size": v,
             "tgt_vocab_size": v,
-            "max_len": self.max_len,
+            "block_size": self.block_size,
             "pad_id": self.pad_id,
             "bos_id": self.tokenizer.special_id("<bos>"),
             "eos_id": self.tokenizer.special_id("<eos>"),

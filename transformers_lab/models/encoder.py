@@ -30,7 +30,8 @@ class EncoderClassifier(nn.Module):
 
     Args:
         num_classes: classes of the head.
-        vocab_size, max_len: token input; ``max_len`` is the positions table.
+        vocab_size, block_size: token input; ``block_size`` is the context, the
+            positions table.
         image_size, patch_size, in_channels: patch input (square images).
         patch_stride, patch_padding: the patch convolution's stride (None: the patch size,
             non-overlapping patches) and zero padding of the image border.
@@ -51,7 +52,7 @@ class EncoderClassifier(nn.Module):
         num_classes: int,
         *,
         vocab_size: int | None = None,
-        max_len: int = 512,
+        block_size: int = 512,
         image_size: int | None = None,
         patch_size: int | None = None,
         patch_stride: int | None = None,
@@ -93,12 +94,12 @@ class EncoderClassifier(nn.Module):
             self.embedding = PatchEmbedding(
                 image_size, patch_size, in_channels, d_model, patch_stride, patch_padding
             )
-            max_len = self.embedding.num_patches
+            block_size = self.embedding.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d_model)) if pool == "cls" else None
         # fixed positions as large as the tokens: nn.Embedding draws N(0, 1), and sines and
         # cosines have a root mean square of 1/sqrt(2); patches keep the plain table
         scale = math.sqrt(2) if vocab_size is not None else 1.0
-        self.pos = PositionalEncoding(pos_encoding, d_model, max_len + (pool == "cls"), scale)
+        self.pos = PositionalEncoding(pos_encoding, d_model, block_size + (pool == "cls"), scale)
         self.drop = nn.Dropout(dropout)
         self.blocks = block_stack(
             n_layer,
@@ -115,7 +116,7 @@ class EncoderClassifier(nn.Module):
             alibi=pos_encoding == "alibi",
             who=f"the {type(self).__name__}",
             causal=False,
-            context=max_len + (pool == "cls"),
+            context=block_size + (pool == "cls"),
         )
         self.norm = final_norm(d_model, bias, norm_first)
         if head == "linear":
@@ -176,7 +177,7 @@ class ViT(EncoderClassifier):
     class token (or mean pooling), learned positions and a linear (or MLP) head.
 
     It takes ``EncoderClassifier``'s arguments for patch input, all by keyword (not the
-    token ones: ``vocab_size``, ``max_len``, ``pad_id``), with the defaults of ``DEFAULTS``:
+    token ones: ``vocab_size``, ``block_size``, ``pad_id``), with the defaults of ``DEFAULTS``:
     28x28 one-channel images in 4x4 patches, 10 classes, 4 layers, learned positions and a
     class token.
     """
@@ -190,7 +191,7 @@ class ViT(EncoderClassifier):
         "pos_encoding": "learned",
         "pool": "cls",
     }
-    TOKEN_ONLY = ("vocab_size", "max_len", "pad_id")
+    TOKEN_ONLY = ("vocab_size", "block_size", "pad_id")
 
     def __init__(self, **options: Any) -> None:
         unknown = sorted(set(options) - set(inspect.signature(ViT).parameters))

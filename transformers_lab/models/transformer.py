@@ -33,7 +33,8 @@ class Transformer(nn.Module):
         act: MLP activation (relu in the paper).
         bias: biases in the linear layers and LayerNorms.
         norm_first: pre-norm; False (the default) is the paper's post-norm.
-        max_len: longest source or target sequence, the positions table.
+        block_size: the longest source or target sequence, BOS and EOS included: the
+            context, and the positions table.
         pos_encoding: sinusoidal (the paper), learned, fourier, alibi, rope (in the encoder's
             and the decoder's self-attention) or none.
         rope_theta: the base of RoPE's frequencies (``pos_encoding=rope``).
@@ -58,7 +59,7 @@ class Transformer(nn.Module):
         act: str = "relu",
         bias: bool = True,
         norm_first: bool = False,
-        max_len: int = 256,
+        block_size: int = 256,
         pos_encoding: str = "sinusoidal",
         rope_theta: float = 10000.0,
         share_embeddings: bool = False,
@@ -87,7 +88,7 @@ class Transformer(nn.Module):
         # sqrt(2 / (vocab + d_model)) times sqrt(d_model) (embed); sines and cosines have a
         # root mean square of 1/sqrt(2)
         token_rms = math.sqrt(2 / (src_vocab_size + d_model)) * math.sqrt(d_model)
-        self.pos = PositionalEncoding(pos_encoding, d_model, max_len, math.sqrt(2) * token_rms)
+        self.pos = PositionalEncoding(pos_encoding, d_model, block_size, math.sqrt(2) * token_rms)
         self.drop = nn.Dropout(dropout)
         options = {
             "mlp_ratio": mlp_ratio,
@@ -100,11 +101,11 @@ class Transformer(nn.Module):
         }
         self.encoder = block_stack(
             n_encoder_layers, d_model, n_head, attention, who="the Transformer's encoder",
-            causal=False, context=max_len, **options,
+            causal=False, context=block_size, **options,
         )  # fmt: skip
         self.decoder = block_stack(
             n_decoder_layers, d_model, n_head, attention, cross_attention or attention,
-            who="the Transformer's decoder", causal=True, context=max_len,
+            who="the Transformer's decoder", causal=True, context=block_size,
             cross_key="attention" if cross_attention is None else "cross_attention", **options,
         )  # fmt: skip
         self.encoder_norm = final_norm(d_model, bias, norm_first)
@@ -157,15 +158,17 @@ class Transformer(nn.Module):
             new_cache.append(state)
         return self.out(self.decoder_norm(x))[:, -1], new_cache
 
-    def _start(self, src: Tensor, copies: int, max_len: int | None) -> tuple[list[Memory], int]:
+    def _start(
+        self, src: Tensor, copies: int, max_new_tokens: int | None
+    ) -> tuple[list[Memory], int]:
         """Encode once and prepare each decoder layer's memory, repeated ``copies`` times;
-        and the number of decoding steps (``max_len``, at most the positions table)."""
+        and the number of decoding steps (``max_new_tokens``, at most the positions table)."""
         memory, src_pad = self.encode(src)
         memory = memory.repeat_interleave(copies, dim=0)
         src_pad = src_pad.repeat_interleave(copies, dim=0)
         prepared = [block.cross.project_context(memory, src_pad) for block in self.decoder]
-        table = self.pos.max_len
-        return prepared, table if max_len is None else min(max_len, table)
+        table = self.pos.block_size
+        return prepared, table if max_new_tokens is None else min(max_new_tokens, table)
 
     def _never_emit(self, logits: Tensor) -> Tensor:
         """Logits with PAD and BOS ruled out: they are never real output tokens."""
@@ -177,7 +180,7 @@ class Transformer(nn.Module):
     def translate(
         self,
         src: Tensor,
-        max_len: int | None = None,
+        max_new_tokens: int | None = None,
         beam_size: int = 1,
         length_penalty: float = 0.6,
     ) -> Tensor:
@@ -189,13 +192,13 @@ class Transformer(nn.Module):
         (Wu et al., 2016) and alpha = ``length_penalty``. Both decode with caches.
         """
         if beam_size == 1:
-            return self.greedy(src, max_len)
-        return self.beam_search(src, beam_size, max_len, length_penalty)
+            return self.greedy(src, max_new_tokens)
+        return self.beam_search(src, beam_size, max_new_tokens, length_penalty)
 
     @torch.no_grad()
-    def greedy(self, src: Tensor, max_len: int | None = None) -> Tensor:
+    def greedy(self, src: Tensor, max_new_tokens: int | None = None) -> Tensor:
         """Greedy decoding with caches; see ``translate``."""
-        memory, steps = self._start(src, 1, max_len)
+        memory, steps = self._start(src, 1, max_new_tokens)
         ys = torch.full((src.shape[0], 1), self.bos_id, dtype=torch.long, device=src.device)
         done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)
         cache: list[Any] = [None] * len(self.decoder)
@@ -210,12 +213,16 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def beam_search(
-        self, src: Tensor, beam_size: int, max_len: int | None = None, length_penalty: float = 0.6
+        self,
+        src: Tensor,
+        beam_size: int,
+        max_new_tokens: int | None = None,
+        length_penalty: float = 0.6,
     ) -> Tensor:
         """Beam search with caches; see ``translate``."""
         check_beam(beam_size)
         b, k, alpha, device = src.shape[0], beam_size, length_penalty, src.device
-        memory, steps = self._start(src, k, max_len)
+        memory, steps = self._start(src, k, max_new_tokens)
         scores = torch.full((b, k), float("-inf"), device=device)
         scores[:, 0] = 0.0  # one live beam per source at the start
         ys = torch.full((b * k, 1), self.bos_id, dtype=torch.long, device=device)

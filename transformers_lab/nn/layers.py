@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from transformers_lab.attention import AttentionKernel
+from transformers_lab.attention import AttentionKernel, call_with_heads
 from transformers_lab.errors import must_be
 from transformers_lab.nn.multihead import Context, KernelFactory, MultiHeadAttention
 
@@ -90,10 +90,10 @@ class PositionalEncoding(nn.Module):
     hundred steps). The scale is a learned gain (as in the "scaled sinusoidal" positions
     of Hua et al., 2022), so training can still weigh positions against tokens.
 
-    Every kind refuses a sequence longer than ``max_len``, the model's context.
+    Every kind refuses a sequence longer than ``block_size``, the model's context.
     """
 
-    def __init__(self, kind: str, d_model: int, max_len: int, scale: float = 1.0) -> None:
+    def __init__(self, kind: str, d_model: int, block_size: int, scale: float = 1.0) -> None:
         super().__init__()
         if kind not in POSITIONAL_ENCODINGS:
             raise ValueError(
@@ -105,11 +105,11 @@ class PositionalEncoding(nn.Module):
         if scale <= 0:
             raise ValueError(f"the scale of the positions must be > 0, got {scale}")
         self.kind = kind
-        self.max_len = max_len
+        self.block_size = block_size
         if kind == "sinusoidal":
-            self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+            self.register_buffer("table", sinusoidal_table(block_size, d_model), persistent=False)
         elif kind == "learned":
-            self.embedding = nn.Embedding(max_len, d_model)
+            self.embedding = nn.Embedding(block_size, d_model)
             nn.init.normal_(self.embedding.weight, std=0.02)
         elif kind == "fourier":
             freqs = torch.exp(torch.arange(0, d_model, 2) * (-math.log(1e4) / d_model))
@@ -120,11 +120,11 @@ class PositionalEncoding(nn.Module):
     def table_rows(self, length: int, offset: int = 0) -> Tensor | None:
         """Position vectors of positions ``offset .. offset + length - 1``, (length, d_model),
         or None for ``none``."""
-        if offset + length > self.max_len:
+        if offset + length > self.block_size:
             raise ValueError(
                 f"a sequence of {offset + length} tokens is longer than the positions table "
-                f"(max_len={self.max_len}); crop the input or build the model with a longer "
-                "context (block_size / max_len)"
+                f"(block_size={self.block_size}); crop the input or build the model with a "
+                "longer context (model.block_size)"
             )
         if self.kind in ("none", "rope", "alibi"):
             return None
@@ -225,13 +225,13 @@ def is_mixer(factory: Any) -> bool:
     )
 
 
-def sequence_mixer(d_model: int, num_heads: int, choice: Any, **attention: Any) -> nn.Module:
+def sequence_mixer(d_model: int, n_head: int, choice: Any, **attention: Any) -> nn.Module:
     """A layer's sequence mixer: the mixer ``choice`` builds (BaseConv: no positions), or
     multi-head attention around the kernel it names, with ``attention``'s options (bias,
     dropout, rope_theta, alibi)."""
     if is_mixer(choice):
-        return choice(d_model=d_model, num_heads=num_heads)
-    return MultiHeadAttention(d_model, num_heads, choice, **attention)
+        return call_with_heads(choice, n_head, d_model=d_model)
+    return MultiHeadAttention(d_model, n_head, choice, **attention)
 
 
 def _sublayer(
@@ -266,7 +266,7 @@ class Block(nn.Module):
     residual sub-layer with its own LayerNorm, before (pre-norm) or after (post-norm).
 
     Args:
-        d_model, num_heads: width and heads of every attention.
+        d_model, n_head: width and heads of every attention.
         attention: kernel factory of the self-attention.
         cross_attention: kernel factory of the cross-attention; None for no cross-attention.
         mlp_ratio: hidden width of the MLP over d_model; 0 for no MLP sublayer at all (an
@@ -284,7 +284,7 @@ class Block(nn.Module):
     def __init__(
         self,
         d_model: int,
-        num_heads: int,
+        n_head: int,
         attention: KernelFactory | str,
         cross_attention: KernelFactory | str | None = None,
         *,
@@ -301,7 +301,7 @@ class Block(nn.Module):
         self.norm_first = norm_first
         try:
             self.mixer = sequence_mixer(
-                d_model, num_heads, attention, bias=bias, dropout=dropout, rope_theta=rope_theta,
+                d_model, n_head, attention, bias=bias, dropout=dropout, rope_theta=rope_theta,
                 alibi=alibi,
             )  # fmt: skip
         except (ValueError, TypeError) as exc:
@@ -311,7 +311,7 @@ class Block(nn.Module):
         if cross_attention is not None:
             try:
                 self.cross = MultiHeadAttention(
-                    d_model, num_heads, cross_attention, cross=True, bias=bias, dropout=dropout
+                    d_model, n_head, cross_attention, cross=True, bias=bias, dropout=dropout
                 )
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"{keys[1]}: {exc}") from None

@@ -18,14 +18,14 @@ class BaseConv(nn.Module):
     Based model is ``Hybrid[BaseConv(kernel_size=3), Based]``, layers alternating.
 
     It takes a layer's calls as ``MultiHeadAttention`` does (``forward``, ``decode``,
-    ``state_size``); ``num_heads`` is accepted and unused. Decoding keeps the last K - 1
+    ``state_size``); ``n_head`` is accepted and unused. Decoding keeps the last K - 1
     inputs.
     """
 
     name = "base_conv"
 
     def __init__(
-        self, d_model: int, num_heads: int | None = None, kernel_size: int = 3, bias: bool = True
+        self, d_model: int, n_head: int | None = None, kernel_size: int = 3, bias: bool = True
     ) -> None:
         super().__init__()
         if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformers_lab.attention import AttentionKernel, Memory, kernel_class
-from transformers_lab.attention.base import GateInput
+from transformers_lab.attention.base import GateInput, call_with_heads
 from transformers_lab.nn.parts import (
     HeadNorm,
     ShortConvolution,
@@ -26,14 +26,14 @@ KernelFactory = Callable[..., AttentionKernel]
 Context = Tensor | Memory | None
 
 
-def head_size(d_model: int, num_heads: int) -> int:
-    """The width of one head: ``d_model`` split evenly over ``num_heads``."""
-    if num_heads <= 0 or d_model % num_heads != 0:
+def head_size(d_model: int, n_head: int) -> int:
+    """The width of one head: ``d_model`` split evenly over ``n_head``."""
+    if n_head <= 0 or d_model % n_head != 0:
         raise ValueError(
-            f"d_model={d_model} must be divisible by num_heads={num_heads}; "
-            "choose num_heads among the divisors of d_model"
+            f"d_model={d_model} must be divisible by n_head={n_head}; "
+            "choose n_head among the divisors of d_model"
         )
-    return d_model // num_heads
+    return d_model // n_head
 
 
 def as_kernel_factory(kernel: KernelFactory | str) -> KernelFactory:
@@ -89,13 +89,13 @@ class GateProjection(nn.Module):
     """The gate inputs a kernel declares (``GateInput``), projected from the layer's input
     x (B, N, d_model): each to (B, H, N), or (B, H, N, D) per key channel."""
 
-    def __init__(self, d_model: int, num_heads: int, qk_dim: int, gates: dict[str, GateInput]):
+    def __init__(self, d_model: int, n_head: int, qk_dim: int, gates: dict[str, GateInput]):
         super().__init__()
-        self.num_heads = num_heads
+        self.n_head = n_head
         self.gates = dict(gates)
         self.proj = nn.ModuleDict()
         for name, gate in self.gates.items():
-            width = num_heads * (qk_dim if gate.per_channel else 1)
+            width = n_head * (qk_dim if gate.per_channel else 1)
             if gate.rank is None:
                 self.proj[name] = nn.Linear(d_model, width)
             else:
@@ -107,7 +107,7 @@ class GateProjection(nn.Module):
         b, n, _ = x.shape
         out = {}
         for name, gate in self.gates.items():
-            g = self.proj[name](x).view(b, n, self.num_heads, -1).transpose(1, 2)
+            g = self.proj[name](x).view(b, n, self.n_head, -1).transpose(1, 2)
             g = g if gate.per_channel else g.squeeze(-1)  # (B, H, N, D) or (B, H, N)
             out[name] = gate.activate(g)
         return out
@@ -122,14 +122,14 @@ class MultiHeadAttention(nn.Module):
 
     Self-attention uses one fused projection of x to q, k and v. Cross-attention
     (``cross=True``) projects queries from ``x`` and keys/values from ``context``. Values
-    are ``head_dim = d_model / num_heads`` wide a head; queries and keys are the kernel's
+    are ``head_dim = d_model / n_head`` wide a head; queries and keys are the kernel's
     ``qk_dim`` wide, ``head_dim`` too unless the kernel sets another (Based's
     ``feature_dim``: Zoology's Based projects x straight to its 16 features).
 
     Args:
-        d_model: token width; must divide by ``num_heads``.
-        num_heads: H.
-        kernel: ``factory(head_dim=..., num_heads=...)`` returning an ``AttentionKernel``
+        d_model: token width; must divide by ``n_head``.
+        n_head: H.
+        kernel: ``factory(head_dim=..., n_head=...)`` returning an ``AttentionKernel``
             (Hydra's ``_partial_: true`` gives one), or a kernel name such as ``"fastmax"``.
             Its config may carry the layer's switches (``nn.parts.LayerParts``:
             ``short_conv``, ``qk_activation``, ``qk_norm``, ``output_norm``,
@@ -150,7 +150,7 @@ class MultiHeadAttention(nn.Module):
     def __init__(
         self,
         d_model: int,
-        num_heads: int,
+        n_head: int,
         kernel: KernelFactory | str = "softmax",
         *,
         cross: bool = False,
@@ -164,19 +164,19 @@ class MultiHeadAttention(nn.Module):
         if context_dim is not None and not cross:
             raise ValueError("context_dim is only used with cross=True (cross-attention)")
         self.d_model = d_model
-        self.num_heads = num_heads
-        self.head_dim = head_size(d_model, num_heads)
+        self.n_head = n_head
+        self.head_dim = head_size(d_model, n_head)
         self.cross = cross
         # the layer's switches ride in the kernel's config: the layer takes them out
         factory, self.parts = split_layer_parts(as_kernel_factory(kernel))
-        self.kernel = factory(head_dim=self.head_dim, num_heads=num_heads)
+        self.kernel = call_with_heads(factory, n_head, head_dim=self.head_dim)
         if not isinstance(self.kernel, AttentionKernel):
             raise TypeError(
                 f"the kernel factory returned {type(self.kernel).__name__}, expected an "
                 "AttentionKernel; pass a kernel name or a partial of a kernel class"
             )
         self.qk_dim = self.kernel.qk_dim
-        qk_width = num_heads * self.qk_dim
+        qk_width = n_head * self.qk_dim
         # the widths of q, k and v in the projections' outputs
         self.widths = (qk_width, qk_width, d_model)
         if cross:
@@ -220,7 +220,7 @@ class MultiHeadAttention(nn.Module):
             None if not parts.short_conv else ShortConvolution(sum(self.widths), parts.short_conv)
         )
         self.gates = (
-            GateProjection(d_model, num_heads, self.qk_dim, self.kernel.gate_inputs)
+            GateProjection(d_model, n_head, self.qk_dim, self.kernel.gate_inputs)
             if self.kernel.gate_inputs
             else None
         )
@@ -230,7 +230,7 @@ class MultiHeadAttention(nn.Module):
     def split_heads(self, x: Tensor) -> Tensor:
         """(B, N, H * width) -> (B, H, N, width): values, or queries and keys."""
         b, n, _ = x.shape
-        return x.view(b, n, self.num_heads, -1).transpose(1, 2)
+        return x.view(b, n, self.n_head, -1).transpose(1, 2)
 
     def shape_qk(self, x: Tensor) -> Tensor:
         """Per-head queries or keys through the layer's activation and L2 norm."""

@@ -32,7 +32,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from transformers_lab.config import (
     CONF_DIR,
-    flatten,
     group_options,
     run_search_dirs,
     searchpath_override,
@@ -223,12 +222,10 @@ def build_datamodule(
 
 def data_refusal(config: DictConfig, exc: Exception) -> str:
     """A data module's refusal in one line: the data config, the keys it is about (those
-    its message names, or whose value it quotes, as an encoding's name), and the message."""
-    values = {
-        key: value
-        for key, value in flatten(OmegaConf.to_container(config, resolve=True)).items()
-        if not key.startswith("_")
-    }
+    its message names, or whose value it quotes, as an encoding's name), and the message.
+    A data config is its module's keyword arguments, one level deep."""
+    given = OmegaConf.to_container(config, resolve=True)
+    values = {key: value for key, value in given.items() if not str(key).startswith("_")}
     said = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
     keys = [
         f"data.{key}={value!r}"
@@ -259,24 +256,32 @@ def option_classes(group: str) -> list[tuple[str, type]]:
 
 
 def data_compatible_models(provided: set[str]) -> list[str]:
-    """The model options in ``conf/model`` whose class takes every key in ``provided``."""
-    return [
-        name
-        for name, cls in option_classes("model")
-        if provided <= set(inspect.signature(cls).parameters)
-    ]
+    """The model options in ``conf/model`` whose class takes every key in ``provided`` and
+    needs no other size (an encoder classifier takes a language model's data's keys, but
+    its classes come from classification data)."""
+    fits = []
+    for name, cls in option_classes("model"):
+        params = inspect.signature(cls).parameters
+        needs = {
+            key
+            for key, p in params.items()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        }
+        if provided <= set(params) and needs <= provided:
+            fits.append(name)
+    return fits
 
 
 # data keys where the model may hold more than the data needs (spare positions or ids)
-AT_LEAST = {"block_size", "max_len", "vocab_size", "src_vocab_size", "tgt_vocab_size"}
+AT_LEAST = {"block_size", "vocab_size", "src_vocab_size", "tgt_vocab_size"}
 
 
 def model_kwargs(config: DictConfig, datamodule: Any) -> dict[str, Any]:
     """The data module's ``model_kwargs()`` merged into the model config.
 
     A key the model config leaves null comes from the data. A key set in both must agree:
-    positions and vocabulary may be larger in the model (``block_size``, ``max_len``,
-    vocab sizes), everything else (image size, classes, special ids) must be equal. A key
+    positions and vocabulary may be larger in the model (``block_size``, vocab
+    sizes), everything else (image size, classes, special ids) must be equal. A key
     the model class does not take means the model and the data do not fit together.
     """
     provided = dict(datamodule.model_kwargs()) if hasattr(datamodule, "model_kwargs") else {}
@@ -299,7 +304,7 @@ def model_kwargs(config: DictConfig, datamodule: Any) -> dict[str, Any]:
         elif key in AT_LEAST and mine < value:
             raise ConfigError(
                 f"model.{key}={mine} is smaller than the data's {key}={value}: the model "
-                f"would meet {'positions' if key in ('block_size', 'max_len') else 'ids'} it "
+                f"would meet {'positions' if key == 'block_size' else 'ids'} it "
                 f"has no embedding for; set model.{key}={value} (or null to take the data's) "
                 f"or make the data smaller"
             )
@@ -371,21 +376,18 @@ PLACEHOLDERS = {
 }
 
 
-CONTEXTS = ("block_size", "max_len")  # the positions a model holds
-
-
 def placeholder_sizes(model: DictConfig, data: Any) -> dict[str, Any]:
     """Stand-ins for the sizes ``model`` leaves to the data (null): small vocabularies and
     classes, the data config's context (the one the model will get), an image of a few
     patches."""
-    context = next((data.get(key) for key in CONTEXTS if data.get(key)), 16)
+    context = data.get("block_size") or 16
     sizes: dict[str, Any] = {}
     for key, value in model.items():
         if value is not None:
             continue
         if key in PLACEHOLDERS:
             sizes[str(key)] = PLACEHOLDERS[str(key)]
-        elif key in CONTEXTS:
+        elif key == "block_size":
             sizes[str(key)] = context
         elif key == "image_size" and model.get("patch_size") is not None:  # 4 x 4 patches
             patch = model.get("patch_size")

@@ -8,7 +8,7 @@ import difflib
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.config import flatten, resolved_sections
+from transformers_lab.config import flatten
 from transformers_lab.errors import ConfigError
 from transformers_lab.files import atomic_write
 from transformers_lab.nn.layers import migrate_block_keys
@@ -28,6 +28,16 @@ from transformers_lab.run.build import build_datamodule, build_model, build_task
 from transformers_lab.run.overrides import override_key
 
 log = logging.getLogger(__name__)
+
+# the sections of a run's config that rebuild its model; stored in every checkpoint
+MODEL_SECTIONS = ("model", "data", "task")
+
+
+def resolved_sections(config: DictConfig, keys: tuple[str, ...] = MODEL_SECTIONS) -> dict:
+    """Plain, resolved copies of the config sections that rebuild a run's model: what
+    every checkpoint keeps (``tlab_config``), and what a resumed run is held to."""
+    return {k: OmegaConf.to_container(config[k], resolve=True) for k in keys if k in config}
+
 
 # what a user should give where a checkpoint is asked for
 GIVE_CHECKPOINT = "give ckpt_path=<run dir>/checkpoints/last.ckpt (or best) of a tlab-train run"
@@ -54,11 +64,34 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             f"{path} is not a checkpoint (it holds a {type(checkpoint).__name__}); "
             f"{GIVE_CHECKPOINT}"
         )
-    model = (checkpoint.get("tlab_config") or {}).get("model") or {}
-    ours = str(model.get("_target_", "")).startswith("transformers_lab.models.")
+    config = checkpoint.get("tlab_config") or {}
+    ours = str((config.get("model") or {}).get("_target_", "")).startswith(OUR_MODELS)
     if ours and migrate_block_keys(checkpoint.get("state_dict", {})):
         log.info("%s: an earlier version's checkpoint; Block.attn is Block.mixer now", path)
+    for key in migrate_config(config):
+        log.info("%s: an earlier version's checkpoint; %s is %s now", path, *key)
     return checkpoint
+
+
+OUR_MODELS = "transformers_lab.models."
+# keys of our classes' saved configs that were renamed: (section, old name) -> new name
+RENAMED_KEYS = {("model", "max_len"): "block_size", ("data", "max_len"): "block_size"}
+
+
+def migrate_config(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """Rename, in place, the keys of an earlier version's saved config (``tlab_config``)
+    that our classes now call otherwise (``RENAMED_KEYS``: the context is ``block_size``
+    everywhere); returns each (old, new) dotted key renamed."""
+    renamed = []
+    for (section, old), new in RENAMED_KEYS.items():
+        node = config.get(section)
+        ours = isinstance(node, dict) and str(node.get("_target_", "")).startswith(
+            "transformers_lab."
+        )
+        if ours and old in node and new not in node:
+            node[new] = node.pop(old)
+            renamed.append((f"{section}.{old}", f"{section}.{new}"))
+    return renamed
 
 
 def peek(path: str | Path) -> dict[str, Any] | None:
@@ -94,7 +127,13 @@ def differences(saved: Any, current: Any, allowed: Sequence[str] = ()) -> list[s
     out, and a node whose ``_target_`` differs is named by that key alone. A key one side
     lacks and the other leaves null is no difference: an option added to a config later
     with a null default (GPT's ``bottleneck``) does not lock out older checkpoints."""
-    old, new = flatten(saved), flatten(current)
+    return flat_differences(flatten(saved), flatten(current), allowed)
+
+
+def flat_differences(
+    old: dict[str, Any], new: dict[str, Any], allowed: Sequence[str] = ()
+) -> list[str]:
+    """``differences`` of two configs given as their leaves (``config.flatten``)."""
     # a node whose class changed is named by its _target_ alone, not by all its options
     swapped = [
         key[: -len("_target_")]
@@ -120,11 +159,11 @@ def shown(value: Any) -> str:
 
 
 def check_checkpoint(
-    checkpoint: dict[str, Any], module: torch.nn.Module, path: Any, config: dict | None = None
+    checkpoint: dict[str, Any], module: torch.nn.Module, path: Any, changed: Sequence[str] = ()
 ) -> None:
-    """Refuse, in one line, a checkpoint whose weights do not fit ``module``; ``config``
-    (the sections of ``resolved_sections``) names the options that differ from the
-    checkpoint's own."""
+    """Refuse, in one line, a checkpoint whose weights do not fit ``module``, naming the
+    options ``changed`` from the checkpoint's own (``key: old -> new``, as ``check_resume``
+    returns them), else the tensors that differ."""
     own = module.state_dict()
     saved = checkpoint.get("state_dict", {})
     mismatched = [
@@ -134,9 +173,6 @@ def check_checkpoint(
     ]
     if not mismatched:
         return
-    changed = []
-    if config is not None and checkpoint.get("tlab_config"):
-        changed = differences(checkpoint["tlab_config"], config, RESUME_MAY_CHANGE)
     what = "; ".join(changed) if changed else f"{len(mismatched)} tensors ({mismatched[0]})"
     raise ConfigError(
         f"checkpoint {path} was saved from a different model config ({what}); use the "
@@ -162,18 +198,19 @@ RESUME_MAY_CHANGE = (
 
 def check_resume(
     checkpoint: dict[str, Any], config: dict, path: Any, may_change: Sequence[str] = ()
-) -> None:
+) -> list[str]:
     """Refuse to resume ``checkpoint`` into a run whose model, data or task config (the
     kernel's class and options included) differs from the one it was trained with; the
-    one-line error names each key with its old and new value."""
+    one-line error names each key with its old and new value. Returns the changes that
+    ``may_change`` allowed (``key: old -> new``), for ``check_checkpoint`` to name."""
     saved = checkpoint.get("tlab_config") or {}
-    old = {k: saved.get(k, {}) for k in config}
-    check_may_change(may_change, old, config)
+    old, new = flatten({k: saved.get(k, {}) for k in config}), flatten(config)
+    check_may_change(may_change, config, old, new)
     if not saved:  # not written by tlab-train: only the tensor shapes can be checked
-        return
-    changed = differences(old, config, (*RESUME_MAY_CHANGE, *may_change))
+        return []
+    changed = flat_differences(old, new, (*RESUME_MAY_CHANGE, *may_change))
     if not changed:
-        return
+        return flat_differences(old, new, RESUME_MAY_CHANGE)
     overrides = Path(path).resolve().parent.parent / ".hydra" / "overrides.yaml"
     given = ""
     if overrides.is_file():
@@ -187,14 +224,16 @@ def check_resume(
     )
 
 
-def check_may_change(may_change: Sequence[str], *configs: dict) -> None:
+def check_may_change(
+    may_change: Sequence[str], sections: Iterable[str], *leaves: dict[str, Any]
+) -> None:
     """Refuse a key of ``resume_may_change`` that is no key (nor section) of the compared
-    ``configs``: it would allow nothing, and the change it was meant for would still be
-    refused, with the advice to list a key that is listed. The error names the nearest."""
-    known = set()
-    for config in configs:
-        known.update(config)  # the sections, an empty one too
-        for key in flatten(config):
+    configs (their ``sections`` and ``leaves``, as ``config.flatten`` gives them): it
+    would allow nothing, and the change it was meant for would still be refused, with the
+    advice to list a key that is listed. The error names the nearest."""
+    known = set(sections)  # an empty one too
+    for keys in leaves:
+        for key in keys:
             parts = key.split(".")
             known.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     for key in may_change:
@@ -359,7 +398,8 @@ def restore(
             )
     datamodule = build_datamodule(run.data, checkpoint)  # the tokenizer it was trained with
     task = build_task(run.task, build_model(run.model, datamodule), datamodule)
-    check_checkpoint(checkpoint, task, ckpt_path, resolved_sections(run))
+    changed = differences(checkpoint.get("tlab_config") or {}, resolved_sections(run))
+    check_checkpoint(checkpoint, task, ckpt_path, changed)
     task.load_state_dict(checkpoint["state_dict"])
     return Restored(checkpoint, datamodule, task.eval())
 

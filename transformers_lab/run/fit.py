@@ -1,14 +1,19 @@
 """One run, fit and tested as its config says (``fit_and_test``): check the config,
 build data, model, task and trainer, resume where a checkpoint is given, fit, test, and
-return its ``Outcome``; what the run prints (``say``, ``report``), and its account of a
-stop by a signal (``interrupted``). ``tlab-train`` runs it as a job (``run.job``)."""
+return its ``Outcome`` with what its seed fixed (``seeded``); what the run prints
+(``say``, ``report``), and its account of a stop by a signal (``Interrupted``, worded by
+``interrupted``). ``tlab-train`` runs it as a job (``run.job``)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import shlex
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +23,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig
 
-from transformers_lab.config import resolved_sections
-from transformers_lab.errors import ConfigError, Interrupted
+from transformers_lab.errors import ConfigError, RunStopped
 from transformers_lab.models import GPT
-from transformers_lab.models.common import layer_names
 from transformers_lab.run.build import (
     build_datamodule,
     build_model,
@@ -31,11 +34,16 @@ from transformers_lab.run.build import (
     use_cpu_threads,
 )
 from transformers_lab.run.callbacks.safety import StopOnSignal
-from transformers_lab.run.checkpoints import check_checkpoint, check_resume, load_checkpoint
+from transformers_lab.run.checkpoints import (
+    check_checkpoint,
+    check_resume,
+    load_checkpoint,
+    resolved_sections,
+)
 from transformers_lab.run.loggers import finish_wandb, log_hyperparameters, name_wandb_run
 from transformers_lab.run.overrides import job_overrides, override_key, sweep_resume
 from transformers_lab.run.preflight import check_config
-from transformers_lab.run.record import Outcome, seeded
+from transformers_lab.run.record import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -47,55 +55,74 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def fit_and_test(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Outcome:
     """Fit and test as ``cfg`` says; ``callbacks`` join the trainer's (the caller's: a
-    study's pruning callback, ``sweeps.pruning``)."""
+    study's pruning callback, ``sweeps.pruning``).
+
+    In order: the config is checked and the run built on the meta device (``preflight``);
+    a checkpoint to resume is read and its config held to this one, before any data is
+    read; data, model, task and trainer are built, the checkpoint's tensors held to the
+    task; then fit and test."""
     say(f"run dir: {cfg.paths.output_dir}")
     check_config(cfg)
+    name_wandb_run(cfg)  # the wandb logger's settings left null (group, name, id)
     run_config = resolved_sections(cfg)  # model, data and task, as every checkpoint keeps them
-    # resuming: the checkpoint's model, data and task config hold (checked before building)
-    checkpoint = load_checkpoint(cfg.ckpt_path) if cfg.get("ckpt_path") else None
-    if checkpoint is not None:
-        may_change = list(cfg.get("resume_may_change") or ())
-        check_resume(checkpoint, run_config, cfg.ckpt_path, may_change)
+    checkpoint, changed = None, []
+    if cfg.get("ckpt_path"):  # resuming: the checkpoint's model, data and task config hold
+        checkpoint = load_checkpoint(cfg.ckpt_path)
+        may_change = cfg.get("resume_may_change") or ()
+        changed = check_resume(checkpoint, run_config, cfg.ckpt_path, may_change)
     use_cpu_threads(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg.data)
     model = build_model(cfg.model, datamodule)
     compiled = compile_model(model) if cfg.get("compile") else None  # its weights as built
     task = build_task(cfg.task, model, datamodule, run_config=run_config)
-    log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
-    start = seeded(model, task.run_config.get("data"))  # what the seed fixed, for pairing
-    if compiled:
-        say(compiled)
+    with lightning_refusals():
+        trainer = build_trainer(cfg, callbacks)
     resumed_step = None
     if checkpoint is not None:  # and its tensors fit (a checkpoint with no saved config)
-        check_checkpoint(checkpoint, task, cfg.ckpt_path, task.run_config)
+        check_checkpoint(checkpoint, task, cfg.ckpt_path, changed)
         resumed_step = checkpoint.get("global_step")
         del checkpoint  # Lightning loads it again to restore the run
-
-    name_wandb_run(cfg)
-    trainer = None
+    start = seeded(model, run_config.get("data"))  # what the seed fixed, for pairing
+    log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
+    if compiled:
+        say(compiled)
     try:
-        trainer = build_trainer(cfg, callbacks)
-        log_hyperparameters(cfg, task, trainer)
-        training = cfg.get("train", True)
-        if training:
-            try:
-                trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-            except SIGTERMException:  # SIGTERM or Ctrl+C: last.ckpt is saved
-                raise interrupted(trainer, job_overrides(), sweep_resume()) from None
-            if resumed_step is not None and trainer.global_step == resumed_step:
-                say(nothing_left_to_train(cfg, resumed_step))
-        metrics = metrics_dict(trainer.callback_metrics)
-        # read before testing: loading the best checkpoint restores the callback's state
-        checkpoints = {k: checkpoint_path(trainer, f"{k}_model_path") for k in ("best", "last")}
-        best = best_score(trainer)
-        pruned_at = pruned_step(trainer)
-        # without training, the checkpoint given (else the model as built); a pruned trial
-        # is not worth a test
-        if cfg.get("test") and pruned_at is None:
-            tested = checkpoints["best"] if training else cfg.get("ckpt_path")
-            metrics.update(final_test(trainer, task, datamodule, tested, training))
-    except MisconfigurationException as exc:  # Lightning's word on a setting that cannot work
+        with lightning_refusals():
+            log_hyperparameters(cfg, task, trainer)
+            training = cfg.get("train", True)
+            if training:
+                try:
+                    trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+                except SIGTERMException:  # SIGTERM or Ctrl+C: last.ckpt is saved
+                    raise interrupted(trainer, job_overrides(), sweep_resume()) from None
+                if resumed_step is not None and trainer.global_step == resumed_step:
+                    say(nothing_left_to_train(cfg, resumed_step))
+            metrics = metrics_dict(trainer.callback_metrics)
+            # read before testing: loading the best checkpoint restores the callback's state
+            checkpoints = {k: checkpoint_path(trainer, f"{k}_model_path") for k in ("best", "last")}
+            best = best_score(trainer)
+            pruned_at = pruned_step(trainer)
+            # without training, the checkpoint given (else the model as built); a pruned
+            # trial is not worth a test
+            if cfg.get("test") and pruned_at is None:
+                tested = checkpoints["best"] if training else cfg.get("ckpt_path")
+                metrics.update(final_test(trainer, task, datamodule, tested, training))
+    finally:
+        finish_wandb(trainer)
+    report(metrics, checkpoints)
+    state = model.state_size() if isinstance(model, GPT) else None
+    return Outcome(
+        metrics, best, task.num_params, checkpoints, state, pruned_at, start, task.layers
+    )
+
+
+@contextlib.contextmanager
+def lightning_refusals() -> Iterator[None]:
+    """Lightning's word on a setting that cannot work, as a ``ConfigError``."""
+    try:
+        yield
+    except MisconfigurationException as exc:
         raise ConfigError(f"Lightning refused the run: {exc}") from exc
     except ValueError as exc:  # the same, where Lightning raises a plain ValueError
         if not str(exc).strip().startswith("`val_check_interval`"):
@@ -105,12 +132,6 @@ def fit_and_test(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Outco
             "within an epoch, a fraction of one such as 0.25, or "
             "trainer.check_val_every_n_epoch=null to count steps across epochs)"
         ) from exc
-    finally:
-        finish_wandb(trainer)
-    report(metrics, checkpoints)
-    state = model.state_size() if isinstance(model, GPT) else None
-    layers = layer_names(model)
-    return Outcome(metrics, best, task.num_params, checkpoints, state, pruned_at, start, layers)
 
 
 def pruned_step(trainer: L.Trainer) -> int | None:
@@ -155,6 +176,24 @@ def final_test(
     return metrics_dict(tested[0] if tested else {})
 
 
+class Interrupted(RunStopped):
+    """SIGTERM or SIGINT stopped the run after saving a checkpoint (``checkpoint``); the
+    best checkpoint so far and its score are ``best`` and ``best_score``."""
+
+    def __init__(
+        self,
+        message: str,
+        signal_name: str,
+        checkpoint: str | None,
+        best: str | None = None,
+        best_score: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.signal_name, self.checkpoint = signal_name, checkpoint
+        self.best, self.best_score = best, best_score
+        self.exit_code = 128 + getattr(signal, signal_name)  # the shell's convention
+
+
 def signal_name(trainer: L.Trainer) -> str:
     """The signal that stopped the run (Lightning's own handler knows only SIGTERM)."""
     by = next((c.received for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
@@ -197,6 +236,31 @@ def interrupted_testing(trainer: L.Trainer, checkpoint: str | None) -> Interrupt
         else "the weights under test were not saved"
     )
     return Interrupted(f"stopped by {name} while testing: {then}", name, checkpoint)
+
+
+def digest(data: bytes) -> str:
+    """A short fingerprint of some bytes (12 hex digits of SHA-1)."""
+    return hashlib.sha1(data).hexdigest()[:12]
+
+
+def seeded(model: Any, data_config: Any) -> dict[str, Any]:
+    """What a run's seed fixed before training, so that a summary pairs two runs by seed
+    only where the seed made them alike: the data (its resolved config: every data
+    module is generated or split from its own config), torch's random state once the
+    model is built (the order of the training batches is drawn from it), and each
+    parameter's initial values, by name. A kernel with parameters of its own (Based's
+    projections) draws them between the layers' and shifts everything drawn after."""
+    import torch
+
+    params = {
+        name: digest(p.detach().cpu().float().contiguous().numpy().tobytes())
+        for name, p in model.named_parameters()
+    }
+    return {
+        "data": digest(json.dumps(data_config, sort_keys=True, default=str).encode()),
+        "rng": digest(torch.get_rng_state().numpy().tobytes()),
+        "params": params,
+    }
 
 
 def metrics_dict(metrics: dict[str, Any]) -> dict[str, float]:

@@ -16,11 +16,10 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from transformers_lab.errors import Interrupted
 from transformers_lab.files import atomic_write
 from transformers_lab.run.checkpoints import checkpoint_step, checkpoint_time
 from transformers_lab.run.curves import RESUMED_AT, retire, set_aside
-from transformers_lab.run.fit import say
+from transformers_lab.run.fit import Interrupted, say
 from transformers_lab.run.overrides import identity, in_multirun, job_overrides, same_job
 from transformers_lab.run.record import JobRecord, Monitor, Outcome, read_record, write_record
 

@@ -29,10 +29,9 @@ from hydra.utils import get_object
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PRECISION_INPUT_STR
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.config import CONF_DIR, flatten, unknown_option
+from transformers_lab.config import CONF_DIR, unknown_option
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.build import build_on_meta
-from transformers_lab.run.checkpoints import checkpoint_file
 from transformers_lab.tasks.schedules import RULES as SCHEDULE_RULES
 
 
@@ -313,6 +312,22 @@ def config_groups() -> set[str]:
     return groups
 
 
+def nearest_key(cfg: DictConfig, key: str) -> str | None:
+    """The key of ``cfg`` that a misspelt dotted ``key`` most likely meant: each part that
+    is no key of its node replaced by the nearest one there (None where none is near)."""
+    node, parts = cfg, key.split(".")
+    for i, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return None
+        if part not in node:
+            near = difflib.get_close_matches(part, [str(k) for k in node], n=1)
+            if not near:
+                return None
+            parts[i] = near[0]
+        node = node.get(parts[i])
+    return ".".join(parts)
+
+
 def check_summary_keys(cfg: DictConfig) -> None:
     """The keys a sweep's summary searches or averages over (``summary.best_over``,
     ``summary.mean_over``) are keys of the config: a misspelt one was ignored, and the
@@ -325,9 +340,8 @@ def check_summary_keys(cfg: DictConfig) -> None:
                 continue
             if OmegaConf.select(cfg, str(key).lstrip("+"), default=ABSENT) is not ABSENT:
                 continue
-            keys = flatten(OmegaConf.to_container(cfg, resolve=False))
-            close = difflib.get_close_matches(str(key), [*keys, *cfg], n=1)
-            meant = f" (did you mean {close[0]}?)" if close else ""
+            close = nearest_key(cfg, str(key).lstrip("+"))
+            meant = f" (did you mean {close}?)" if close else ""
             raise ConfigError(
                 f"summary.{option}: {key} is no key of the config{meant}; name a swept "
                 f"setting, e.g. summary.{option}={EXAMPLES[option]}"
@@ -347,7 +361,6 @@ def check_config(cfg: DictConfig) -> None:
             if (kernel := node_class(node.get(key))) is not None:
                 check_signature(f"model.{key}", node.get(key), kernel)
     check_components(cfg)
-    build_on_meta(cfg)  # the constructors' own refusals, before the data is read
     check_schedule(cfg.get("scheduler"))
     trainer = cfg.get("trainer") or {}
     check_accelerator(trainer)
@@ -361,5 +374,4 @@ def check_config(cfg: DictConfig) -> None:
             f"early stopping off (callbacks.early_stopping=null)"
         )
     check_summary_keys(cfg)
-    if cfg.get("ckpt_path"):
-        checkpoint_file(cfg.ckpt_path)
+    build_on_meta(cfg)  # the constructors' own refusals, before the data is read

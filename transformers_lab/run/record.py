@@ -8,7 +8,6 @@ study stopped early) with the metrics it reached, ``failed`` with its error, or
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -40,33 +39,8 @@ class Outcome:
     checkpoints: dict[str, str | None]  # best and last
     state_size: int | None = None  # a GPT's decoding state after block_size tokens
     pruned_at: int | None = None  # the global step an Optuna pruner stopped it at
-    seeded: dict[str, Any] | None = None  # what the seed fixed (``seeded``)
-    layers: list[str] | None = None  # each layer's mixer: kernel and parts (``layer_names``)
-
-
-def digest(data: bytes) -> str:
-    """A short fingerprint of some bytes (12 hex digits of SHA-1)."""
-    return hashlib.sha1(data).hexdigest()[:12]
-
-
-def seeded(model: Any, data_config: Any) -> dict[str, Any]:
-    """What a run's seed fixed before training, so that a summary pairs two runs by seed
-    only where the seed made them alike: the data (its resolved config: every data
-    module is generated or split from its own config), torch's random state once the
-    model is built (the order of the training batches is drawn from it), and each
-    parameter's initial values, by name. A kernel with parameters of its own (Based's
-    projections) draws them between the layers' and shifts everything drawn after."""
-    import torch
-
-    params = {
-        name: digest(p.detach().cpu().float().contiguous().numpy().tobytes())
-        for name, p in model.named_parameters()
-    }
-    return {
-        "data": digest(json.dumps(data_config, sort_keys=True, default=str).encode()),
-        "rng": digest(torch.get_rng_state().numpy().tobytes()),
-        "params": params,
-    }
+    seeded: dict[str, Any] | None = None  # what the seed fixed (``run.fit.seeded``)
+    layers: list[str] | None = None  # each layer's mixer: kernel and parts (``Task.layers``)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from transformers_lab.errors import ConfigError
+from transformers_lab.models.common import layer_names
 from transformers_lab.nn import weight_decay_groups
 from transformers_lab.tasks.clipping import CheckedNorm, clip_with_checked_norm
 from transformers_lab.tasks.examples import Detokenizer, Example
@@ -127,6 +128,7 @@ class Task(L.LightningModule):
         self.save_hyperparameters(ignore=ignore)
         self.counts = parameter_counts(model)
         self.num_params = self.counts["model/params"]
+        self.layers = layer_names(model)  # each layer's mixer as built, for the job record
         self.totals = SplitTotals()  # of the validation or test split under way
         self.checked_norm: CheckedNorm | None = None  # from NonFiniteGuard, for the clipping
 

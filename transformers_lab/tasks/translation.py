@@ -95,7 +95,7 @@ class TranslationTask(Task):
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=len(src), sync_dist=True)
         if self.detokenize is None or batch_idx >= self.decoded_batches(stage):
             return
-        out = self.model.translate(src, max_len=self.max_decode_len, beam_size=self.beam_size)
+        out = self.model.translate(src, self.max_decode_len, beam_size=self.beam_size)
         hyps = [self.detokenize(row.tolist()) for row in out]
         refs = [[self.detokenize(row[1:].tolist())] for row in tgt]
         self.bleu[stage].update(hyps, refs)

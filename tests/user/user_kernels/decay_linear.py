@@ -17,8 +17,8 @@ class DecayLinearAttention(GatedKernel):
     # g: logsigmoid(w . x), (B, H, N); the layer projects it from x and passes it as g=
     gate_inputs = {"g": GateInput("logsigmoid")}
 
-    def __init__(self, head_dim, num_heads, dropout=0.0, chunk_size=64, tau=8.0, backend="auto"):
-        super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
+    def __init__(self, head_dim, n_head, dropout=0.0, chunk_size=64, tau=8.0, backend="auto"):
+        super().__init__(head_dim, n_head, dropout, chunk_size, backend)
         self.tau = tau
 
     def feature_map(self, x: Tensor) -> Tensor:  # of q and of k, (B, H, N, D) -> same shape

@@ -17,8 +17,8 @@ class ReLU2Attention(FeatureKernel):
     name = "relu2"
     formula = "φ(q)·φ(k) normalised over keys, φ = relu² + ε"
 
-    def __init__(self, head_dim, num_heads, dropout=0.0, chunk_size=128, impl="auto"):
-        super().__init__(head_dim, num_heads, dropout, p=0, chunk_size=chunk_size, impl=impl)
+    def __init__(self, head_dim, n_head, dropout=0.0, chunk_size=128, impl="auto"):
+        super().__init__(head_dim, n_head, dropout, p=0, chunk_size=chunk_size, impl=impl)
 
     def features(self, x: Tensor, role: str) -> Tensor:
         return torch.relu(x).square() + EPS

@@ -72,7 +72,7 @@ class FeatureKernel(AttentionKernel):
     Under autocast (fp16 / bf16) the states are accumulated in float32.
     """
 
-    linear = True
+    constant_state = True
     positional: ClassVar[bool] = False  # features depend on positions (``place``)
     pools_queries = False  # a query's features depend on the other queries (a max over them)
     IMPLS: ClassVar[tuple[str, ...]] = ("auto", "linear", "quadratic")
@@ -81,7 +81,7 @@ class FeatureKernel(AttentionKernel):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         *,
         p: int,
@@ -90,7 +90,7 @@ class FeatureKernel(AttentionKernel):
         compiled: bool = False,
         backend: str | None = "auto",
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout)
+        super().__init__(head_dim, n_head, dropout)
         self.backend = check_backend(self.name, backend, self.fused_backends)
         if chunk_size < 1:
             raise ValueError(f"{self.name}: chunk_size must be >= 1, got {chunk_size}")
@@ -278,7 +278,7 @@ class FeatureKernel(AttentionKernel):
     def state_size(self, n: int, value_dim: int | None = None) -> int:
         """The recurrent state ``sum_j [v_j, 1] phi(k_j)^T``: H (Dv + 1) F, whatever n."""
         value_dim = self.head_dim if value_dim is None else value_dim
-        return self.num_heads * (value_dim + 1) * feature_dim(self.feature_count, self.p)
+        return self.n_head * (value_dim + 1) * feature_dim(self.feature_count, self.p)
 
     def feature_flops(self) -> int:
         """Matmul FLOPs of ``features`` per token and head, queries and keys, forward and
@@ -305,7 +305,7 @@ class FeatureKernel(AttentionKernel):
         c = min(self.chunk_size, n)
         padded = -(-n // c) * c
         per_token = 12 * f * dv1 + (2 * c * (4 * e + 3 * dv1) if causal else 0)
-        return (per_token * padded + self.feature_flops() * n) * self.num_heads
+        return (per_token * padded + self.feature_flops() * n) * self.n_head
 
     def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
         """The factorised state of every key: reading it costs O(1) in the memory length."""

@@ -50,19 +50,19 @@ class GatedKernel(AttentionKernel):
     """
 
     normalized = False
-    linear = True
+    constant_state = True
     causal_only = True
     fused_backends = ("fla",)
 
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         chunk_size: int = 64,
         backend: str | None = "auto",
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout)
+        super().__init__(head_dim, n_head, dropout)
         if dropout:
             raise ValueError(
                 f"{self.name}: dropout={dropout} is not supported (its state has no attention "
@@ -303,7 +303,7 @@ class GatedKernel(AttentionKernel):
     def state_size(self, n: int, value_dim: int | None = None) -> int:
         """The state S: H Dk Dv numbers, whatever n."""
         value_dim = self.head_dim if value_dim is None else value_dim
-        return self.num_heads * self.qk_dim * value_dim
+        return self.n_head * self.qk_dim * value_dim
 
 
 class TemperedDecayKernel(GatedKernel):
@@ -319,13 +319,13 @@ class TemperedDecayKernel(GatedKernel):
     def __init__(
         self,
         head_dim: int,
-        num_heads: int,
+        n_head: int,
         dropout: float = 0.0,
         chunk_size: int = 64,
         gate_normalizer: float = 16.0,
         backend: str | None = "auto",
     ) -> None:
-        super().__init__(head_dim, num_heads, dropout, chunk_size, backend)
+        super().__init__(head_dim, n_head, dropout, chunk_size, backend)
         if not gate_normalizer > 0:
             raise ValueError(f"{self.name}: gate_normalizer must be > 0, got {gate_normalizer!r}")
         self.gate_normalizer = float(gate_normalizer)

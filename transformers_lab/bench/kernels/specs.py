@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from hydra.utils import get_class, instantiate
 
-from transformers_lab.attention import AttentionKernel
+from transformers_lab.attention import AttentionKernel, call_with_heads
 from transformers_lab.attention.resolve import UnknownKernel, kernel_config
 from transformers_lab.config import CONF_DIR, attention_configs
 from transformers_lab.nn.parts import split_layer_parts
@@ -187,7 +187,7 @@ class Spec:
 def build(config: str, heads: int, head_dim: int) -> AttentionKernel:
     """The kernel of an attention config (JSON), the layer's switches it carries aside."""
     factory, _ = split_layer_parts(instantiate(json.loads(config)))
-    return factory(head_dim=head_dim, num_heads=heads)
+    return call_with_heads(factory, heads, head_dim=head_dim)
 
 
 @functools.cache
@@ -203,7 +203,11 @@ def matmul_flops(config: str, n: int, causal: bool, heads: int, head_dim: int) -
     one sequence; None for the others."""
     kernel = build(config, heads, head_dim)
     counter = getattr(kernel, "matmul_flops", None)
-    return None if counter is None or not getattr(kernel, "linear", False) else counter(n, causal)
+    return (
+        None
+        if counter is None or not getattr(kernel, "constant_state", False)
+        else counter(n, causal)
+    )
 
 
 def variant_configs(

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch import Tensor
 
-from transformers_lab.attention import AttentionKernel
+from transformers_lab.attention import AttentionKernel, call_with_heads
 from transformers_lab.bench.kernels.specs import DTYPES, FUSED_VARIANTS, Row, Spec
 from transformers_lab.nn.parts import LayerParts, ShortConvolution, split_layer_parts
 
@@ -73,7 +73,7 @@ def build_variant(spec: Spec) -> tuple[AttentionKernel, LayerParts]:
     if "max_len" in config:  # a positional kernel (cosformer): positions up to N
         config["max_len"] = max(config["max_len"], spec.n)
     factory, parts = split_layer_parts(instantiate(config))
-    kernel = factory(head_dim=spec.head_dim, num_heads=spec.heads)
+    kernel = call_with_heads(factory, spec.heads, head_dim=spec.head_dim)
     return kernel.to(device=spec.device, dtype=DTYPES[spec.dtype]), parts
 
 
