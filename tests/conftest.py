@@ -25,3 +25,37 @@ def postgres_server():
         pytest.skip(str(exc))
     yield server
     server.stop()
+
+
+# the generation entry points' tiny checkpoints (tests/tiny_checkpoints.py), one set per
+# test module that asks for them: test_sample.py, test_translate.py
+
+
+@pytest.fixture(scope="module")
+def generation_data(tmp_path_factory):
+    """Fake Tiny Shakespeare and Multi30k, and a tiny tiktoken ranks file, for the module."""
+    from tests.tiny_checkpoints import fake_generation_data
+
+    with fake_generation_data(tmp_path_factory.mktemp("data")) as root:
+        yield root
+
+
+@pytest.fixture(scope="module")
+def gpt_ckpt(generation_data):
+    from tests.tiny_checkpoints import gpt_checkpoint
+
+    return gpt_checkpoint(generation_data)
+
+
+@pytest.fixture(scope="module")
+def bpe_gpt_ckpt(generation_data):
+    from tests.tiny_checkpoints import bpe_gpt_checkpoint
+
+    return bpe_gpt_checkpoint(generation_data)
+
+
+@pytest.fixture(scope="module")
+def transformer_ckpt(generation_data):
+    from tests.tiny_checkpoints import transformer_checkpoint
+
+    return transformer_checkpoint(generation_data)

@@ -5,7 +5,6 @@ the fake data (tests/tiny_checkpoints.py)."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 
 import transformers_lab.sample as sample_module
 from tests.data.test_data import tiny_encoding
-from tests.tiny_checkpoints import bpe_gpt_checkpoint, fake_generation_data, gpt_checkpoint
 from transformers_lab.config import compose_config
 from transformers_lab.data.tokenizers import CharTokenizer, TiktokenTokenizer
 from transformers_lab.errors import ConfigError
@@ -21,24 +19,6 @@ from transformers_lab.models import GPT
 from transformers_lab.models.common import sample_next
 from transformers_lab.run.checkpoints import load_task
 from transformers_lab.sample import TextStream, sample
-
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory) -> Iterator[Path]:
-    """Fake Tiny Shakespeare and Multi30k, and a tiny tiktoken ranks file, for the module."""
-    with fake_generation_data(tmp_path_factory.mktemp("data")) as root:
-        yield root
-
-
-@pytest.fixture(scope="module")
-def gpt_ckpt(data_root) -> Path:
-    return gpt_checkpoint(data_root)
-
-
-@pytest.fixture(scope="module")
-def bpe_gpt_ckpt(data_root) -> Path:
-    return bpe_gpt_checkpoint(data_root)
-
 
 # ------------------------------------------------------------------ GPT.stream
 

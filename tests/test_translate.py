@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import io
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.tiny_checkpoints import fake_generation_data, gpt_checkpoint, transformer_checkpoint
 from transformers_lab.config import compose_config
 from transformers_lab.models import Transformer
 from transformers_lab.translate import main as translate_main
@@ -22,23 +20,6 @@ from fake_data import PAIRS
 
 SOURCES = [en for en, _ in PAIRS]
 TARGETS = [de for _, de in PAIRS]
-
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory) -> Iterator[Path]:
-    """Fake Tiny Shakespeare and Multi30k, and a tiny tiktoken ranks file, for the module."""
-    with fake_generation_data(tmp_path_factory.mktemp("data")) as root:
-        yield root
-
-
-@pytest.fixture(scope="module")
-def gpt_ckpt(data_root) -> Path:
-    return gpt_checkpoint(data_root)
-
-
-@pytest.fixture(scope="module")
-def transformer_ckpt(data_root) -> Path:
-    return transformer_checkpoint(data_root)
 
 
 def translate_run(ckpt: Path, out: Path, *overrides: str) -> list[str]:

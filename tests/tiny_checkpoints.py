@@ -1,5 +1,6 @@
 """Tiny checkpoints for the tests of the generation entry points (test_sample.py,
-test_translate.py): fake data, and a GPT or a Transformer trained a few steps on it."""
+test_translate.py): fake data, and a GPT or a Transformer trained a few steps on it (the
+fixtures of tests/conftest.py: each test module gets its own)."""
 
 from __future__ import annotations
 

@@ -31,15 +31,25 @@ def test_a_missing_or_foreign_file_is_refused_with_what_to_give(tmp_path):
 def test_an_earlier_version_s_context_key_is_read_as_block_size(tmp_path):
     """Transformer, EncoderClassifier and the translation data called their context
     ``max_len``: a checkpoint saved then loads with ``block_size`` (a user's class keeps
-    its own names)."""
+    its own names), and a kernel whose module moved is found in its new one."""
+    old_kernel = {"_target_": "transformers_lab.attention.elu.LinearAttention"}
     config = {
-        "model": {"_target_": "transformers_lab.models.Transformer", "max_len": 32},
+        "model": {
+            "_target_": "transformers_lab.models.Transformer",
+            "max_len": 32,
+            "attention": old_kernel,
+        },
         "data": {"_target_": "transformers_lab.data.TranslationDataModule", "max_len": 32},
         "task": {"_target_": "my.Task", "max_len": 5},
     }
     torch.save({"state_dict": {}, "tlab_config": config}, tmp_path / "old.ckpt")
     saved = load_checkpoint(tmp_path / "old.ckpt")["tlab_config"]
-    assert saved["model"] == {"_target_": "transformers_lab.models.Transformer", "block_size": 32}
+    new_kernel = {"_target_": "transformers_lab.attention.linear.LinearAttention"}
+    assert saved["model"] == {
+        "_target_": "transformers_lab.models.Transformer",
+        "block_size": 32,
+        "attention": new_kernel,  # the module that moved, followed
+    }
     assert saved["data"]["block_size"] == 32 and "max_len" not in saved["data"]
     assert saved["task"]["max_len"] == 5
     mine = {"model": {"_target_": "my.Model", "max_len": 7}}

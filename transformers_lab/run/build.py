@@ -56,6 +56,7 @@ MOVED = (
     ("transformers_lab.callbacks.", "transformers_lab.run.callbacks.views."),
     ("transformers_lab.loggers.", "transformers_lab.run.loggers."),
     ("transformers_lab.nn.attention.", "transformers_lab.nn.multihead."),
+    ("transformers_lab.attention.elu.", "transformers_lab.attention.linear."),
 )
 
 

@@ -24,7 +24,13 @@ from transformers_lab.config import flatten
 from transformers_lab.errors import ConfigError
 from transformers_lab.files import atomic_write
 from transformers_lab.nn.layers import migrate_block_keys
-from transformers_lab.run.build import build_datamodule, build_model, build_task, target_class
+from transformers_lab.run.build import (
+    build_datamodule,
+    build_model,
+    build_task,
+    moved_target,
+    target_class,
+)
 from transformers_lab.run.overrides import override_key
 
 log = logging.getLogger(__name__)
@@ -79,10 +85,11 @@ RENAMED_KEYS = {("model", "max_len"): "block_size", ("data", "max_len"): "block_
 
 
 def migrate_config(config: dict[str, Any]) -> list[tuple[str, str]]:
-    """Rename, in place, the keys of an earlier version's saved config (``tlab_config``)
-    that our classes now call otherwise (``RENAMED_KEYS``: the context is ``block_size``
-    everywhere); returns each (old, new) dotted key renamed."""
-    renamed = []
+    """Rename, in place, what an earlier version's saved config (``tlab_config``) names
+    otherwise: the keys of our classes (``RENAMED_KEYS``: the context is ``block_size``
+    everywhere) and the ``_target_`` of a class that moved (``run.build.MOVED``); returns
+    each (old, new) pair renamed."""
+    renamed = moved_targets(config)
     for (section, old), new in RENAMED_KEYS.items():
         node = config.get(section)
         ours = isinstance(node, dict) and str(node.get("_target_", "")).startswith(
@@ -92,6 +99,21 @@ def migrate_config(config: dict[str, Any]) -> list[tuple[str, str]]:
             node[new] = node.pop(old)
             renamed.append((f"{section}.{old}", f"{section}.{new}"))
     return renamed
+
+
+def moved_targets(node: Any) -> list[tuple[str, str]]:
+    """Point, in place, each ``_target_`` of a plain config that moved to its new home."""
+    if isinstance(node, list):
+        return [pair for item in node for pair in moved_targets(item)]
+    if not isinstance(node, dict):
+        return []
+    moved = []
+    if (new := moved_target(node.get("_target_"))) is not None:
+        moved.append((node["_target_"], new))
+        node["_target_"] = new
+    for value in node.values():
+        moved.extend(moved_targets(value))
+    return moved
 
 
 def peek(path: str | Path) -> dict[str, Any] | None:
