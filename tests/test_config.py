@@ -23,7 +23,10 @@ def test_resolvers():
     with pytest.raises(ConfigError, match="monitor.mode must be min or max, got 'up'"):
         optuna_direction("up")
     cfg = OmegaConf.create({"a": "${run_id:}", "b": "${run_id:}"})
-    assert len(cfg.a) == 6 and cfg.a == cfg.a  # drawn once per config
+    first = cfg.a
+    assert len(first) == 6 and cfg.a == first == cfg.b  # drawn once per config
+    other = OmegaConf.create({"a": "${run_id:}"})
+    assert other.a != first  # and afresh for another (1 in 16**6 to collide)
     # Zoology's cosine over 64 epochs of 100k examples at batch 512: 196 steps an epoch
     cfg = OmegaConf.create({"n": 100_000, "b": 512, "steps": "${epoch_steps:64,${n},${b}}"})
     assert cfg.steps == 64 * 196
