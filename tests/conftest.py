@@ -48,6 +48,13 @@ def gpt_ckpt(generation_data):
 
 
 @pytest.fixture(scope="module")
+def rope_gpt_ckpt(generation_data):
+    from tests.tiny_checkpoints import rope_gpt_checkpoint
+
+    return rope_gpt_checkpoint(generation_data)
+
+
+@pytest.fixture(scope="module")
 def bpe_gpt_ckpt(generation_data):
     from tests.tiny_checkpoints import bpe_gpt_checkpoint
 

@@ -178,17 +178,33 @@ def test_a_prompt_outside_the_vocabulary_is_one_line(gpt_ckpt, tmp_path, monkeyp
 def test_a_prompt_longer_than_the_context_says_the_window_slides_once(
     gpt_ckpt, tmp_path, monkeypatch, capsys
 ):
+    """Learned positions end at block_size: past it the window is re-encoded, said once."""
     long = "prompt='" + "Before we proceed " * 2 + "'"  # 36 characters, block_size 16
     code, err = sample_main(
         gpt_ckpt, tmp_path, monkeypatch, capsys, long, "num_samples=2", "max_new_tokens=3"
     )
     notes = [line for line in err.splitlines() if line.startswith("note:")]
     assert code == 0 and notes == [
-        "note: the prompt has 36 tokens, more than the model's context of 16: the model sees "
-        "only its last 16 tokens"
+        "note: 36 prompt tokens and 3 new ones pass the model's context of 16 (its learned "
+        "positions end at block_size=16): past it the model sees only the last 16 tokens, "
+        "re-encoded at each step"
     ]
-    _, err = sample_main(gpt_ckpt, tmp_path / "short", monkeypatch, capsys, "prompt=Before")
+    short = ["prompt=Before", "max_new_tokens=10"]  # 6 + 10 tokens: within the context
+    _, err = sample_main(gpt_ckpt, tmp_path / "short", monkeypatch, capsys, *short)
     assert "note:" not in err
+
+
+def test_a_model_whose_positions_go_on_reads_a_long_prompt_whole(
+    rope_gpt_ckpt, tmp_path, monkeypatch, capsys
+):
+    """RoPE goes on past block_size: the prompt and what follows are read on the model's
+    decoding state, with no crop and no note."""
+    long = "prompt='" + "Before we proceed " * 2 + "'"
+    code, err = sample_main(
+        rope_gpt_ckpt, tmp_path, monkeypatch, capsys, long, "num_samples=1", "max_new_tokens=40"
+    )
+    assert code == 0 and "note:" not in err, err
+    assert "40 tokens in" in err
 
 
 def test_sample_takes_cpu_threads_and_says_its_tokens_per_second(

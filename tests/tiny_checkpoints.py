@@ -73,6 +73,11 @@ def gpt_checkpoint(data_root: Path) -> Path:
     return trained(data_root, [*TINY_GPT, "data=shakespeare_char"], "gpt_char")
 
 
+def rope_gpt_checkpoint(data_root: Path) -> Path:
+    rope = ["data=shakespeare_char", "model.pos_encoding=rope"]
+    return trained(data_root, [*TINY_GPT, *rope], "gpt_rope")
+
+
 def bpe_gpt_checkpoint(data_root: Path) -> Path:
     bpe = ["data=shakespeare_bpe", "data.encoding=tiny", f"data.bpe_file={data_root}/tiny.tiktoken"]
     return trained(data_root, [*TINY_GPT, *bpe], "gpt_bpe")

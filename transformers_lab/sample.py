@@ -137,10 +137,12 @@ def sample(cfg: DictConfig) -> list[str]:
     model, datamodule = load_generator(cfg)
     model.to(cfg.device)
     ids = encode_prompt(datamodule, opts.prompt)
-    if len(ids) > model.block_size:  # GPT.stream keeps the last block_size tokens
+    limit = model.decode_limit() if opts.use_cache else "use_cache=false"
+    if limit and len(ids) + opts.max_new_tokens > model.block_size:  # GPT.stream crops
         print(
-            f"note: the prompt has {len(ids)} tokens, more than the model's context of "
-            f"{model.block_size}: the model sees only its last {model.block_size} tokens",
+            f"note: {len(ids)} prompt tokens and {opts.max_new_tokens} new ones pass the "
+            f"model's context of {model.block_size} ({limit}): past it the model sees only "
+            f"the last {model.block_size} tokens, re-encoded at each step",
             file=sys.stderr,
             flush=True,
         )

@@ -48,6 +48,24 @@ def test_generation_bench_writes_reports(tmp_path):
     assert cache[("softmax", "40")] == pytest.approx(state[("softmax", "40")] * 4 / 2**20)
 
 
+def test_past_the_trained_context_neither_cache_grows(tmp_path, capsys):
+    """--trained-at 8: contexts of 8 and 40 tokens decoded on the state past 8; softmax's
+    KV cache slides a window of 8 (7 kept + the new key), GLA's state is constant, and
+    cosFormer, whose positions end at its max_len, is said and left out."""
+    small = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--new-tokens", "3"]
+    argv = ["--trained-at", "8", "--context", "8", "40", "--kernels", "softmax", "gla"]
+    argv += ["cosformer", *small, "--out", str(tmp_path)]
+    assert generation.main(argv) == 0
+    assert "cosformer: left out, it cannot decode past its context" in capsys.readouterr().err
+    rows = list(csv.DictReader((tmp_path / "generation.csv").open()))
+    cache = {(r["kernel"], r["context"]): float(r["cache_mib"]) for r in rows}
+    assert set(cache) == {("softmax", "8"), ("softmax", "40"), ("gla", "8"), ("gla", "40")}
+    assert cache[("softmax", "40")] == cache[("softmax", "8")]  # the window, not the context
+    assert cache[("softmax", "40")] == pytest.approx(1 * 2 * 16 * 8 * 4 / 2**20)
+    assert cache[("gla", "40")] == cache[("gla", "8")]
+    assert "trained at 8 (RoPE), decoded past it" in (tmp_path / "generation.md").read_text()
+
+
 def test_every_attention_option_generates_by_default(tmp_path):
     argv = ["--context", "4", "12", "--new-tokens", "2", "--n-layer", "1", "--d-model", "8"]
     assert generation.main([*argv, "--n-head", "2", "--out", str(tmp_path)]) == 0

@@ -427,6 +427,24 @@ class AttentionKernel(nn.Module):
         out = self(q, k, v, causal=True, key_padding_mask=key_padding_mask)
         return out, (k, v, key_padding_mask)
 
+    @property
+    def trimmable(self) -> bool:
+        """Whether ``trim_state`` can cut this kernel's decoding state: a constant state,
+        or the default KV cache (a kernel's own growing state, it cannot)."""
+        return self.constant_state or type(self).decode is AttentionKernel.decode
+
+    def trim_state(self, state: Any, keep: int) -> Any:
+        """``state`` (what ``decode`` returned) holding at most its last ``keep`` tokens, to
+        decode past the trained context on a sliding window: a constant state as it is, the
+        default KV cache cut to its last ``keep`` keys and values. None where a kernel keeps
+        a state of its own that grows: the caller then re-encodes its window."""
+        if self.constant_state or state is None:
+            return state
+        if not self.trimmable:
+            return None
+        k, v, pad = state
+        return k[:, :, -keep:], v[:, :, -keep:], None if pad is None else pad[:, -keep:]
+
     def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
         """Prepare keys (B, H, Nk, D) and values for ``read_memory``."""
         return Memory(k, v, key_padding_mask)

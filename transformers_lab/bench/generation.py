@@ -14,6 +14,14 @@ group by default (the user's own with ``--config-dir``), as configured there (a 
 kernel's ``max_len`` is the longest context); a kernel is named as for ``bench.kernels``.
 Writes ``generation.csv`` and ``generation.md`` to ``--out``: time per token, the
 cache's MiB and its ``state_size`` (numbers per sequence, all layers).
+
+With ``--trained-at N`` the model's context is N (RoPE positions, which go on) and every
+longer context is decoded past it on the decoding state (``GPT.forward_on_state``): a
+constant state carries on, a KV cache slides a window of N tokens, so neither the time
+per token nor the cache grows with the context; a kernel that cannot go past N
+(cosFormer's positions) is said and left out::
+
+    python -m transformers_lab.bench.generation --trained-at 64 --context 64 256 1024 4096
 """
 
 from __future__ import annotations
@@ -45,17 +53,21 @@ def cache_mib(cache: object) -> float:
 
 
 @torch.no_grad()
-def time_per_token(model: GPT, context: int, new_tokens: int, device: str) -> tuple[float, float]:
-    """Median seconds per cached step after a ``context``-token prompt, and the cache size."""
+def time_per_token(
+    model: GPT, context: int, new_tokens: int, device: str, past_context: bool = False
+) -> tuple[float, float]:
+    """Median seconds per cached step after a ``context``-token prompt, and the cache size;
+    ``past_context``: read and step on the decoding state past ``block_size``."""
+    step = model.forward_on_state if past_context else model.forward_cached
     prompt = torch.randint(0, model.vocab_size, (1, context), device=device)
-    logits, cache = model.forward_cached(prompt)
+    logits, cache = step(prompt)
     next_id = logits[:, -1].argmax(-1, keepdim=True)
     times = []
     for t in range(new_tokens):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
-        logits, cache = model.forward_cached(next_id, cache, offset=context + t)
+        logits, cache = step(next_id, cache, offset=context + t)
         next_id = logits[:, -1].argmax(-1, keepdim=True)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -75,6 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--config-dir", action="append", default=[], metavar="DIR", help="a config dir of yours"
     )
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--trained-at",
+        type=int,
+        metavar="N",
+        help="the model's context (RoPE): longer contexts are decoded past it on its state",
+    )
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=128)
@@ -89,8 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         fail(str(exc))  # one line: the kernel named and the valid ones
 
+    if args.trained_at is not None and args.trained_at < 1:
+        fail(f"--trained-at must be a context of at least 1 token, got {args.trained_at}")
     rows = []
-    block_size = max(args.context) + args.new_tokens
+    past = args.trained_at is not None
+    block_size = args.trained_at if past else max(args.context) + args.new_tokens
     for kernel, config in configs.items():
         torch.manual_seed(0)
         if "max_len" in config:  # a positional kernel (cosformer): positions up to the block
@@ -103,14 +124,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 n_layer=args.n_layer,
                 n_head=args.n_head,
                 d_model=args.d_model,
-                pos_encoding="sinusoidal",
+                pos_encoding="rope" if past else "sinusoidal",
                 attention=factory,
             )
             .to(args.device)
             .eval()
         )
+        if past and (limit := model.decode_limit()):
+            print(
+                f"{kernel}: left out, it cannot decode past its context ({limit})", file=sys.stderr
+            )
+            continue
         for context in args.context:
-            seconds, mib = time_per_token(model, context, args.new_tokens, args.device)
+            seconds, mib = time_per_token(model, context, args.new_tokens, args.device, past)
             rows.append(
                 {
                     "kernel": kernel,
@@ -127,14 +153,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
 
+    if not rows:
+        fail("no kernel left to time: each of them was left out (see above)")
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "generation.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    trained = f", trained at {args.trained_at} (RoPE), decoded past it" if past else ""
     lines = [
         f"# Cached generation, GPT {args.n_layer} layers x {args.n_head} heads x "
-        f"{args.d_model}, batch 1, {args.device}",
+        f"{args.d_model}, batch 1, {args.device}{trained}",
         "",
         "| kernel | context | ms / token | vs first context | cache (MiB) | state_size |",
         "|---|---|---|---|---|---|",

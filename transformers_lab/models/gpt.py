@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -171,6 +172,30 @@ class GPT(nn.Module):
             new_cache.append(state)
         return self.lm_head(self.norm(x)), new_cache
 
+    def decode_limit(self) -> str | None:
+        """Why this model cannot decode past ``block_size`` on its decoding state, or None
+        where it can: positions from a table (learned, sinusoidal) end there, a kernel that
+        weighs positions up to its own max_len (cosFormer) ends at that, and a layer whose
+        growing state cannot be cut (a kernel's or mixer's own) cannot slide."""
+        if self.pos.bounded:
+            return f"its {self.pos.kind} positions end at block_size={self.block_size}"
+        for i, block in enumerate(self.blocks):
+            mixer = block.mixer
+            kernel = getattr(mixer, "kernel", None)
+            if getattr(kernel, "max_len", None) is not None:
+                return f"layer {i}'s {kernel.name} weighs positions up to its max_len"
+            if not hasattr(mixer, "trim_state") or not getattr(kernel, "trimmable", True):
+                name = getattr(kernel, "name", type(mixer).__name__)
+                return f"layer {i}'s {name} keeps a decoding state that cannot slide"
+        return None
+
+    def slide(self, cache: list[Any], keep: int) -> list[Any]:
+        """Each layer's decoding state holding at most its last ``keep`` tokens: a constant
+        state as it is, a KV cache cut (``Block.trim_state``)."""
+        return [
+            block.trim_state(state, keep) for block, state in zip(self.blocks, cache, strict=True)
+        ]
+
     @torch.no_grad()
     def stream(
         self,
@@ -186,11 +211,22 @@ class GPT(nn.Module):
         as soon as they are drawn (``temperature=0``: greedy).
 
         With ``use_cache`` each new token costs one cached step; without it the whole
-        context is recomputed every step. Past ``block_size`` the context slides: the
-        last ``block_size`` tokens are kept (and, with the cache, re-encoded once the
-        window moves).
+        context is recomputed every step. Past ``block_size``, a model whose positions go
+        on (none, RoPE, ALiBi, Fourier) decodes on its state (``decode_limit``): a
+        constant state (linear and gated kernels, the sliding window, short convolutions)
+        carries on, and a KV cache keeps its last ``block_size - 1`` keys, so that each
+        token sees ``block_size`` tokens at every layer (the sliding window of that size)
+        and each step costs the same. Otherwise the context slides by re-encoding its last
+        ``block_size`` tokens once the window moves (``tlab-sample`` says so).
         """
         self.refuse_bottleneck()
+        sample = functools.partial(
+            sample_next, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        )
+        limit = self.decode_limit()
+        if use_cache and limit is None:
+            yield from self.stream_on_state(idx, max_new_tokens, sample)
+            return
         cache, cached = None, 0  # tokens held by the cache
         for _ in range(max_new_tokens):
             if not use_cache:
@@ -202,9 +238,50 @@ class GPT(nn.Module):
                 context = idx[:, -self.block_size :]
                 logits, cache = self.forward_cached(context)
                 cached = context.shape[1]
-            next_id = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
+            next_id = sample(logits[:, -1])  # (B,)
             idx = torch.cat([idx, next_id[:, None]], dim=1)
             yield next_id
+
+    def stream_on_state(
+        self, idx: Tensor, max_new_tokens: int, sample: Callable[[Tensor], Tensor]
+    ) -> Iterator[Tensor]:
+        """``stream`` on the decoding state, past ``block_size`` too (``decode_limit`` is
+        None): the prompt read whole (``forward_on_state``), then a step a token."""
+        logits, cache = self.forward_on_state(idx)
+        for t in range(idx.shape[1], idx.shape[1] + max_new_tokens):
+            next_id = sample(logits[:, -1])  # (B,)
+            yield next_id
+            if t < idx.shape[1] + max_new_tokens - 1:
+                logits, cache = self.forward_on_state(next_id[:, None], cache, offset=t)
+
+    def forward_on_state(
+        self, idx: Tensor, cache: list[Any] | None = None, offset: int = 0
+    ) -> tuple[Tensor, list[Any]]:
+        """``forward_cached`` past ``block_size`` too, for a model whose ``decode_limit``
+        is None: constant states read idx (B, T) at once; a model with a growing state (a
+        KV cache) reads what fits in its first window at once and the rest a token at a
+        time, its caches cut to the last ``block_size - 1`` tokens before each (``slide``):
+        every token sees ``block_size`` tokens at every layer."""
+        if not self.states_grow():
+            return self.forward_cached(idx, cache, offset)
+        window, start, steps = self.block_size, 0, []
+        if offset < window:  # within the first window: at once
+            start = min(idx.shape[1], window - offset)
+            logits, cache = self.forward_cached(idx[:, :start], cache, offset)
+            steps.append(logits)
+        for t in range(start, idx.shape[1]):
+            cache = self.slide(cache, window - 1)
+            logits, cache = self.forward_cached(idx[:, t : t + 1], cache, offset + t)
+            steps.append(logits)
+        return torch.cat(steps, dim=1), cache
+
+    def states_grow(self) -> bool:
+        """Whether a layer's decoding state grows with the context (a KV cache)."""
+        for block in self.blocks:
+            part = getattr(block.mixer, "kernel", block.mixer)
+            if not getattr(part, "constant_state", False):
+                return True
+        return False
 
     @torch.no_grad()
     def generate(

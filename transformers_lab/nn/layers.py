@@ -90,8 +90,12 @@ class PositionalEncoding(nn.Module):
     hundred steps). The scale is a learned gain (as in the "scaled sinusoidal" positions
     of Hua et al., 2022), so training can still weigh positions against tokens.
 
-    Every kind refuses a sequence longer than ``block_size``, the model's context.
+    A table (learned, sinusoidal) refuses a sequence longer than ``block_size``, the
+    model's context; the other kinds run past it (evaluation at other lengths, generation
+    on the decoding state).
     """
+
+    TABLES = ("learned", "sinusoidal")
 
     def __init__(self, kind: str, d_model: int, block_size: int, scale: float = 1.0) -> None:
         super().__init__()
@@ -106,6 +110,7 @@ class PositionalEncoding(nn.Module):
             raise ValueError(f"the scale of the positions must be > 0, got {scale}")
         self.kind = kind
         self.block_size = block_size
+        self.bounded = kind in self.TABLES  # no position past block_size
         if kind == "sinusoidal":
             self.register_buffer("table", sinusoidal_table(block_size, d_model), persistent=False)
         elif kind == "learned":
@@ -119,8 +124,9 @@ class PositionalEncoding(nn.Module):
 
     def table_rows(self, length: int, offset: int = 0) -> Tensor | None:
         """Position vectors of positions ``offset .. offset + length - 1``, (length, d_model),
-        or None for ``none``."""
-        if offset + length > self.block_size:
+        or None for ``none``. Only a table (learned, sinusoidal) ends at ``block_size``:
+        the others go on past it (``bounded``)."""
+        if self.bounded and offset + length > self.block_size:
             raise ValueError(
                 f"a sequence of {offset + length} tokens is longer than the positions table "
                 f"(block_size={self.block_size}); crop the input or build the model with a "
@@ -361,6 +367,12 @@ class Block(nn.Module):
 
         x = _sublayer(x, self.norm_mixer, self_attention, self.norm_first)
         return self._cross_and_mlp(x, memory, memory_padding_mask), new_state
+
+    def trim_state(self, state: Any, keep: int) -> Any:
+        """This layer's decoding state holding at most its last ``keep`` tokens (the
+        mixer's ``trim_state``); None if the mixer cannot cut it (a mixer without one)."""
+        trim = getattr(self.mixer, "trim_state", None)
+        return None if trim is None else trim(state, keep)
 
     def _cross_and_mlp(
         self, x: Tensor, memory: Context, memory_padding_mask: Tensor | None

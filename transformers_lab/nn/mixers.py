@@ -23,6 +23,7 @@ class BaseConv(nn.Module):
     """
 
     name = "base_conv"
+    constant_state = True  # the last K - 1 inputs, whatever the context
 
     def __init__(
         self, d_model: int, n_head: int | None = None, kernel_size: int = 3, bias: bool = True
@@ -60,6 +61,10 @@ class BaseConv(nn.Module):
         self, x: Tensor, state: Tensor | None = None, *, key_padding_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         return self.mix(x, state, key_padding_mask)
+
+    def trim_state(self, state: Tensor | None, keep: int) -> Tensor | None:
+        """The last K - 1 inputs are the whole state, whatever the context."""
+        return state
 
     def state_size(self, n: int) -> int:
         """The last K - 1 inputs, whatever n."""

@@ -389,3 +389,12 @@ class MultiHeadAttention(nn.Module):
             q, k, v, state.kernel, key_padding_mask=key_padding_mask, **self.gate_values(x)
         )
         return self.merge_heads(out, x), LayerState(kernel_state, conv, state.seen + x.shape[1])
+
+    def trim_state(self, state: LayerState | None, keep: int) -> LayerState | None:
+        """``state`` with the kernel's state cut to its last ``keep`` tokens
+        (``AttentionKernel.trim_state``); its positions go on counting (RoPE's keys keep
+        their rotations: a query sees the same distances). None if the kernel cannot cut."""
+        if state is None or state.kernel is None:
+            return state
+        kernel = self.kernel.trim_state(state.kernel, keep)
+        return None if kernel is None else state._replace(kernel=kernel)
