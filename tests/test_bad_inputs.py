@@ -251,6 +251,19 @@ CASES = [
         "data=mqar (SyntheticDataModule) refuses data.block_size=4, data.num_kv_pairs=8: "
         "block_size=4 is too short for num_kv_pairs=8: MQAR needs block_size >= 4 * ",
     ),
+    # a needle that does not fit its context, a depth outside [0, 1]
+    case(
+        "train",
+        ["model=gpt", "data=passkey", "task=recall", "data.block_size=64"],
+        "data=passkey (NeedleDataModule) refuses data.block_size=64, data.digits=5: "
+        "block_size=64 is too short for passkey: its needle, question and answer take up to "
+        "103 characters",
+    ),
+    case(
+        "train",
+        ["model=gpt", "data=passkey", "task=recall", "data.depth=1.5"],
+        "data=passkey (NeedleDataModule) refuses data.depth=1.5: depth must be in [0, 1]",
+    ),
     case(
         "train",
         ["data.val_fraction=0.9", "data.test_fraction=0.5"],

@@ -4,6 +4,7 @@ IGNORE label, the ``TextData`` protocol, the resumable training loader)."""
 
 from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.mad import MAD_PROBLEMS, MADDataModule
+from transformers_lab.data.needles import NeedleDataModule
 from transformers_lab.data.synthetic import SyntheticDataModule, copy_or_sort, mqar
 from transformers_lab.data.text import ShakespeareBPEDataModule, ShakespeareCharDataModule
 from transformers_lab.data.tokenizers import (
@@ -24,6 +25,7 @@ __all__ = [
     "MADDataModule",
     "MAD_PROBLEMS",
     "MNISTDataModule",
+    "NeedleDataModule",
     "ShakespeareBPEDataModule",
     "ShakespeareCharDataModule",
     "SyntheticDataModule",
