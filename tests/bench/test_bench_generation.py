@@ -63,6 +63,8 @@ def test_past_the_trained_context_neither_cache_grows(tmp_path, capsys):
     assert cache[("softmax", "40")] == cache[("softmax", "8")]  # the window, not the context
     assert cache[("softmax", "40")] == pytest.approx(1 * 2 * 16 * 8 * 4 / 2**20)
     assert cache[("gla", "40")] == cache[("gla", "8")]
+    state = {(r["kernel"], r["context"]): int(r["state_size"]) for r in rows}
+    assert state[("softmax", "40")] == state[("softmax", "8")] == 1 * 2 * 16 * 8  # the window
     assert "trained at 8 (RoPE), decoded past it" in (tmp_path / "generation.md").read_text()
 
 

@@ -143,7 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "context": context,
                     "ms_per_token": 1e3 * seconds,
                     "cache_mib": mib,
-                    "state_size": model.state_size(context + args.new_tokens),
+                    # past the context a KV cache holds the window, not every token
+                    "state_size": model.state_size(
+                        min(context + args.new_tokens, block_size)
+                        if past
+                        else context + args.new_tokens
+                    ),
                 }
             )
             print(
