@@ -19,6 +19,8 @@ from transformers_lab.data.needles import (
 )
 from transformers_lab.errors import DataFileError
 
+from fake_data import write_text_root
+
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40
 
 
@@ -30,10 +32,8 @@ def module(kind: str = "passkey", **kw) -> NeedleDataModule:
 
 
 @pytest.fixture
-def text_root(tmp_path):
-    (tmp_path / "shakespeare").mkdir()
-    (tmp_path / "shakespeare" / "input.txt").write_text(TEXT)
-    return tmp_path
+def text_root(tmp_path, monkeypatch):
+    return write_text_root(tmp_path, monkeypatch, TEXT)  # shakespeare_char's checksum too
 
 
 @pytest.mark.parametrize("kind", ["passkey", "text", "multikey"])
@@ -108,5 +108,5 @@ def test_what_cannot_fit_is_one_clear_line(tmp_path):
         NeedleDataModule("multikey", num_needles=1)
     with pytest.raises(ValueError, match="unknown needle task 'haystack'"):
         NeedleDataModule("haystack")
-    with pytest.raises(DataFileError, match="reads Tiny Shakespeare at"):
-        module("text", root=str(tmp_path))
+    with pytest.raises(DataFileError, match="shakespeare/input.txt"):
+        module("text", root=str(tmp_path), download=False)

@@ -31,8 +31,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from transformers_lab.data.base import IGNORE, InMemoryDataModule
-from transformers_lab.data.download import data_root
-from transformers_lab.errors import DataFileError, at_least
+from transformers_lab.data.download import data_root, ensure_file
+from transformers_lab.data.text import ShakespeareCharDataModule
+from transformers_lab.errors import at_least
 
 KINDS = ("passkey", "text", "multikey")
 # every character an example may hold: newline and printable ASCII (Tiny Shakespeare is
@@ -171,6 +172,7 @@ class NeedleDataModule(InMemoryDataModule):
         num_needles: multikey's needles (at least 2); passkey and text hide one.
         digits: the number's digits (RULER's values have 7).
         root: the data dir holding ``shakespeare/input.txt`` (text); null: the default.
+        download: fetch Tiny Shakespeare if it is not there (text).
         train_examples, val_examples, batch_size, num_workers: the sets and loaders.
         seed: the training set uses ``seed``, validation ``seed + 1``.
     """
@@ -183,6 +185,7 @@ class NeedleDataModule(InMemoryDataModule):
         num_needles: int = 1,
         digits: int = 5,
         root: str | None = None,
+        download: bool = True,
         train_examples: int = 4000,
         val_examples: int = 256,
         batch_size: int = 32,
@@ -213,7 +216,7 @@ class NeedleDataModule(InMemoryDataModule):
             raise ValueError(needle_refusal(kind, block_size, digits, count))
         self.kind, self.block_size, self.depth = kind, block_size, depth
         self.num_needles, self.digits = count, digits
-        self.root = data_root(root)
+        self.root, self.download = data_root(root), download
         self.train_examples, self.val_examples = train_examples, val_examples
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.train_set: TensorDataset | None = None
@@ -223,15 +226,18 @@ class NeedleDataModule(InMemoryDataModule):
     def text_file(self) -> Path:
         return self.root / "shakespeare" / "input.txt"
 
+    def prepare_data(self) -> None:
+        """Tiny Shakespeare for the text haystack, fetched and checksummed as
+        ``shakespeare_char`` fetches it (``download=false``: only where it is)."""
+        if self.kind == "text":
+            source = ShakespeareCharDataModule  # its file, its checksum
+            ensure_file(self.text_file, source.url, source.sha256, download=self.download)
+
     def haystacks(self) -> tuple[str, str]:
         """The text the training and the validation haystacks are cut from."""
         if self.kind != "text":
             return FILLER, FILLER
-        if not self.text_file.is_file():
-            raise DataFileError(
-                f"needle task text reads Tiny Shakespeare at {self.text_file}: run any "
-                "shakespeare_char training once to download it, or set data.root"
-            )
+        self.prepare_data()
         text = "".join(c for c in self.text_file.read_text() if c in ALPHABET)
         cut = len(text) * 9 // 10
         return text[:cut], text[cut:]
