@@ -138,7 +138,8 @@ def sample(cfg: DictConfig) -> list[str]:
     model.to(cfg.device)
     ids = encode_prompt(datamodule, opts.prompt)
     limit = model.decode_limit() if opts.use_cache else "use_cache=false"
-    if limit and len(ids) + opts.max_new_tokens > model.block_size:  # GPT.stream crops
+    # GPT.stream crops once the context holds more than block_size tokens to read
+    if limit and len(ids) + opts.max_new_tokens - 1 > model.block_size:
         print(
             f"note: {len(ids)} prompt tokens and {opts.max_new_tokens} new ones pass the "
             f"model's context of {model.block_size} ({limit}): past it the model sees only "

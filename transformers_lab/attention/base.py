@@ -443,7 +443,8 @@ class AttentionKernel(nn.Module):
         if not self.trimmable:
             return None
         k, v, pad = state
-        return k[:, :, -keep:], v[:, :, -keep:], None if pad is None else pad[:, -keep:]
+        first = max(k.shape[2] - keep, 0)  # keep=0 keeps nothing (a slice -0: keeps all)
+        return k[:, :, first:], v[:, :, first:], None if pad is None else pad[:, first:]
 
     def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
         """Prepare keys (B, H, Nk, D) and values for ``read_memory``."""

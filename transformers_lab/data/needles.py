@@ -117,12 +117,13 @@ def word_start(text: str, at: int) -> int:
 
 def draw_keys(rng: random.Random, count: int) -> list[str]:
     """``count`` distinct random lowercase words of 4 to 7 letters."""
-    keys: set[str] = set()
+    keys: list[str] = []  # in draw order: a set's order would follow PYTHONHASHSEED
     while len(keys) < count:
-        keys.add(
-            "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 7)))
-        )
-    return sorted(keys, key=lambda _: rng.random())
+        key = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 7)))
+        if key not in keys:
+            keys.append(key)
+    rng.shuffle(keys)
+    return keys
 
 
 LONGEST_KEY = "x" * 7  # draw_keys' longest
@@ -141,7 +142,7 @@ def needle_refusal(kind: str, block_size: int, digits: int, count: int) -> str:
     return (
         f"block_size={block_size} is too short for {kind}: its needle"
         f"{'s' if count > 1 else ''}, question and answer take up to {needed} characters; "
-        f"give block_size > {needed} (a haystack around them), or fewer needles or digits"
+        f"give block_size >= {needed} (a haystack around them), or fewer needles or digits"
     )
 
 

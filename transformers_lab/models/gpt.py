@@ -191,10 +191,14 @@ class GPT(nn.Module):
 
     def slide(self, cache: list[Any], keep: int) -> list[Any]:
         """Each layer's decoding state holding at most its last ``keep`` tokens: a constant
-        state as it is, a KV cache cut (``Block.trim_state``)."""
-        return [
+        state as it is, a KV cache cut (``Block.trim_state``). A state that cannot be cut
+        is refused (``decode_limit`` says which), never dropped."""
+        cut = [
             block.trim_state(state, keep) for block, state in zip(self.blocks, cache, strict=True)
         ]
+        if any(new is None and old is not None for new, old in zip(cut, cache, strict=True)):
+            raise ValueError(f"this model cannot decode past block_size: {self.decode_limit()}")
+        return cut
 
     @torch.no_grad()
     def stream(
