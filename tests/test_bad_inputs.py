@@ -416,6 +416,25 @@ CASES = [
         ["ckpt_path={vit}", "+data.val_fraction=0.9", "+data.test_fraction=0.5"],
         "data (DigitsDataModule) refuses data.val_fraction=0.9, data.test_fraction=0.5: ",
     ),
+    # tlab-eval at other lengths: one a model cannot reach, a needle that does not fit, a
+    # depth outside [0, 1], data of no length
+    case(
+        "eval",
+        ["ckpt_path={passkey}", "eval_lengths=[128,512]"],
+        "cannot evaluate {passkey} at length 512: its learned positions end at block_size=128",
+    ),
+    case(
+        "eval",
+        ["ckpt_path={passkey}", "eval_lengths=[64]"],
+        "at length 64: data (NeedleDataModule) refuses data.block_size=64, data.digits=5: "
+        "block_size=64 is too short for passkey",
+    ),
+    case(
+        "eval",
+        ["ckpt_path={passkey}", "eval_lengths=[128]", "eval_depths=[0,2]"],
+        "eval_depths=[0, 2]: each depth must be in [0, 1]",
+    ),
+    case("eval", ["ckpt_path={vit}", "eval_lengths=[64]"], "scores a GPT (language model"),
     # tlab-sample
     case("sample", ["ckpt_path={vit}"], "(DigitsDataModule) has no text tokenizer"),
     case("sample", ["ckpt_path={junk}"], "is not a checkpoint"),
@@ -430,8 +449,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, str]:
-    """A checkpoint of a small ViT on digits (one training batch), and files that are not
-    what they are given for."""
+    """Checkpoints of a small ViT on digits and a GPT on passkeys (one training batch
+    each), and files that are not what they are given for."""
     root = tmp_path_factory.mktemp("files")
     one_batch = [
         "trainer.max_epochs=1",
@@ -441,6 +460,10 @@ def files(tmp_path_factory) -> dict[str, str]:
         "test=false",
     ]
     train(compose_config("train", [*SMALL, *one_batch], root / "vit"))
+    passkey = ["model=gpt", "data=passkey", "task=recall", "data.block_size=128"]
+    passkey += ["data.train_examples=8", "data.val_examples=8", "data.batch_size=8"]
+    passkey += ["model.n_layer=1", "model.d_model=16", "model.n_head=2"]
+    train(compose_config("train", [*SMALL, *one_batch, *passkey], root / "passkey"))
     (root / "junk.ckpt").write_text("not a checkpoint")
     torch.save({"state_dict": {}}, root / "plain.ckpt")
     (root / "file").write_text("a file where a folder should be")
@@ -448,7 +471,8 @@ def files(tmp_path_factory) -> dict[str, str]:
     (root / "locked").mkdir(mode=0o500)
     names = ("junk.ckpt", "plain.ckpt", "file", "empty", "locked")
     paths = {name.split(".")[0]: str(root / name) for name in names}
-    return {"vit": str(root / "vit" / "checkpoints" / "last.ckpt"), "real": str(REAL), **paths}
+    paths |= {run: str(root / run / "checkpoints" / "last.ckpt") for run in ("vit", "passkey")}
+    return {"real": str(REAL), **paths}
 
 
 def offline(url: str, path, timeout: float = 60.0) -> None:

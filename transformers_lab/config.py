@@ -54,6 +54,15 @@ OmegaConf.register_new_resolver("optuna_direction", optuna_direction, replace=Tr
 OmegaConf.register_new_resolver("epoch_steps", epoch_steps, replace=True)
 
 
+def multiples(base: int, factors: list[Any]) -> list[int]:
+    """``${multiples:${data.block_size},[1,2,4,8]}``: the lengths an evaluation past the
+    trained length scores at, as multiples of it."""
+    return [int(base * f) for f in factors]
+
+
+OmegaConf.register_new_resolver("multiples", multiples, replace=True)
+
+
 OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
 
 

@@ -2,19 +2,27 @@
 
     tlab-eval ckpt_path=logs/train/runs/<time>/checkpoints/best.ckpt
     tlab-eval ckpt_path=... split=test +data.batch_size=256
+    tlab-eval ckpt_path=... eval_lengths=[64,128,256,512]   # past the trained length
+    tlab-eval ckpt_path=... eval_lengths=[256,512] eval_depths=[0,0.5,1]   # needles
+    tlab-eval ckpt_path=... eval_lengths=[256,1024] loss_by_position=16
 
 The model, data and task configs are read from the checkpoint (``tlab_config``), so the
-metric is the one logged during training for the same weights.
+metric is the one logged during training for the same weights. ``eval_lengths`` scores
+it at other lengths instead, the model rebuilt at each (``run.lengths``): the metrics are
+named ``val/acc@256`` (``val/acc@256:d0.5`` at a needle depth) and written to
+``lengths.csv`` in the run dir; ``loss_by_position`` writes ``loss_by_position.csv`` and
+``.png``.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import hydra
 import lightning as L
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
@@ -22,12 +30,21 @@ from transformers_lab.errors import ConfigError
 from transformers_lab.run.build import build_loggers, call, use_cpu_threads
 from transformers_lab.run.checkpoints import restore
 from transformers_lab.run.fit import metrics_dict, print_metrics
+from transformers_lab.run.lengths import (
+    check_depths,
+    check_lengths,
+    evaluate_lengths,
+    quiet_trainer,
+    write_lengths,
+    write_position_losses,
+)
 from transformers_lab.run.loggers import finish_wandb
 from transformers_lab.run.preflight import check_config
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("val", "test")
+LENGTH_KEYS = ("eval_lengths", "eval_depths", "loss_by_position")
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
@@ -38,6 +55,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"split={cfg.split} is not one of {', '.join(SPLITS)}")
     use_cpu_threads(cfg)
     L.seed_everything(cfg.seed, workers=True)
+    if any(cfg.get(key) is not None for key in LENGTH_KEYS):
+        return evaluate_at_lengths(cfg)
     checkpoint, datamodule, task = restore(cfg.ckpt_path, cfg.get("data"))
     if cfg.split == "test" and not is_overridden("test_dataloader", datamodule):
         raise ConfigError(f"{type(datamodule).__name__} has no test split; use split=val")
@@ -54,6 +73,32 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         f"step {checkpoint.get('global_step')})"
     )
     print_metrics(metrics)
+    return metrics
+
+
+def evaluate_at_lengths(cfg: DictConfig) -> dict[str, float]:
+    """``evaluate`` at each of ``cfg.eval_lengths`` (and needle depth): the metrics, also
+    written to ``lengths.csv`` (and the loss by position) in the run dir."""
+    if cfg.get("eval_lengths") is None:
+        given = next(key for key in LENGTH_KEYS if cfg.get(key) is not None)
+        raise ConfigError(
+            f"{given} needs eval_lengths, the lengths to score at, e.g. eval_lengths=[256,512]"
+        )
+    lengths = check_lengths(cfg.eval_lengths)
+    depths = check_depths(cfg.eval_depths) if cfg.get("eval_depths") is not None else None
+    buckets = cfg.get("loss_by_position")
+    if buckets is not None and not (isinstance(buckets, int) and buckets >= 1):
+        raise ConfigError(f"loss_by_position={buckets!r}: give a number of buckets >= 1, e.g. 16")
+    data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") else {}
+    metrics, positions, trained = evaluate_lengths(
+        cfg.ckpt_path, lengths, lambda: quiet_trainer(cfg), data, cfg.split, depths, buckets
+    )
+    out = Path(cfg.paths.output_dir)
+    print(f"checkpoint: {cfg.ckpt_path}")
+    print_metrics(metrics)
+    print(f"lengths: {write_lengths(metrics, out)}")
+    if positions:
+        print(f"loss by position: {write_position_losses(positions, trained, out)}")
     return metrics
 
 

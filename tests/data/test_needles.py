@@ -3,7 +3,10 @@ only the answer supervised, and one clear line for what cannot fit."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +17,8 @@ from transformers_lab.data.needles import (
     FILLER,
     NeedleDataModule,
     draw_needle,
+    encode,
+    examples,
     needle_sentence,
     word_start,
 )
@@ -78,10 +83,13 @@ def test_the_needle_sits_at_its_depth_and_only_the_answer_is_supervised(kind, de
     assert first == word_start(rest, round(depth * needle.room))
     assert first == 0 or rest[first - 1] in " \n"
     assert depth * needle.room - 20 <= first <= depth * needle.room
-    # the labels: the answer's digits after the question, IGNORE everywhere else
-    dm_ids = [ALPHABET.index(c) for c in needle.context + needle.answer]
-    label = [IGNORE] * (len(needle.context) - 1) + dm_ids[len(needle.context) :]
-    assert sum(x != IGNORE for x in label) == 5 == len(needle.answer)
+    # the example the module makes of it: the answer's digits after the question are the
+    # only labels, each the next character
+    (inputs, labels), ids = examples([needle])[:], encode(needle.context + needle.answer)
+    assert inputs[0].tolist() == ids[:-1]
+    supervised = (labels[0] != IGNORE).nonzero().flatten().tolist()
+    assert supervised == list(range(200 - 5, 200))
+    assert labels[0, supervised].tolist() == encode(needle.answer)
 
 
 def test_the_module_s_labels_spell_the_answer(text_root):
@@ -110,3 +118,40 @@ def test_what_cannot_fit_is_one_clear_line(tmp_path):
         NeedleDataModule("haystack")
     with pytest.raises(DataFileError, match="shakespeare/input.txt"):
         module("text", root=str(tmp_path), download=False)
+
+
+def test_the_filler_starts_at_any_of_its_words():
+    rng = random.Random(0)
+    starts = {draw_needle("passkey", rng, 160, 1.0).context[:12] for _ in range(60)}
+    words = {FILLER[i:][:12] for i in range(len(FILLER)) if i == 0 or FILLER[i - 1] == " "}
+    assert starts == {(w + FILLER)[:12] for w in words}  # every word, and only words
+
+
+def test_no_validation_example_is_a_training_one():
+    """At a fixed depth a passkey example is its number and the filler's first word: with
+    2 digits (90 numbers) and 16 first words, 1000 training examples hold most of them."""
+    dm = module("passkey", digits=2, depth=0.5, train_examples=1000, val_examples=200)
+    train = {tuple(x.tolist()) for x in dm.train_set.tensors[0]}
+    assert len(train) < 1000  # the training set repeats itself: the check has work to do
+    assert not train & {tuple(x.tolist()) for x in dm.val_set.tensors[0]}
+    with pytest.raises(ValueError, match="validation examples differ from the training set"):
+        module("passkey", digits=1, depth=0.5, train_examples=1000, val_examples=200)
+
+
+def test_multikey_data_is_the_same_under_any_hash_seed(tmp_path):
+    """Keys are drawn in order: a set's order would follow PYTHONHASHSEED, and another
+    process (a DDP rank, a resumed run) would get other data."""
+    code = (
+        "from transformers_lab.data.needles import NeedleDataModule as M;"
+        "import hashlib;"
+        "dm = M('multikey', block_size=200, num_needles=3, train_examples=8, val_examples=4);"
+        "dm.setup();"
+        "print(hashlib.sha256(dm.train_set.tensors[0].numpy().tobytes()).hexdigest())"
+    )
+    digests = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1

@@ -4,7 +4,8 @@ The commands are the ``tlab-*`` and ``python -m transformers_lab...`` lines of t
 blocks (an environment prefix such as ``PYTHONPATH=tests/user`` included); a ``make``
 line must name a target of the Makefile. Its placeholders (``<time>``,
 ``.../last.ckpt``, ``<sweep A>``) are filled in with runs trained here first: the default
-ViT, a baby GPT on Tiny Shakespeare, the Multi30k Transformer and two small MQAR sweeps.
+ViT, a baby GPT on Tiny Shakespeare, a GPT with RoPE on passkeys, the Multi30k Transformer
+and two small MQAR sweeps.
 Each command gets the budget its row of ``BUDGET`` gives (``debug=limit``: 3 epochs of 3
 batches) and must exit 0. ``SKIPPED`` lists the lines left out, each with its reason; a
 line of the README is in one or the other, or the test that reads them fails.
@@ -85,6 +86,10 @@ BUDGET = [
     ),  # fmt: skip
     # Zoology's batch of 512 over a vocabulary of 8192: 2 s a step; a small batch runs the
     # same code (the commands set trainer.max_epochs=10: 30 steps)
+    (
+        "tlab-train sweep=length_generalisation",  # 16 jobs: 2, at a tiny budget
+        [*TINY, "extrapolation=softmax_rope,gla", "optimizer.lr=1e-3"],
+    ),
     ("tlab-train experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
     ("tlab-train -m experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
     ("tlab-train", TINY),
@@ -194,12 +199,16 @@ def only_dir(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """What the placeholders stand for: three trained runs and two sweeps."""
+    """What the placeholders stand for: four trained runs and two sweeps."""
     if not DATA:
         pytest.skip("the README's data sets: set TLAB_DATA_DIR (../shared/data in CI)")
     root = tmp_path_factory.mktemp("readme")
     made: dict[str, Path] = {"root": root}
-    for name, preset in (("vit", []), ("gpt", ["experiment=baby_gpt"])):
+    for name, preset in (
+        ("vit", []),
+        ("gpt", ["experiment=baby_gpt"]),
+        ("needles", ["experiment=needles", "eval_lengths=null"]),  # RoPE: any length
+    ):
         proc = tlab("tlab-train", *preset, *TINY, f"hydra.run.dir=runs/{name}", cwd=root)
         assert proc.returncode == 0, proc.stderr[-3000:]
         made[name] = root / "runs" / name
@@ -234,6 +243,8 @@ def fill_in(command: str, runs: dict[str, Path]) -> str:
     """The command with each placeholder replaced by a run made here."""
     program = command.split()[0]
     model = {"tlab-sample": "gpt", "tlab-translate": "transformer"}.get(program, "vit")
+    if "eval_lengths=" in command:  # scored at other lengths: a GPT with RoPE, on passkeys
+        model = "needles"
     ckpts = runs[model] / "checkpoints"
     for old, new in (
         ("logs/train/runs/<time>", runs["vit"]),

@@ -9,7 +9,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from transformers_lab.errors import UnknownChoice
-from transformers_lab.run.record import JobRecord, Monitor, write_record
+from transformers_lab.run.record import JobRecord, Monitor, read_record, write_record
 from transformers_lab.sweeps.report.cli import summarize
 from transformers_lab.sweeps.report.stats import (
     best_of,
@@ -484,3 +484,30 @@ def test_runs_group_by_what_they_ran_not_by_their_command_lines(tmp_path):
     ]
     assert sorted(groups["attention=softmax optimizer.lr=0.001"]["values"]) == [0.8, 0.9]
     assert sorted(groups["attention=fastmax optimizer.lr=0.001"]["values"]) == [0.4, 0.5]
+
+
+def test_runs_scored_at_other_lengths_get_a_table_and_a_figure_by_length(tmp_path):
+    """eval_lengths' metrics (val/acc@L) of each choice at its best rate, over seeds."""
+    sweep, n = tmp_path / "lengths", 0
+    for kernel, falls in (("softmax", 0.5), ("gla", 0.1)):
+        for seed in (0, 1):
+            for lr, acc in (("1e-3", 0.8), ("1e-2", 1.0)):
+                overrides = [f"attention={kernel}", f"seed={seed}", f"optimizer.lr={lr}"]
+                job(sweep / str(n), overrides, acc)
+                record = read_record(sweep / str(n))
+                record.metrics |= {f"val/acc@{m}": acc - falls * i + seed / 100 for i, m in
+                                   enumerate((64, 128, 256))}  # fmt: skip
+                record.metrics["val/acc@128:d0.5"] = 0.0  # a needle depth: not a length
+                write_record(sweep / str(n), record)
+                n += 1
+    summary = summarize(sweep, best_over=["optimizer.lr"])
+    points = {(r["line"], r["x"]): r["val/acc"] for r in summary["lengths"]}
+    assert len(points) == 6
+    assert points["attention=softmax", 256] == pytest.approx(1.0 - 1.0 + 0.005)
+    assert points["attention=gla", 128] == pytest.approx(1.0 - 0.1 + 0.005)
+    assert (sweep / "lengths.png").stat().st_size > 0
+    text = (sweep / "summary.md").read_text()
+    assert "| choice | 64 | 128 | 256 |" in text
+    # without lengths: no section, no figure
+    plain = summarize(grid(tmp_path))
+    assert plain["lengths"] == [] and not (tmp_path / "grid" / "lengths.png").exists()

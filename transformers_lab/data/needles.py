@@ -17,7 +17,8 @@ Each example is ``block_size + 1`` characters: the haystack with the needle(s) a
 should), then the question, whose answer (the number) is the only thing supervised: the
 labels are ``IGNORE`` elsewhere. A needle starts at a word boundary, the nearest at or
 before its depth. The training and validation sets use disjoint seeds (and, for text,
-disjoint parts of the text: the first nine tenths and the last tenth).
+disjoint parts of the text: the first nine tenths and the last tenth), and no validation
+example is one of the training set.
 """
 
 from __future__ import annotations
@@ -89,8 +90,11 @@ def draw_needle(
     room = block_size + 1 - len(tail) - digits - sum(map(len, needles))
     if room < 1:
         raise ValueError(needle_refusal(kind, block_size, digits, count))
-    start = rng.randrange(max(len(text) - room, 1))
-    start = next((i + 1 for i in range(start - 1, len(text) - room) if text[i] in " \n"), start)
+    # a random word start: in the filler any of its words (the haystack repeats it from
+    # there); in a text, one the haystack fits after where it can
+    cyclic = kind != "text" or len(text) <= room
+    start = rng.randrange(len(text) if cyclic else len(text) - room)
+    start = next((i + 1 for i in range(start - 1, len(text) - 1) if text[i] in " \n"), 0)
     haystack = (text[start:] + text * (room // len(text) + 1))[:room]
     depths = [rng.random() if depth is None else depth for _ in needles]
     cuts = sorted(
@@ -243,21 +247,34 @@ class NeedleDataModule(InMemoryDataModule):
         cut = len(text) * 9 // 10
         return text[:cut], text[cut:]
 
-    def generate(self, num_examples: int, seed: int, text: str) -> TensorDataset:
-        rng = random.Random(seed)
-        drawn = [
-            draw_needle(
+    def generate(
+        self, num_examples: int, seed: int, text: str, unlike: Sequence[Needle] = ()
+    ) -> list[Needle]:
+        """``num_examples`` needles drawn from ``seed``, none the same as one of
+        ``unlike`` (the training set: a validation example it holds would be recall of
+        the training set, not of the context)."""
+        rng, seen = random.Random(seed), {n.context + n.answer for n in unlike}
+        drawn: list[Needle] = []
+        for _ in range(20 * num_examples + 100):
+            if len(drawn) == num_examples:
+                return drawn
+            needle = draw_needle(
                 self.kind, rng, self.block_size, self.depth, self.num_needles, self.digits, text
             )
-            for _ in range(num_examples)
-        ]
-        return examples(drawn)
+            if needle.context + needle.answer not in seen:
+                drawn.append(needle)
+        raise ValueError(
+            f"{self.kind} at block_size={self.block_size}, depth={self.depth}: fewer than "
+            f"{num_examples} validation examples differ from the training set; give more "
+            "digits or fewer examples"
+        )
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
             train_text, val_text = self.haystacks()
-            self.train_set = self.generate(self.train_examples, self.seed, train_text)
-            self.val_set = self.generate(self.val_examples, self.seed + 1, val_text)
+            train = self.generate(self.train_examples, self.seed, train_text)
+            val = self.generate(self.val_examples, self.seed + 1, val_text, unlike=train)
+            self.train_set, self.val_set = examples(train), examples(val)
 
     def model_kwargs(self) -> dict[str, int]:
         return {"vocab_size": len(ALPHABET), "block_size": self.block_size}

@@ -172,6 +172,28 @@ class GPT(nn.Module):
             new_cache.append(state)
         return self.lm_head(self.norm(x)), new_cache
 
+    def reach(self, length: int) -> str | None:
+        """Why these weights cannot read ``length`` tokens in one pass, the model rebuilt at
+        ``block_size=length`` (evaluation at other lengths), or None where they can: a
+        learned table has no vector past its ``block_size``, and a kernel that weighs
+        positions up to its own max_len (cosFormer) ends there. A formula (sinusoidal,
+        fourier), RoPE, ALiBi and no positions go on."""
+        if self.pos.kind == "learned" and length > self.block_size:
+            return (
+                f"its learned positions end at block_size={self.block_size}; evaluate at "
+                f"lengths up to {self.block_size}, or train with model.pos_encoding=rope "
+                "(alibi, none) to go past it"
+            )
+        for i, block in enumerate(self.blocks):
+            kernel = getattr(block.mixer, "kernel", None)
+            longest = getattr(kernel, "max_len", None)
+            if longest is not None and length > longest:
+                return (
+                    f"layer {i}'s {kernel.name} weighs positions up to its "
+                    f"attention.max_len={longest}; evaluate at lengths up to {longest}"
+                )
+        return None
+
     def decode_limit(self) -> str | None:
         """Why this model cannot decode past ``block_size`` on its decoding state, or None
         where it can: positions from a table (learned, sinusoidal) end there, a kernel that

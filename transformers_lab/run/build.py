@@ -68,23 +68,37 @@ def moved_target(target: Any) -> str | None:
     return None
 
 
-def migrate_targets(node: Any) -> None:
-    """Point, in place, every ``_target_`` of ``node`` that moved (``MOVED``) to its new
-    home, with a note that names both: a config of an earlier version keeps working."""
-    if isinstance(node, DictConfig):
-        target = node._get_node("_target_") if "_target_" in node else None
-        new = moved_target(target._value()) if target is not None else None
-        if new is not None:
-            log.warning("%s moved to %s; update your config", target._value(), new)
-            with open_dict(node):
-                node._target_ = new
-        children = [node._get_node(key) for key in node]
-    elif isinstance(node, ListConfig):
-        children = [node._get_node(i) for i in range(len(node))]
+def moved_targets(node: Any) -> list[tuple[str, str]]:
+    """Point, in place, every ``_target_`` of a config that moved (``MOVED``) to its new
+    home; returns each (old, new) pair. A plain config (a checkpoint's) and an OmegaConf
+    one (a run's, its interpolations left unresolved) alike."""
+    keys: list[Any] = []
+    if isinstance(node, dict | DictConfig):
+        keys = list(node)
+        children = [node._get_node(k) if isinstance(node, DictConfig) else node[k] for k in keys]
+    elif isinstance(node, list | ListConfig):
+        children = [node._get_node(i) if isinstance(node, ListConfig) else node[i]
+                    for i in range(len(node))]  # fmt: skip
     else:
-        return
+        return []
+    moved = []
+    if "_target_" in keys:
+        target = children[keys.index("_target_")]
+        old = target._value() if isinstance(node, DictConfig) else target
+        if (new := moved_target(old)) is not None:
+            moved.append((old, new))
+            with open_dict(node) if isinstance(node, DictConfig) else contextlib.nullcontext():
+                node["_target_"] = new
     for child in children:
-        migrate_targets(child)
+        moved.extend(moved_targets(child))
+    return moved
+
+
+def migrate_targets(config: Any) -> None:
+    """``moved_targets`` with a note for each that names both: a config of an earlier
+    version keeps working."""
+    for old, new in moved_targets(config):
+        log.warning("%s moved to %s; update your config", old, new)
 
 
 def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
@@ -397,13 +411,15 @@ def placeholder_sizes(model: DictConfig, data: Any) -> dict[str, Any]:
     return sizes
 
 
-def build_on_meta(cfg: DictConfig) -> None:
+def build_on_meta(cfg: DictConfig) -> torch.nn.Module | None:
     """The run built as it will be, for the preflight, before any data is read: the data
     module constructed (nothing fetched or read), the model on the meta device sized with
     stand-ins for what the data gives (``placeholder_sizes``), and the task around it.
     Their constructors' own refusals (a data size, the kernel's options, the layer's
     parts, RoPE, ALiBi, causal or both ways, positions, a hybrid's layers, the task's
-    settings) are met at once, in their own words."""
+    settings) are met at once, in their own words. Returns the model on the meta device
+    (None where the config has none, or a model of the user's needs a size only its data
+    gives)."""
     data, model, task = (cfg.get(key) for key in ("data", "model", "task"))
     if isinstance(data, DictConfig) and "_target_" in data:  # its constructor: nothing read
         factory = call(data, "data", _partial_=True)
@@ -412,7 +428,7 @@ def build_on_meta(cfg: DictConfig) -> None:
         except REFUSALS as exc:
             raise ConfigError(data_refusal(data, exc)) from exc
     if not isinstance(model, DictConfig) or "_target_" not in model:
-        return
+        return None
     factory = model_factory(model)
     sizes = placeholder_sizes(model, data or {})
     params = inspect.signature(target_class(model)).parameters
@@ -421,7 +437,7 @@ def build_on_meta(cfg: DictConfig) -> None:
         sizes["vocab_size"] = PLACEHOLDERS["vocab_size"]  # token input (no patches)
         given.add("vocab_size")
     if any(p.default is p.empty and name not in given for name, p in params.items()):
-        return  # a model of the user's that needs a size only its data gives
+        return None  # a model of the user's that needs a size only its data gives
     try:
         built = on_meta(factory, **sizes)
     except (ValueError, TypeError) as exc:
@@ -429,6 +445,7 @@ def build_on_meta(cfg: DictConfig) -> None:
     if isinstance(task, DictConfig) and "_target_" in task:
         with torch.device("meta"):
             build_task(task, built)
+    return built
 
 
 def compile_model(model: torch.nn.Module) -> str:

@@ -28,7 +28,7 @@ from transformers_lab.run.build import (
     build_datamodule,
     build_model,
     build_task,
-    moved_target,
+    moved_targets,
     target_class,
 )
 from transformers_lab.run.overrides import override_key
@@ -99,21 +99,6 @@ def migrate_config(config: dict[str, Any]) -> list[tuple[str, str]]:
             node[new] = node.pop(old)
             renamed.append((f"{section}.{old}", f"{section}.{new}"))
     return renamed
-
-
-def moved_targets(node: Any) -> list[tuple[str, str]]:
-    """Point, in place, each ``_target_`` of a plain config that moved to its new home."""
-    if isinstance(node, list):
-        return [pair for item in node for pair in moved_targets(item)]
-    if not isinstance(node, dict):
-        return []
-    moved = []
-    if (new := moved_target(node.get("_target_"))) is not None:
-        moved.append((node["_target_"], new))
-        node["_target_"] = new
-    for value in node.values():
-        moved.extend(moved_targets(value))
-    return moved
 
 
 def peek(path: str | Path) -> dict[str, Any] | None:
@@ -368,8 +353,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_write(path, lambda f: torch.save(checkpoint, f), sync=True)
 
 
-def saved_run(checkpoint: dict[str, Any], path: Any, data_overrides: Any) -> DictConfig:
-    """The run config stored in a checkpoint, with the command line's ``data.*`` merged."""
+def saved_run(
+    checkpoint: dict[str, Any], path: Any, data_overrides: Any, model_overrides: Any = None
+) -> DictConfig:
+    """The run config stored in a checkpoint, with the command line's ``data.*`` merged
+    (and ``model.*``: the context of an evaluation at another length)."""
     saved = checkpoint.get("tlab_config")
     if not saved:
         raise ConfigError(
@@ -378,6 +366,8 @@ def saved_run(checkpoint: dict[str, Any], path: Any, data_overrides: Any) -> Dic
         )
     run = OmegaConf.create(saved)
     run.data = OmegaConf.merge(run.data, data_overrides or {})
+    if model_overrides:
+        run.model = OmegaConf.merge(run.model, model_overrides)
     return run
 
 
@@ -400,15 +390,20 @@ class Restored(NamedTuple):
 
 
 def restore(
-    ckpt_path: str | Path, data: Any = None, needs: type | None = None, wanted: str = ""
+    ckpt_path: str | Path,
+    data: Any = None,
+    needs: type | None = None,
+    wanted: str = "",
+    model: Any = None,
 ) -> Restored:
     """The one way back from a checkpoint, for ``tlab-eval``, ``tlab-sample``,
     ``tlab-translate`` and notebooks: the saved run's data module (``data`` overrides
     entries of its config), model and task built, the weights checked and loaded. With
     ``needs``, a checkpoint of another model class is refused before anything is built,
-    in one line that starts with what is ``wanted``."""
+    in one line that starts with what is ``wanted``. ``model`` overrides entries of the
+    model config that hold no weights (``block_size``, for another length)."""
     checkpoint = load_checkpoint(ckpt_path)
-    run = saved_run(checkpoint, ckpt_path, data)
+    run = saved_run(checkpoint, ckpt_path, data, model)
     if needs is not None:
         cls = target_class(run.model)
         if not (isinstance(cls, type) and issubclass(cls, needs)):

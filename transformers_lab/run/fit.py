@@ -40,6 +40,7 @@ from transformers_lab.run.checkpoints import (
     load_checkpoint,
     resolved_sections,
 )
+from transformers_lab.run.lengths import score_lengths
 from transformers_lab.run.loggers import finish_wandb, log_hyperparameters, name_wandb_run
 from transformers_lab.run.overrides import job_overrides, override_key, sweep_resume
 from transformers_lab.run.preflight import check_config
@@ -108,6 +109,9 @@ def fit_and_test(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Outco
             if cfg.get("test") and pruned_at is None:
                 tested = checkpoints["best"] if training else cfg.get("ckpt_path")
                 metrics.update(final_test(trainer, task, datamodule, tested, training))
+            if cfg.get("eval_lengths") and pruned_at is None:  # past the trained length
+                scored = checkpoints["best"] or checkpoints["last"] or cfg.get("ckpt_path")
+                metrics.update(score_lengths(cfg, scored))
     finally:
         finish_wandb(trainer)
     report(metrics, checkpoints)

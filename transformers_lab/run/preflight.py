@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers_lab.config import CONF_DIR, unknown_option
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.build import build_on_meta
+from transformers_lab.run.lengths import check_length_options
 from transformers_lab.tasks.schedules import RULES as SCHEDULE_RULES
 
 
@@ -374,4 +375,6 @@ def check_config(cfg: DictConfig) -> None:
             f"early stopping off (callbacks.early_stopping=null)"
         )
     check_summary_keys(cfg)
-    build_on_meta(cfg)  # the constructors' own refusals, before the data is read
+    built = build_on_meta(cfg)  # the constructors' own refusals, before the data is read
+    if cfg.get("eval_lengths") is not None or cfg.get("eval_depths") is not None:
+        check_length_options(cfg, built)  # before a run trains for them

@@ -12,6 +12,9 @@ after more jobs were added, and writing it twice gives the same files::
     tlab-summarize <sweep or run dir> <another> ... --out cmp/   # one table over all
     tlab-summarize <run dir> --curves                     # curves.png, following resumes
 
+Runs scored at other lengths (``eval_lengths``) add ``lengths.png`` and a table of the
+metric at each length, a line per choice.
+
 A job directory without ``result.json``, or whose record still says ``running`` (a job
 still running, or killed), is listed as ``incomplete`` with the last metrics of its
 ``csv/metrics.csv`` if it has one. The parts: ``collect`` (the runs), ``groups`` (over
@@ -46,7 +49,13 @@ from transformers_lab.sweeps.report.groups import (
     group_rows,
     score_rows,
 )
-from transformers_lab.sweeps.report.plots import plot, plot_curves, plot_state, write_grid
+from transformers_lab.sweeps.report.plots import (
+    plot,
+    plot_curves,
+    plot_state,
+    write_grid,
+    write_length_figure,
+)
 from transformers_lab.sweeps.report.study import study_section
 from transformers_lab.sweeps.report.tables import (
     fmt,
@@ -133,6 +142,7 @@ def summarize(
             log.warning("no grid figure: %s", exc)
             notes.append(f"No grid figure: {exc}.")
     scores = score_rows(groups, [override_key(k) for k in mean_over]) if mean_over else None
+    length_points, by_length = write_length_figure(grouped, metric, keys, out, by_source)
 
     columns = list(rows[0])
     table = io.StringIO(newline="")
@@ -164,6 +174,7 @@ def summarize(
         ),
         "",
         *score_section(scores, metric, mean_over),
+        *by_length,
         *(study_section(dirs[0], out) if len(dirs) == 1 else []),
         "## Jobs",
         "",
@@ -182,6 +193,7 @@ def summarize(
         "groups": groups,
         "grid": grid_table,
         "scores": scores,
+        "lengths": length_points,
         "out": out,
     }
 

@@ -222,3 +222,24 @@ def grid_rows(
             {"panel": p, "line": ln, "x": v, metric: statistics.fmean(vals), "runs": len(vals)}
         )
     return sorted(rows, key=lambda r: (natural(r["panel"]), natural(r["line"]), natural(r["x"])))
+
+
+def length_rows(
+    runs: Sequence[Run], metric: str, keys: Sequence[str], by_source: bool = False
+) -> list[dict[str, Any]]:
+    """The mean over seeds of ``metric`` at each length the finished ``runs`` were scored
+    at (``<metric>@<length>``, a run's ``eval_lengths``), a row per (choice, length), in
+    ``grid_rows``' layout: the choice is the line, the length is x."""
+    cells: dict[tuple[str, int], list[float]] = {}
+    for run in runs:
+        if run.record.status != "ok":
+            continue
+        for key, value in run.record.metrics.items():
+            name, _, length = key.rpartition("@")
+            if name == metric and length.isdigit():
+                cells.setdefault((choice_of(run, keys, by_source), int(length)), []).append(value)
+    rows = [
+        {"panel": "(all)", "line": line, "x": n, metric: statistics.fmean(v), "runs": len(v)}
+        for (line, n), v in cells.items()
+    ]
+    return sorted(rows, key=lambda r: (natural(r["line"]), r["x"]))

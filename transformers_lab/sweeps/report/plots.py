@@ -15,7 +15,7 @@ from transformers_lab.run.curves import history
 from transformers_lab.run.overrides import override_key
 from transformers_lab.run.record import read_record
 from transformers_lab.sweeps.report.collect import Run, check_metric, default_out, run_dirs
-from transformers_lab.sweeps.report.groups import grid_rows
+from transformers_lab.sweeps.report.groups import grid_rows, length_rows
 from transformers_lab.sweeps.report.tables import as_number, markdown_table, natural
 
 
@@ -183,6 +183,30 @@ def write_grid(
     table = markdown_table(rows, ["panel", "line", "x", metric, "runs"])
     atomic_write(out / "grid.md", f"# {metric} against {x}\n\n{table}\n")
     return rows
+
+
+def write_length_figure(
+    runs: Sequence[Run], metric: str, keys: Sequence[str], out: Path, by_source: bool = False
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """``lengths.png`` (``metric`` against the length each run was scored at, a line per
+    choice) where the runs were scored at other lengths (``eval_lengths``): its points,
+    and the summary's section of them (a row per choice, a column per length)."""
+    rows = length_rows(runs, metric, keys, by_source)
+    if not rows:
+        return [], []
+    atomic_write(
+        out / "lengths.png", lambda f: plot_grid(rows, metric, "length", "choice", None, f)
+    )
+    lengths = sorted({r["x"] for r in rows})
+    choices = list(dict.fromkeys(r["line"] for r in rows))
+    at = {(r["line"], r["x"]): r[metric] for r in rows}
+    table = [{"choice": c, **{str(n): at.get((c, n)) for n in lengths}} for c in choices]
+    return rows, [
+        f"## By length (`{metric}` at each length scored: mean over seeds; lengths.png)",
+        "",
+        markdown_table(table, ["choice", *map(str, lengths)]),
+        "",
+    ]
 
 
 def curve(rows: Sequence[dict[str, float]], metric: str) -> tuple[list[float], list[float]]:
