@@ -189,3 +189,22 @@ def test_the_preset_runs_every_contender_at_1_to_8_times_its_length(tmp_path):
         assert found == expected[name], name
         if one.model.pos_encoding == "none":  # order from a short convolution instead
             assert one.attention.short_conv == 4, name
+
+
+@pytest.fixture(scope="module")
+def passkey_ckpt(generation_data):
+    passkey = ["data=passkey", "data.block_size=128", "data.train_examples=16"]
+    passkey += ["data.val_examples=8", "data.batch_size=8", "model.pos_encoding=rope"]
+    return trained(generation_data, [*TINY, *passkey, "task=recall"], "passkey")
+
+
+def test_needles_are_scored_at_each_depth_of_each_length(passkey_ckpt, tmp_path):
+    metrics = evaluate_at(passkey_ckpt, tmp_path, "eval_lengths=[128,256]", "eval_depths=[0,1]")
+    assert {f"val/acc@{n}:d{d}" for n in (128, 256) for d in (0, 1)} <= set(metrics)
+    loss, acc = by_hand(passkey_ckpt, {"block_size": 256, "depth": 1.0}, 256)
+    assert metrics["val/loss@256:d1"] == pytest.approx(loss, rel=1e-5)
+    assert metrics["val/acc@256:d1"] == pytest.approx(acc, abs=1e-6)
+    assert metrics["val/loss@256:d1"] != metrics["val/loss@256:d0"]  # another haystack
+    rows = list(csv.DictReader((tmp_path / "lengths.csv").open()))
+    (row,) = [r for r in rows if (r["metric"], r["length"], r["depth"]) == ("val/acc", "256", "0")]
+    assert float(row["value"]) == pytest.approx(metrics["val/acc@256:d0"], rel=1e-5)

@@ -109,9 +109,13 @@ def fit_and_test(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Outco
             if cfg.get("test") and pruned_at is None:
                 tested = checkpoints["best"] if training else cfg.get("ckpt_path")
                 metrics.update(final_test(trainer, task, datamodule, tested, training))
-            if cfg.get("eval_lengths") and pruned_at is None:  # past the trained length
+            lengths = cfg.get("eval_lengths") and pruned_at is None
+            if lengths and trainer.global_rank == 0:  # past the trained length
                 scored = checkpoints["best"] or checkpoints["last"] or cfg.get("ckpt_path")
-                metrics.update(score_lengths(cfg, scored))
+                if scored is None:
+                    say("eval_lengths: the run saved no checkpoint to score at other lengths")
+                else:
+                    metrics.update(score_lengths(cfg, scored))
     finally:
         finish_wandb(trainer)
     report(metrics, checkpoints)

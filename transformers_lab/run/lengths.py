@@ -168,19 +168,21 @@ def check_length_options(cfg: DictConfig, model: Any) -> None:
 
 def score_lengths(cfg: DictConfig, ckpt_path: str | Path) -> dict[str, float]:
     """A training run's evaluation step: its checkpoint scored at ``cfg.eval_lengths``
-    (and ``eval_depths``) on the validation split, with its trainer's device and
-    precision; the metrics, also in ``lengths.csv`` in the run dir."""
+    (and ``eval_depths``) on the validation split, with its trainer's accelerator and
+    precision on one device (the first process of a DDP run scores, the others do not);
+    the metrics, also in ``lengths.csv`` in the run dir."""
     depths = list(cfg.eval_depths) if cfg.get("eval_depths") is not None else None
+    one = {"devices": 1, "num_nodes": 1, "strategy": "auto"}  # after a DDP fit: one process
     metrics, _, _ = evaluate_lengths(
-        ckpt_path, list(cfg.eval_lengths), lambda: quiet_trainer(cfg), depths=depths
+        ckpt_path, list(cfg.eval_lengths), lambda: quiet_trainer(cfg, **one), depths=depths
     )
     write_lengths(metrics, Path(cfg.paths.output_dir))
     return metrics
 
 
-def quiet_trainer(cfg: DictConfig) -> L.Trainer:
+def quiet_trainer(cfg: DictConfig, **options: Any) -> L.Trainer:
     """The config's trainer for one evaluation among many: no logger, no checkpoints, no
-    progress bar."""
+    progress bar (``options`` override more of its arguments)."""
     return call(
         cfg.trainer,
         "trainer",
@@ -189,6 +191,7 @@ def quiet_trainer(cfg: DictConfig) -> L.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **options,
     )
 
 
