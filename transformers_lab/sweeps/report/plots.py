@@ -160,9 +160,12 @@ def plot_grid(
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(metric)
-    axes[0][-1].legend(fontsize=7, title=lines, title_fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, format="png")
+    fig.tight_layout()  # the panels laid out first: the legend goes beside them
+    # right of the last panel, where it hides no point however many lines there are
+    axes[0][-1].legend(
+        fontsize=7, title=lines, title_fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1)
+    )
+    fig.savefig(path, format="png", bbox_inches="tight")
     plt.close(fig)
 
 
