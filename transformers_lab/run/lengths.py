@@ -213,6 +213,7 @@ def position_losses(
     ``buckets`` equal spans, the mean loss of the supervised tokens in each (None where
     none is supervised). How long-context papers show a model past its trained length."""
     loader = datamodule.val_dataloader() if split == "val" else datamodule.test_dataloader()
+    model.eval()  # no dropout in a score
     sums = counts = None
     for x, y in loader:
         logits = model(x)

@@ -154,8 +154,11 @@ def plot_grid(
             points = [r for r in rows if r["panel"] == panel and r["line"] == line]
             xs = [float(r["x"]) if numeric else r["x"] for r in points]
             ax.plot(xs, [r[metric] for r in points], "o-", label=line, markersize=4)
-        if numeric:
+        if numeric:  # a tick at each value run, named as it was given
             ax.set_xscale("log", base=2)
+            ticks = sorted({float(r["x"]) for r in rows if r["panel"] == panel})
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.minorticks_off()
         ax.set_title(f"{panels}={panel}" if panels else "", fontsize=9)
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
