@@ -101,3 +101,21 @@ def test_table_positions_crop_to_the_window():
     assert torch.equal(cached, model.generate(prompt, 20, temperature=0, use_cache=False))
     cosformer = gpt(WINDOW, attention="cosformer", pos_encoding="none")
     assert "cosformer weighs positions up to its max_len" in cosformer.decode_limit()
+
+
+@pytest.mark.parametrize(
+    ("options", "reaches", "said"),
+    [
+        ({"pos_encoding": "learned"}, 16, "its learned positions end at block_size=16"),
+        ({"pos_encoding": "rope"}, 10**6, None),
+        ({"pos_encoding": "alibi"}, 10**6, None),
+        ({"pos_encoding": "sinusoidal"}, 10**6, None),  # a formula: rebuilt at any length
+        ({"pos_encoding": "none", "attention": "cosformer"}, 1024, "max_len=1024"),
+    ],
+)
+def test_reach_names_what_ends_a_model_s_context(options, reaches, said):
+    """GPT.reach: the longest input these weights read, the model rebuilt longer."""
+    model = gpt(16, **options)
+    assert model.reach(reaches) is None
+    if said is not None:
+        assert said in model.reach(reaches + 1)
