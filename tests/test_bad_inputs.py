@@ -435,6 +435,11 @@ CASES = [
         "eval_depths=[0, 2]: each depth must be in [0, 1]",
     ),
     case("eval", ["ckpt_path={vit}", "eval_lengths=[64]"], "scores a GPT (language model"),
+    case(
+        "eval",
+        ["ckpt_path={passkey}", "eval_lengths=[128]", "split=test"],
+        "NeedleDataModule has no test split; use split=val",
+    ),
     # tlab-sample
     case("sample", ["ckpt_path={vit}"], "(DigitsDataModule) has no text tokenizer"),
     case("sample", ["ckpt_path={junk}"], "is not a checkpoint"),

@@ -23,6 +23,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.data.base import IGNORE
@@ -96,6 +97,9 @@ def evaluate_lengths(
     overrides entries of the saved data config. Every length is checked, model and
     data, before the first is scored."""
     first = restore(ckpt_path, data)
+    if split == "test" and not is_overridden("test_dataloader", first.datamodule):
+        name = type(first.datamodule).__name__
+        raise ConfigError(f"{name} has no test split; use split=val")
     model = first.task.model
     saved = OmegaConf.to_container(OmegaConf.create(first.checkpoint["tlab_config"]["data"]))
     settings = plan(model, {**saved, **(data or {})}, lengths, depths, str(ckpt_path))
