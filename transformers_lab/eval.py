@@ -21,14 +21,13 @@ from pathlib import Path
 
 import hydra
 import lightning as L
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.build import build_loggers, call, use_cpu_threads
-from transformers_lab.run.checkpoints import restore
+from transformers_lab.run.checkpoints import check_split, restore
 from transformers_lab.run.fit import metrics_dict, print_metrics
 from transformers_lab.run.lengths import (
     check_depths,
@@ -58,8 +57,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     if any(cfg.get(key) is not None for key in LENGTH_KEYS):
         return evaluate_at_lengths(cfg)
     checkpoint, datamodule, task = restore(cfg.ckpt_path, cfg.get("data"))
-    if cfg.split == "test" and not is_overridden("test_dataloader", datamodule):
-        raise ConfigError(f"{type(datamodule).__name__} has no test split; use split=val")
+    check_split(datamodule, cfg.split)
     trainer = None
     try:
         trainer = call(cfg.trainer, "trainer", logger=build_loggers(cfg.get("logger")) or False)

@@ -18,6 +18,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.config import flatten
@@ -419,6 +420,12 @@ def restore(
     check_checkpoint(checkpoint, task, ckpt_path, changed)
     task.load_state_dict(checkpoint["state_dict"])
     return Restored(checkpoint, datamodule, task.eval())
+
+
+def check_split(datamodule: L.LightningDataModule, split: str) -> None:
+    """Refuse ``split=test`` on a restored run's data that has no test split."""
+    if split == "test" and not is_overridden("test_dataloader", datamodule):
+        raise ConfigError(f"{type(datamodule).__name__} has no test split; use split=val")
 
 
 def load_task(

@@ -23,14 +23,13 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.data.base import IGNORE
 from transformers_lab.errors import ConfigError
 from transformers_lab.files import atomic_write
 from transformers_lab.run.build import REFUSALS, call, data_refusal
-from transformers_lab.run.checkpoints import restore
+from transformers_lab.run.checkpoints import check_split, restore
 
 Trainer = Callable[[], L.Trainer]
 
@@ -97,9 +96,7 @@ def evaluate_lengths(
     overrides entries of the saved data config. Every length is checked, model and
     data, before the first is scored."""
     first = restore(ckpt_path, data)
-    if split == "test" and not is_overridden("test_dataloader", first.datamodule):
-        name = type(first.datamodule).__name__
-        raise ConfigError(f"{name} has no test split; use split=val")
+    check_split(first.datamodule, split)
     model = first.task.model
     saved = OmegaConf.to_container(OmegaConf.create(first.checkpoint["tlab_config"]["data"]))
     settings = plan(model, {**saved, **(data or {})}, lengths, depths, str(ckpt_path))
