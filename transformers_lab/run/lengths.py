@@ -35,14 +35,13 @@ Trainer = Callable[[], L.Trainer]
 
 
 def is_list(value: Any) -> bool:
+    """A list from the command line (a ListConfig) or from Python."""
     return OmegaConf.is_list(value) or isinstance(value, list | tuple)
 
 
 def check_lengths(lengths: Any, key: str = "eval_lengths") -> list[int]:
     """``lengths`` as a list of positive ints, else one line that says what to give."""
-    values = (
-        list(lengths) if OmegaConf.is_list(lengths) or isinstance(lengths, list | tuple) else []
-    )
+    values = list(lengths) if is_list(lengths) else []
     if not values or not all(isinstance(n, int) and not isinstance(n, bool) for n in values):
         raise ConfigError(
             f"{key}={lengths!r} is not a list of lengths; give positive ints, e.g. "
