@@ -44,6 +44,9 @@ SMALL = [
 ]
 MQAR = ["data=mqar", "data.train_examples=8", "data.val_examples=8"]
 REAL = Path(os.environ.get("TLAB_DATA_DIR", "/nonexistent"))  # real data sets, if there
+NEEDS_MNIST = pytest.mark.skipif(
+    not (REAL / "MNIST" / "raw").is_dir(), reason=f"needs the real MNIST under TLAB_DATA_DIR={REAL}"
+)
 
 
 def case(entry: str, args: list[str], message: str, **options) -> pytest.param:
@@ -263,6 +266,45 @@ CASES = [
         "train",
         ["model=gpt", "data=passkey", "task=recall", "data.depth=1.5"],
         "data=passkey (NeedleDataModule) refuses data.depth=1.5: depth must be in [0, 1]",
+    ),
+    # LRA's generated tasks: a ListOps depth or length out of range, a Pathfinder image
+    # that is not a square, a pixel task longer than the model's context
+    case(
+        "train",
+        ["experiment=lra_listops", "data.max_depth=0"],
+        "data=lra_listops (ListOpsDataModule) refuses data.max_depth=0: max_depth must be an "
+        "integer >= 1, got 0",
+    ),
+    case(
+        "train",
+        ["experiment=lra_listops", "data.min_length=600"],
+        "data=lra_listops (ListOpsDataModule) refuses data.min_length=600, data.max_length=500:"
+        " max_length=500 must exceed min_length=600 + 1",
+    ),
+    case(
+        "train",
+        ["experiment=lra_listops", "data.max_depth=3", "data.max_args=3"],
+        "min_length=100 is out of reach: trees of max_depth=3 and max_args=3 are at most 17 "
+        "tokens long",
+    ),
+    case(
+        "train",
+        ["experiment=lra_pathfinder", "data.block_size=1000"],
+        "data=lra_pathfinder (PathfinderDataModule) refuses data.block_size=1000: "
+        "block_size=1000 is not a square: Pathfinder reads a square image row by row",
+    ),
+    case(
+        "train",
+        ["experiment=pixel_mnist", "model.block_size=512", "$TLAB_DATA_DIR={real}"],
+        "model.block_size=512 is smaller than the data's block_size=784",
+        marks=NEEDS_MNIST,
+    ),
+    case(
+        "train",
+        ["model=vit", "data=mnist", "data.as_sequence=true", "$TLAB_DATA_DIR={real}"],
+        "model=vit (ViT) cannot take data=mnist: the data provides vocab_size, block_size, "
+        "num_classes but ViT has no block_size, vocab_size; use model=encoder",
+        marks=NEEDS_MNIST,
     ),
     case(
         "train",

@@ -47,6 +47,7 @@ SKIPPED = {
 
 QUIET = ["trainer.enable_progress_bar=false", "logger=csv"]  # wandb: tested in test_train.py
 TINY = ["debug=limit", *QUIET]  # 3 epochs of 3 training and 2 validation batches
+LRA_SMALL = ["data.train_examples=64", "data.val_examples=16", "data.test_examples=16"]
 # extra overrides by the start of a command line (the first that matches)
 BUDGET = [
     ("python -m transformers_lab.attention.check", []),
@@ -90,6 +91,16 @@ BUDGET = [
         "tlab-train sweep=length_generalisation",  # 16 jobs: 2, at a tiny budget
         [*TINY, "extrapolation=softmax_rope,gla", "optimizer.lr=1e-3"],
     ),
+    # the FAST paper's preset: 63 jobs a task, 2 here; LRA's tasks drawn small
+    (
+        "tlab-train sweep=fast_paper launcher=joblib experiment=pixel_mnist",
+        [*TINY, "attention=softmax,fastmax_p2", "optimizer.lr=1e-3", "seed=0"],
+    ),
+    (
+        "tlab-train sweep=fast_paper",
+        [*TINY, "attention=softmax,fastmax_p2", "optimizer.lr=1e-3", "seed=0", *LRA_SMALL],
+    ),
+    ("tlab-train experiment=lra_", [*TINY, *LRA_SMALL]),
     ("tlab-train experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
     ("tlab-train -m experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
     ("tlab-train", TINY),

@@ -216,6 +216,19 @@ def test_gpt_state_size_counts_what_the_cache_holds(name):
     assert model.state_size() == model.state_size(model.block_size)
 
 
+@pytest.mark.parametrize("name", ["softmax", "linear", "fastmax"])
+def test_an_encoders_state_is_what_a_decoder_with_its_kernels_keeps_of_its_context(name):
+    """What the sweep summary shows for an encoder: its kernels' state over the whole
+    input (a class token included), counted as the decoder's cache would hold it."""
+    options = {"n_layer": 2, "n_head": 2, "d_model": 16}
+    gpt = GPT(V, attention=name, block_size=13, **options)
+    encoder = EncoderClassifier(
+        3, vocab_size=V, block_size=12, pool="cls", attention=name, **options
+    )
+    assert encoder.state_size() == gpt.state_size(13)  # 12 tokens and the class token
+    assert (encoder.state_size(4) == encoder.state_size(12)) == KERNELS[name].constant_state
+
+
 # ---------------------------------------------------------------- encoder-decoder
 
 

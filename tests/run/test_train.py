@@ -66,6 +66,9 @@ def test_every_experiment_composes_and_runs_a_fast_dev_run(experiment, data_root
         overrides.append(f"experiment={experiment}")
     if experiment == "gpt_long_context":  # the test's small text holds no window of 4096
         overrides.append("data.block_size=128")
+    if experiment is not None and experiment.startswith("lra_"):  # a few examples drawn
+        overrides += ["data.train_examples=32", "data.val_examples=8", "data.test_examples=8"]
+        overrides.append("data.cache_dir=null")
     cfg = compose_run("train", overrides, tmp_path / "run")
     metrics = train(cfg)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())

@@ -3,6 +3,7 @@ tokenizers, verified atomic downloads (``download``), and what they share (``bas
 IGNORE label, the ``TextData`` protocol, the resumable training loader)."""
 
 from transformers_lab.data.download import data_root, ensure_file
+from transformers_lab.data.lra import ListOpsDataModule, PathfinderDataModule
 from transformers_lab.data.mad import MAD_PROBLEMS, MADDataModule
 from transformers_lab.data.needles import NeedleDataModule
 from transformers_lab.data.synthetic import SyntheticDataModule, copy_or_sort, mqar
@@ -22,10 +23,12 @@ __all__ = [
     "DataFileError",
     "DigitsDataModule",
     "FashionMNISTDataModule",
+    "ListOpsDataModule",
     "MADDataModule",
     "MAD_PROBLEMS",
     "MNISTDataModule",
     "NeedleDataModule",
+    "PathfinderDataModule",
     "ShakespeareBPEDataModule",
     "ShakespeareCharDataModule",
     "SyntheticDataModule",

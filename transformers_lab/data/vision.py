@@ -1,4 +1,6 @@
-"""Image classification data: MNIST and Fashion-MNIST (torchvision), scikit-learn digits."""
+"""Image classification data: MNIST and Fashion-MNIST (torchvision), scikit-learn digits;
+each as images, or read as sequences of pixel tokens (``as_sequence``: LRA's Image task
+reads CIFAR-10 so; MNIST's 784 pixels are the nearest task offline)."""
 
 from __future__ import annotations
 
@@ -26,25 +28,45 @@ FASHION_FILES = {
 }
 
 
+PIXEL_LEVELS = 256  # a pixel token is its 8-bit intensity, as LRA's Image task reads pixels
+
+
+class PixelTokens:
+    """An image of intensities in [0, 1] (C, H, W) as its pixels' 8-bit intensities, row
+    by row (H * W,): the sequence an encoder over tokens reads (``as_sequence``)."""
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return (image.mean(0) * (PIXEL_LEVELS - 1)).round().long().flatten()
+
+
 class ImageDataModule(DataModule):
     """Loaders and model facts shared by the image data modules: subclasses fill
-    ``train_set``, ``val_set`` and ``test_set`` in ``setup``."""
+    ``train_set``, ``val_set`` and ``test_set`` in ``setup``. With ``as_sequence`` an
+    example is the image's pixels as tokens (``PixelTokens``) for a model over tokens."""
 
     image_size: int
     in_channels: int
     num_classes: int
 
-    def __init__(self, batch_size: int = 64, num_workers: int = 0) -> None:
+    def __init__(self, batch_size: int = 64, num_workers: int = 0, as_sequence: bool = False):
         super().__init__()
         at_least(1, batch_size=batch_size)
         at_least(0, num_workers=num_workers)
         self.batch_size, self.num_workers = batch_size, num_workers
+        self.as_sequence = as_sequence
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
 
     def model_kwargs(self) -> dict[str, int]:
-        """What an image classifier needs from this data."""
+        """What a classifier needs from this data: the image's geometry, or with
+        ``as_sequence`` the pixel vocabulary and the sequence's length."""
+        if self.as_sequence:
+            return {
+                "vocab_size": PIXEL_LEVELS,
+                "block_size": self.image_size**2,
+                "num_classes": self.num_classes,
+            }
         return {
             "image_size": self.image_size,
             "in_channels": self.in_channels,
@@ -78,7 +100,8 @@ class MNISTDataModule(ImageDataModule):
     for validation) and the 10000 test images, normalised by the training mean and std.
 
     The archives live in ``<root>/MNIST/raw/``; missing ones are downloaded and checked
-    against pinned checksums. ``augment`` adds random shifts of up to 2 pixels.
+    against pinned checksums. ``augment`` adds random shifts of up to 2 pixels;
+    ``as_sequence`` reads each image as its 784 pixel tokens (unnormalised 8-bit values).
     """
 
     folder, mirror, files = "MNIST", MNIST_MIRROR, MNIST_FILES
@@ -93,8 +116,9 @@ class MNISTDataModule(ImageDataModule):
         augment: bool = False,
         num_workers: int = 0,
         download: bool = True,
+        as_sequence: bool = False,
     ) -> None:
-        super().__init__(batch_size, num_workers)
+        super().__init__(batch_size, num_workers, as_sequence)
         at_least(0, val_size=val_size)
         self.root, self.val_size = data_root(root), val_size
         self.augment, self.download = augment, download
@@ -119,7 +143,10 @@ class MNISTDataModule(ImageDataModule):
         from torchvision import datasets, transforms
 
         steps = [transforms.RandomAffine(0, translate=(2 / 28, 2 / 28))] if augment else []
-        steps += [transforms.ToTensor(), transforms.Normalize((self.mean,), (self.std,))]
+        steps.append(transforms.ToTensor())
+        # pixel tokens are the raw intensities; images are normalised by the training set's
+        normalise = transforms.Normalize((self.mean,), (self.std,))
+        steps.append(PixelTokens() if self.as_sequence else normalise)
         cls = datasets.FashionMNIST if self.folder == "FashionMNIST" else datasets.MNIST
         return cls(self.root, train=train, download=unpack, transform=transforms.Compose(steps))
 
@@ -159,8 +186,9 @@ class DigitsDataModule(ImageDataModule):
         test_fraction: float = 0.15,
         seed: int = 0,
         num_workers: int = 0,
+        as_sequence: bool = False,
     ) -> None:
-        super().__init__(batch_size, num_workers)
+        super().__init__(batch_size, num_workers, as_sequence)
         if not (0 < val_fraction < 1 and 0 <= test_fraction < 1):
             raise ValueError(
                 f"val_fraction={val_fraction} must be in (0, 1) and test_fraction="
@@ -180,6 +208,8 @@ class DigitsDataModule(ImageDataModule):
 
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        if self.as_sequence:
+            images = torch.stack([PixelTokens()(image) for image in images])
         labels = torch.tensor(digits.target, dtype=torch.long)
         full = TensorDataset(images, labels)
         n_val = int(len(full) * self.val_fraction)

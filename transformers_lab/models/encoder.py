@@ -81,7 +81,8 @@ class EncoderClassifier(nn.Module):
             raise ValueError(
                 "give either vocab_size (token input) or image_size and patch_size "
                 f"(patch input), not both and not neither; got vocab_size={vocab_size}, "
-                f"image_size={image_size}, patch_size={patch_size}"
+                f"image_size={image_size}, patch_size={patch_size} (for token data, pixel "
+                "sequences among them, set patch_size=null)"
             )
         if pool not in POOLINGS:
             raise ValueError(f"unknown pool {pool!r}; valid ones are: {', '.join(POOLINGS)}")
@@ -96,10 +97,11 @@ class EncoderClassifier(nn.Module):
             )
             block_size = self.embedding.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d_model)) if pool == "cls" else None
+        self.context = block_size + (pool == "cls")  # the tokens a layer attends over
         # fixed positions as large as the tokens: nn.Embedding draws N(0, 1), and sines and
         # cosines have a root mean square of 1/sqrt(2); patches keep the plain table
         scale = math.sqrt(2) if vocab_size is not None else 1.0
-        self.pos = PositionalEncoding(pos_encoding, d_model, block_size + (pool == "cls"), scale)
+        self.pos = PositionalEncoding(pos_encoding, d_model, self.context, scale)
         self.drop = nn.Dropout(dropout)
         self.blocks = block_stack(
             n_layer,
@@ -116,7 +118,7 @@ class EncoderClassifier(nn.Module):
             alibi=pos_encoding == "alibi",
             who=f"the {type(self).__name__}",
             causal=False,
-            context=block_size + (pool == "cls"),
+            context=self.context,
         )
         self.norm = final_norm(d_model, bias, norm_first)
         if head == "linear":
@@ -143,6 +145,14 @@ class EncoderClassifier(nn.Module):
         for block in self.blocks:
             h = block(h, key_padding_mask=key_padding_mask)
         return self.norm(h), key_padding_mask
+
+    def state_size(self, n: int | None = None) -> int:
+        """Numbers the attention holds of a sequence of ``n`` tokens (default: its whole
+        context) per sequence, all layers and heads: softmax's keys and values grow with
+        n, a factorised kernel's state does not; the same count as a decoder's state with
+        these kernels (``GPT.state_size``)."""
+        n = self.context if n is None else n
+        return sum(block.mixer.state_size(n) for block in self.blocks)
 
     @property
     def num_patches(self) -> int | None:

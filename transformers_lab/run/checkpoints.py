@@ -198,6 +198,7 @@ RESUME_MAY_CHANGE = (
     "data.download",
     "data.bpe_file",
     "data.num_workers",
+    "data.cache_dir",
     "task.sample_every",
     "task.sample_tokens",
     "model.attention.backend",  # the gated kernels' fla or our chunk loop: one recurrence

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig
 
 from transformers_lab.errors import ConfigError, RunStopped
-from transformers_lab.models import GPT
+from transformers_lab.models import GPT, EncoderClassifier
 from transformers_lab.run.build import (
     build_datamodule,
     build_model,
@@ -119,7 +119,7 @@ def fit_and_test(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Outco
     finally:
         finish_wandb(trainer)
     report(metrics, checkpoints)
-    state = model.state_size() if isinstance(model, GPT) else None
+    state = model.state_size() if isinstance(model, GPT | EncoderClassifier) else None
     return Outcome(
         metrics, best, task.num_params, checkpoints, state, pruned_at, start, task.layers
     )

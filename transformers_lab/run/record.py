@@ -37,7 +37,7 @@ class Outcome:
     best: float | None  # the monitored metric's best value (the best checkpoint's score)
     params: int
     checkpoints: dict[str, str | None]  # best and last
-    state_size: int | None = None  # a GPT's decoding state after block_size tokens
+    state_size: int | None = None  # the numbers its attention holds of a whole context
     pruned_at: int | None = None  # the global step an Optuna pruner stopped it at
     seeded: dict[str, Any] | None = None  # what the seed fixed (``run.fit.seeded``)
     layers: list[str] | None = None  # each layer's mixer: kernel and parts (``Task.layers``)

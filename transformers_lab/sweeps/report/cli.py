@@ -1,8 +1,9 @@
 """Sweep summaries: one row per job of a multirun, a grouped view over seeds, and a plot.
 
 Every job of ``tlab-train -m ...`` writes ``result.json`` into its own directory (status,
-overrides, final metrics, the best value of the monitored metric, parameter count, a
-GPT's decoding state size, wall time, error). The summary is rebuilt from those files
+overrides, final metrics, the best value of the monitored metric, parameter count, the
+state its attention holds of a whole context (a GPT's decoding state; an encoder's
+keys and values, or its kernel's state), wall time, error). The summary is rebuilt from those files
 alone, so it can be written at the end of a sweep, after a crash, on a partial sweep or
 after more jobs were added, and writing it twice gives the same files::
 
