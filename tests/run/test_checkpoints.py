@@ -84,6 +84,21 @@ def test_an_option_added_later_with_a_null_default_is_no_difference():
     ]
 
 
+def test_an_option_added_later_at_its_classs_default_is_no_difference():
+    """A MNIST checkpoint saved before ``as_sequence`` existed resumes into today's
+    config, where it is false, the data module's default; true is a difference, and a
+    class that cannot be found gives no default."""
+    target = "transformers_lab.data.MNISTDataModule"
+    old = {"data": {"_target_": target, "batch_size": 64}}
+    same = {"data": {"_target_": target, "batch_size": 64, "as_sequence": False}}
+    assert differences(old, same) == [] and differences(same, old) == []
+    other = {"data": {"_target_": target, "batch_size": 64, "as_sequence": True}}
+    assert differences(old, other) == ["data.as_sequence: (absent) -> True"]
+    gone = {"data": {"_target_": "no.such.Module", "batch_size": 64, "as_sequence": False}}
+    old_gone = {"data": {"_target_": "no.such.Module", "batch_size": 64}}
+    assert differences(old_gone, gone) == ["data.as_sequence: (absent) -> False"]
+
+
 def test_weights_of_another_shape_are_refused_with_the_config_that_changed():
     module = torch.nn.Linear(2, 3)
     saved = {"state_dict": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}

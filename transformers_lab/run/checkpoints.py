@@ -5,6 +5,7 @@ with)."""
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import shutil
 import time
@@ -133,9 +134,25 @@ def differences(saved: Any, current: Any, allowed: Sequence[str] = ()) -> list[s
     """``key: old -> new`` for every dotted key where two plain configs differ, a key that
     one of them lacks shown as ``(absent)``; keys in ``allowed`` (or under them) are left
     out, and a node whose ``_target_`` differs is named by that key alone. A key one side
-    lacks and the other leaves null is no difference: an option added to a config later
-    with a null default (GPT's ``bottleneck``) does not lock out older checkpoints."""
+    lacks and the other leaves null, or sets to the default of the class its node builds,
+    is no difference: an option added to a config later (GPT's ``bottleneck``, an image
+    data set's ``as_sequence: false``) does not lock out older checkpoints."""
     return flat_differences(flatten(saved), flatten(current), allowed)
+
+
+def constructor_default(flat: dict[str, Any], key: str) -> Any:
+    """The default of ``key``'s parameter in the class its node's ``_target_`` names
+    (``ABSENT`` where there is none, or the class cannot be found)."""
+    node, _, name = key.rpartition(".")
+    target = flat.get(f"{node}._target_" if node else "_target_")
+    if not isinstance(target, str):
+        return ABSENT
+    try:
+        param = inspect.signature(target_class(OmegaConf.create({"_target_": target})))
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return ABSENT
+    found = param.parameters.get(name)
+    return ABSENT if found is None or found.default is found.empty else found.default
 
 
 def flat_differences(
@@ -157,6 +174,11 @@ def flat_differences(
         before, after = old.get(key, ABSENT), new.get(key, ABSENT)
         if {shown(before), shown(after)} == {ABSENT, "None"}:
             continue
+        if ABSENT in (before, after):  # the side that has it gives the class's default
+            side = new if before is ABSENT else old
+            default = constructor_default(side, key)
+            if default is not ABSENT and side[key] == default:
+                continue
         if before != after:
             out.append(f"{key}: {shown(before)} -> {shown(after)}")
     return out
