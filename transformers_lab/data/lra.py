@@ -25,12 +25,12 @@ a seed on the CPU, with LRA's rules and sizes as the defaults.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import pickle
 import random
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from transformers_lab.data.base import InMemoryDataModule
 from transformers_lab.errors import at_least, must_be
-from transformers_lab.files import move_into_place
+from transformers_lab.files import atomic_write
 
 # ---------------------------------------------------------------------------- ListOps
 
@@ -239,13 +239,8 @@ class LRADataModule(InMemoryDataModule):
             except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError):
                 pass  # a damaged cache is drawn again
         inputs, labels = self.generate()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-                torch.save((inputs, labels), f)
-            move_into_place(f.name, path)
-        except OSError:
-            pass  # a folder we cannot write: no cache, the run goes on
+        with contextlib.suppress(OSError):  # a folder we cannot write: no cache, run on
+            atomic_write(path, lambda f: torch.save((inputs, labels), f))
         return inputs, labels
 
     def setup(self, stage: str | None = None) -> None:
