@@ -295,8 +295,8 @@ CASES = [
     ),
     case(
         "train",
-        ["experiment=pixel_mnist", "model.block_size=512", "$TLAB_DATA_DIR={real}"],
-        "model.block_size=512 is smaller than the data's block_size=784",
+        ["experiment=pixel_mnist", "model.block_size=128", "$TLAB_DATA_DIR={real}"],
+        "model.block_size=128 is smaller than the data's block_size=196",
         marks=NEEDS_MNIST,
     ),
     case(
@@ -305,6 +305,12 @@ CASES = [
         "model=vit (ViT) cannot take data=mnist: the data provides vocab_size, block_size, "
         "num_classes but ViT has no block_size, vocab_size; use model=encoder",
         marks=NEEDS_MNIST,
+    ),
+    case(
+        "train",
+        ["model=encoder", "data.as_sequence=true", "data.pixel_side=12"],
+        "data=digits (DigitsDataModule) refuses data.pixel_side=12: "
+        "pixel_side=12 must be between 1 and the image's side 8",
     ),
     case(
         "train",

@@ -205,6 +205,34 @@ def test_digits_as_pixel_sequences_are_their_images_pixels():
     assert tokens.model_kwargs() == {"vocab_size": 256, "block_size": 64, "num_classes": 10}
 
 
+def test_pixel_side_averages_each_block_of_the_image_before_it_is_read():
+    full = DigitsDataModule(as_sequence=True)
+    small = DigitsDataModule(as_sequence=True, pixel_side=4)
+    full.setup(), small.setup()
+    t, _ = full.train_set[3]
+    s, _ = small.train_set[3]
+    assert s.shape == (16,) and small.model_kwargs()["block_size"] == 16
+    # each token is its 2x2 block's mean intensity (to within the 8-bit rounding of both)
+    blocks = t.view(4, 2, 4, 2).float().mean(dim=(1, 3)).flatten()
+    assert (s.float() - blocks).abs().max() <= 1.0
+    same = DigitsDataModule(as_sequence=True, pixel_side=8)  # the image's own side: unchanged
+    same.setup()
+    assert torch.equal(same.train_set[3][0], t)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"pixel_side": 4}, "needs as_sequence=true"),
+        ({"as_sequence": True, "pixel_side": 9}, "between 1 and the image's side 8"),
+        ({"as_sequence": True, "pixel_side": 0}, "between 1 and the image's side 8"),
+    ],
+)
+def test_pixel_side_refuses_what_it_cannot_do(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        DigitsDataModule(**kwargs)
+
+
 @pytest.mark.skipif(not (REAL / "MNIST" / "raw").is_dir(), reason="no MNIST in TLAB_DATA_DIR")
 def test_mnist_as_pixel_sequences_are_784_raw_intensities():
     dm = MNISTDataModule(root=str(REAL), as_sequence=True, download=False)
@@ -214,6 +242,11 @@ def test_mnist_as_pixel_sequences_are_784_raw_intensities():
     assert tokens.shape == (784,) and int(tokens.min()) >= 0 and int(tokens.max()) == 255
     assert label == 7  # the test set's first digit
     assert dm.model_kwargs()["block_size"] == 784
+    half = MNISTDataModule(root=str(REAL), as_sequence=True, pixel_side=14, download=False)
+    half.setup()
+    small, _ = half.test_set[0]
+    blocks = tokens.view(14, 2, 14, 2).float().mean(dim=(1, 3)).flatten()
+    assert small.shape == (196,) and (small.float() - blocks).abs().max() <= 1.0
 
 
 def tiny_batches():

@@ -93,6 +93,10 @@ BUDGET = [
     ),
     # the FAST paper's preset: 63 jobs a task, 2 here; LRA's tasks drawn small
     (
+        "tlab-train sweep=fast_paper_",  # the paper's ViT and GPT tables: 108 and 162 jobs
+        [*TINY, "attention=softmax,fastmax_p2", "optimizer.lr=1e-3", "seed=0"],
+    ),
+    (
         "tlab-train sweep=fast_paper launcher=joblib experiment=pixel_mnist",
         [*TINY, "attention=softmax,fastmax_p2", "optimizer.lr=1e-3", "seed=0"],
     ),

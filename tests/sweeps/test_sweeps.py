@@ -554,3 +554,41 @@ def test_make_ablate_sweeps_the_field_s_kernels_each_an_attention_option(monkeyp
     assert len(str(params["optimizer.lr"]).split(",")) == 2
     assert len(str(params.seed).split(",")) == 2
     assert cfg.trainer.max_steps == 2200 and cfg.hydra.launcher.n_jobs == 2
+
+
+@pytest.mark.parametrize(
+    "sweep, model, left_out",
+    [
+        ("fast_paper_vit", "ViT", {"fastmax", "sliding_window"}),  # a window over all 50
+        ("fast_paper_gpt", "GPT", {"fastmax"}),  # swept as fastmax_p1 and fastmax_p2
+    ],
+)
+def test_the_fast_paper_tables_sweep_every_kernel_their_model_takes(
+    sweep, model, left_out, monkeypatch, tmp_path
+):
+    """The MNIST and Shakespeare tables' sweeps: their glob over the attention group is
+    every option the model can take (a ViT no causal-only kernel), at 3 rates and 3 seeds."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.utils import get_class
+
+    from transformers_lab.config import CONF_DIR
+
+    monkeypatch.setenv("TLAB_ROOT", str(tmp_path))
+    options = sorted(p.stem for p in (CONF_DIR / "attention").glob("*.yaml"))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", [f"sweep={sweep}"], return_hydra_config=True)
+        causal_only = {
+            name
+            for name in options
+            if get_class(compose("train", [f"attention={name}"]).attention._target_).causal_only
+        }
+    assert cfg.model._target_.endswith(f".{model}")
+    params = cfg.hydra.sweeper.params
+    swept = OverridesParser.create().parse_override(f"attention={params.attention}")
+    kernels = set(swept.value().filter(options))
+    takes = set(options) - (causal_only if model == "ViT" else set())
+    assert kernels == takes - left_out
+    assert {"softmax", "fastmax_p1", "fastmax_p2"} <= kernels and len(causal_only) == 5
+    assert len(str(params["optimizer.lr"]).split(",")) == 3
+    assert len(str(params.seed).split(",")) == 3

@@ -1,10 +1,12 @@
 """Image classification data: MNIST and Fashion-MNIST (torchvision), scikit-learn digits;
 each as images, or read as sequences of pixel tokens (``as_sequence``: LRA's Image task
-reads CIFAR-10 so; MNIST's 784 pixels are the nearest task offline)."""
+reads CIFAR-10 so; MNIST's 784 pixels are the nearest task offline). ``pixel_side`` averages
+the image down to a smaller square first (MNIST at 14: 196 tokens), a CPU-scale cut."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset, random_split
 
 from transformers_lab.data.base import DataModule, ResumableLoader
@@ -33,27 +35,53 @@ PIXEL_LEVELS = 256  # a pixel token is its 8-bit intensity, as LRA's Image task 
 
 class PixelTokens:
     """An image of intensities in [0, 1] (C, H, W) as its pixels' 8-bit intensities, row
-    by row (H * W,): the sequence an encoder over tokens reads (``as_sequence``)."""
+    by row (H * W,): the sequence an encoder over tokens reads (``as_sequence``). With
+    ``side`` the image is first averaged down to side x side (areas averaged: MNIST's
+    28 to 14 averages each 2x2 block)."""
+
+    def __init__(self, side: int | None = None) -> None:
+        self.side = side
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        return (image.mean(0) * (PIXEL_LEVELS - 1)).round().long().flatten()
+        gray = image.mean(0, keepdim=True)
+        if self.side is not None and self.side != gray.shape[-1]:
+            gray = F.adaptive_avg_pool2d(gray, self.side)
+        return (gray[0] * (PIXEL_LEVELS - 1)).round().long().flatten()
 
 
 class ImageDataModule(DataModule):
     """Loaders and model facts shared by the image data modules: subclasses fill
     ``train_set``, ``val_set`` and ``test_set`` in ``setup``. With ``as_sequence`` an
-    example is the image's pixels as tokens (``PixelTokens``) for a model over tokens."""
+    example is the image's pixels as tokens (``PixelTokens``) for a model over tokens,
+    averaged down to ``pixel_side`` x ``pixel_side`` first when that is given."""
 
     image_size: int
     in_channels: int
     num_classes: int
 
-    def __init__(self, batch_size: int = 64, num_workers: int = 0, as_sequence: bool = False):
+    def __init__(
+        self,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        as_sequence: bool = False,
+        pixel_side: int | None = None,
+    ) -> None:
         super().__init__()
         at_least(1, batch_size=batch_size)
         at_least(0, num_workers=num_workers)
+        if pixel_side is not None:
+            if not as_sequence:
+                raise ValueError(
+                    f"pixel_side={pixel_side} sets the side of the image read as pixel "
+                    "tokens; it needs as_sequence=true (or leave pixel_side null)"
+                )
+            if not 1 <= pixel_side <= self.image_size:
+                raise ValueError(
+                    f"pixel_side={pixel_side} must be between 1 and the image's side "
+                    f"{self.image_size} (the image is averaged down to it, never up)"
+                )
         self.batch_size, self.num_workers = batch_size, num_workers
-        self.as_sequence = as_sequence
+        self.as_sequence, self.pixel_side = as_sequence, pixel_side
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -64,7 +92,7 @@ class ImageDataModule(DataModule):
         if self.as_sequence:
             return {
                 "vocab_size": PIXEL_LEVELS,
-                "block_size": self.image_size**2,
+                "block_size": (self.pixel_side or self.image_size) ** 2,
                 "num_classes": self.num_classes,
             }
         return {
@@ -101,7 +129,8 @@ class MNISTDataModule(ImageDataModule):
 
     The archives live in ``<root>/MNIST/raw/``; missing ones are downloaded and checked
     against pinned checksums. ``augment`` adds random shifts of up to 2 pixels;
-    ``as_sequence`` reads each image as its 784 pixel tokens (unnormalised 8-bit values).
+    ``as_sequence`` reads each image as its 784 pixel tokens (unnormalised 8-bit values),
+    or ``pixel_side``² of them from the image averaged down to that side.
     """
 
     folder, mirror, files = "MNIST", MNIST_MIRROR, MNIST_FILES
@@ -117,8 +146,9 @@ class MNISTDataModule(ImageDataModule):
         num_workers: int = 0,
         download: bool = True,
         as_sequence: bool = False,
+        pixel_side: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, as_sequence)
+        super().__init__(batch_size, num_workers, as_sequence, pixel_side)
         at_least(0, val_size=val_size)
         self.root, self.val_size = data_root(root), val_size
         self.augment, self.download = augment, download
@@ -146,7 +176,7 @@ class MNISTDataModule(ImageDataModule):
         steps.append(transforms.ToTensor())
         # pixel tokens are the raw intensities; images are normalised by the training set's
         normalise = transforms.Normalize((self.mean,), (self.std,))
-        steps.append(PixelTokens() if self.as_sequence else normalise)
+        steps.append(PixelTokens(self.pixel_side) if self.as_sequence else normalise)
         cls = datasets.FashionMNIST if self.folder == "FashionMNIST" else datasets.MNIST
         return cls(self.root, train=train, download=unpack, transform=transforms.Compose(steps))
 
@@ -187,8 +217,9 @@ class DigitsDataModule(ImageDataModule):
         seed: int = 0,
         num_workers: int = 0,
         as_sequence: bool = False,
+        pixel_side: int | None = None,
     ) -> None:
-        super().__init__(batch_size, num_workers, as_sequence)
+        super().__init__(batch_size, num_workers, as_sequence, pixel_side)
         if not (0 < val_fraction < 1 and 0 <= test_fraction < 1):
             raise ValueError(
                 f"val_fraction={val_fraction} must be in (0, 1) and test_fraction="
@@ -209,7 +240,7 @@ class DigitsDataModule(ImageDataModule):
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
         if self.as_sequence:
-            images = torch.stack([PixelTokens()(image) for image in images])
+            images = torch.stack([PixelTokens(self.pixel_side)(image) for image in images])
         labels = torch.tensor(digits.target, dtype=torch.long)
         full = TensorDataset(images, labels)
         n_val = int(len(full) * self.val_fraction)
