@@ -225,7 +225,9 @@ def test_pixel_side_averages_each_block_of_the_image_before_it_is_read():
     [
         ({"pixel_side": 4}, "needs as_sequence=true"),
         ({"as_sequence": True, "pixel_side": 9}, "between 1 and the image's side 8"),
-        ({"as_sequence": True, "pixel_side": 0}, "between 1 and the image's side 8"),
+        ({"as_sequence": True, "pixel_side": 0}, "pixel_side must be an integer >= 1"),
+        ({"as_sequence": True, "pixel_side": 2.5}, "pixel_side must be an integer >= 1"),
+        ({"as_sequence": True, "pixel_side": True}, "pixel_side must be an integer >= 1"),
     ],
 )
 def test_pixel_side_refuses_what_it_cannot_do(kwargs, words):

@@ -75,7 +75,8 @@ class ImageDataModule(DataModule):
                     f"pixel_side={pixel_side} sets the side of the image read as pixel "
                     "tokens; it needs as_sequence=true (or leave pixel_side null)"
                 )
-            if not 1 <= pixel_side <= self.image_size:
+            at_least(1, pixel_side=pixel_side)
+            if pixel_side > self.image_size:
                 raise ValueError(
                     f"pixel_side={pixel_side} must be between 1 and the image's side "
                     f"{self.image_size} (the image is averaged down to it, never up)"
@@ -240,7 +241,8 @@ class DigitsDataModule(ImageDataModule):
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
         if self.as_sequence:
-            images = torch.stack([PixelTokens(self.pixel_side)(image) for image in images])
+            read = PixelTokens(self.pixel_side)
+            images = torch.stack([read(image) for image in images])
         labels = torch.tensor(digits.target, dtype=torch.long)
         full = TensorDataset(images, labels)
         n_val = int(len(full) * self.val_fraction)
