@@ -105,6 +105,10 @@ BUDGET = [
         [*TINY, "attention=softmax,fastmax_p2", "optimizer.lr=1e-3", "seed=0", *LRA_SMALL],
     ),
     ("tlab-train experiment=lra_", [*TINY, *LRA_SMALL]),
+    (
+        "tlab-train -m launcher=joblib experiment=lra_pathfinder",  # fastmax's bound: 6 jobs, 1
+        [*TINY, *LRA_SMALL, "optimizer.lr=1e-3", "seed=0"],
+    ),
     ("tlab-train experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
     ("tlab-train -m experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
     ("tlab-train", TINY),
