@@ -447,6 +447,22 @@ CASES = [
         ["model=vit", "data=digits", "attention=deltanet"],
         "the ViT attends both ways: attention=deltanet reads the sequence in order",
     ),
+    case(  # KDA: fla's chunk_kda, CUDA only
+        "train",
+        ["experiment=mqar", "attention=kda", "attention.backend=fla"],
+        "kda: attention.backend=fla cannot run on this machine: no CUDA GPU is visible",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible"),
+    ),
+    case(
+        "train",
+        ["model=vit", "data=digits", "attention=kda"],
+        "the ViT attends both ways: attention=kda reads the sequence in order",
+    ),
+    case(
+        "train",
+        ["model=vit", "data=digits", "attention=fox"],
+        "the ViT attends both ways: attention=fox decays each score by the forget gates",
+    ),
     case(  # the authors' normalisation reads the whole sequence: no causal model takes it
         "train",
         ["experiment=mqar", "attention=fastmax", "attention.normalize=sequence_max"],

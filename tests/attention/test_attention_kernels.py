@@ -446,10 +446,12 @@ def test_dropout_acts_in_training_only(name):
         return
     kernel = make(name, dropout=0.5)
     q, k, v = qkv(6, 6, qk=kernel.qk_dim)
-    eval_out = kernel(q, k, v)
-    torch.testing.assert_close(kernel(q, k, v), eval_out)
+    # a causal-only kernel (FoX) is called causally, with its gate inputs
+    kw = dict(causal=True, **kernel.sample_gates(B, 6, q.dtype)) if kernel.causal_only else {}
+    eval_out = kernel(q, k, v, **kw)
+    torch.testing.assert_close(kernel(q, k, v, **kw), eval_out)
     kernel.train()
-    assert not torch.allclose(kernel(q, k, v), eval_out)
+    assert not torch.allclose(kernel(q, k, v, **kw), eval_out)
 
 
 def test_fastmax_dropout_drops_whole_keys_identically_in_every_path():

@@ -22,6 +22,7 @@ CASES = {
     "channel decay": dict(decay="channel", delta=False),  # GLA
     "delta": dict(decay=None, delta=True),  # DeltaNet
     "gated delta": dict(decay="scalar", delta=True),  # Gated DeltaNet
+    "channel delta": dict(decay="channel", delta=True),  # KDA
 }
 
 
@@ -77,7 +78,7 @@ def test_gradcheck(case):
     assert torch.autograd.gradcheck(f, leaves)
 
 
-@pytest.mark.parametrize("case", ["scalar decay", "channel decay", "gated delta"])
+@pytest.mark.parametrize("case", ["scalar decay", "channel decay", "gated delta", "channel delta"])
 def test_a_strong_decay_does_not_overflow_in_float32(case):
     """Log decays of -30 a token: the cumulative decay over a chunk of 64 is e^-1920, whose
     inverse overflows float32 (and float64) in the naive factorisation q e^b, k e^-b."""
@@ -91,16 +92,17 @@ def test_a_strong_decay_does_not_overflow_in_float32(case):
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["channel decay", "scalar decay", "gated delta"])
+@pytest.mark.parametrize("case", ["channel decay", "scalar decay", "gated delta", "channel delta"])
 @pytest.mark.parametrize("span", [0.0, 60.0])  # 0: no chunk folds; 60: every chunk folds
 def test_both_paths_of_a_decay_match_the_recurrence(case, span, monkeypatch):
     """A decay's scores come from one product a chunk, (q exp(b)) . (k exp(-b)), where no
     chunk decays by more than e^-SAFE_SPAN; otherwise by sub-chunk blocks (a decay per
     channel) or through the (C x C) factor exp(b_t - b_s) (one per head and token). Both
     are the recurrence, outputs and gradients, in float64."""
-    monkeypatch.setattr(gated, "CHANNEL_SPAN" if case == "channel decay" else "SAFE_SPAN", span)
+    per_channel = CASES[case]["decay"] == "channel"
+    monkeypatch.setattr(gated, "CHANNEL_SPAN" if per_channel else "SAFE_SPAN", span)
     slow = []
-    name = "scores_by_blocks" if case == "channel decay" else "pair_decay"
+    name = "scores_by_blocks" if per_channel else "pair_decay"
     real = getattr(gated, name)
     monkeypatch.setattr(gated, name, lambda *a: slow.append(1) or real(*a))
     q, k, v, log_decay, beta = inputs(45, **CASES[case])
@@ -128,9 +130,13 @@ def test_a_channel_decay_past_safe_span_still_folds_about_the_chunks_middle(monk
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
     got64, _ = chunked_recurrence(q, k, v, log_decay, chunk_size=32)
     torch.testing.assert_close(got64, want)
-    # a span past CHANNEL_SPAN takes the blocks
-    chunked_recurrence(q, k, v, torch.full_like(log_decay, -3.0), chunk_size=32)
-    assert blocks
+    # a span past CHANNEL_SPAN takes the blocks, each block of 16 one product about its
+    # middle (16 x 3 = 48 <= CHANNEL_SPAN): the recurrence still, in float32 too
+    strong = torch.full_like(log_decay, -3.0)
+    want, _ = naive_recurrence(q, k, v, strong)
+    got, _ = chunked_recurrence(q.float(), k.float(), v.float(), strong.float(), chunk_size=32)
+    assert blocks and torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
 
 
 def test_decoding_token_by_token_from_a_chunked_prefix_equals_the_whole():
@@ -189,7 +195,6 @@ def test_the_unit_lower_inverse_is_the_inverse():
         (dict(v=torch.zeros(B, H, 5, DV)), "q and k must be \\(B, H, N, Dk\\)"),
         (dict(log_decay=torch.zeros(B, H, 5)), "the log-decay must be \\(B, H, N\\)"),
         (dict(beta=torch.zeros(B, H, 6, 1)), "beta must be \\(B, H, N\\)"),
-        (dict(beta=torch.zeros(B, H, 6), log_decay=torch.zeros(B, H, 6, DK)), "one number per"),
         # a decay outside (0, 1]: alpha passed where log(alpha) belongs, or a log of 0
         (dict(log_decay=torch.full((B, H, 6), 0.5)), "must be finite and <= 0 .*got 0.5"),
         (dict(log_decay=torch.full((B, H, 6), -float("inf"))), "must be finite and <= 0"),
@@ -202,7 +207,7 @@ def test_bad_shapes_are_refused_in_one_line(change, error):
         chunked_recurrence(**args)
 
 
-@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "gla"])
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "gla", "kda"])
 def test_the_explicit_weights_give_the_forward_at_a_real_length(name):
     """``weights @ v == forward`` in float32 at N=320, where inverting (I + A) by a power
     series over the whole sequence blew up (the analysis tools draw these maps)."""
@@ -216,7 +221,7 @@ def test_the_explicit_weights_give_the_forward_at_a_real_length(name):
     torch.testing.assert_close(weights @ v, out, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["channel decay", "gated delta"])
+@pytest.mark.parametrize("case", ["channel decay", "gated delta", "channel delta"])
 def test_the_public_op_runs_in_half_precision(case):
     """float16 in, float16 out, finite: the one-product path of a channel decay would
     overflow there (e^60), and the triangular solve has no half-precision kernel."""

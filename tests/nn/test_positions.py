@@ -137,7 +137,10 @@ def test_every_kernel_that_forms_scores_takes_alibi_and_passes_the_contract(kern
         torch.randn(B, H, N, D, dtype=torch.float64),
         torch.randn(B, H, N, D, dtype=torch.float64),
     )
-    assert not torch.allclose(biased.weights(q, k, causal=True), plain.weights(q, k, causal=True))
+    gates = plain.sample_gates(B, N, torch.float64)  # FoX's forget gate: the same for both
+    assert not torch.allclose(
+        biased.weights(q, k, causal=True, **gates), plain.weights(q, k, causal=True, **gates)
+    )
 
 
 def test_alibi_is_refused_by_kernels_that_form_no_scores_in_one_line():

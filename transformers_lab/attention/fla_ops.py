@@ -14,6 +14,8 @@ causal self-attention, what our loops compute:
 | decay one number a key channel               | ``chunk_gla`` (``g``)                     |
 | the delta rule, no decay                     | ``chunk_delta_rule``                      |
 | the delta rule, decay a head                 | ``chunk_gated_delta_rule``                |
+| the delta rule, decay a key channel (KDA)    | ``chunk_kda``                             |
+| softmax with a forget gate (FoX)             | ``parallel_forgetting_attn``              |
 
 Each op takes our features (scale folded into the queries), log decay and rate in fla's
 layout (B, N, H, D) where ours is (B, H, N, D). A padded key is zeroed as our loop zeroes
@@ -97,8 +99,8 @@ def fla_recurrence(
             o, _ = ops.delta_rule.chunk_delta_rule(q, k, v, beta=beta, scale=scale)
         elif g.dim() == 3:
             o, _ = ops.gated_delta_rule.chunk_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale)
-        else:
-            raise ValueError("the delta rule takes a decay of one number a head, (B, H, N)")
+        else:  # a decay per key channel: KDA
+            o, _ = ops.kda.chunk_kda(q, k, v, g=g, beta=beta, scale=scale)
     return o.transpose(1, 2)[..., :dv]
 
 
@@ -157,3 +159,14 @@ def fla_polynomial(qs: Tensor, ks: Tensor, v: Tensor, p: int, keep: Tensor | Non
         normalize=True,
     )  # fmt: skip
     return o.transpose(1, 2)[..., :dv]
+
+
+def fla_forgetting(q: Tensor, k: Tensor, v: Tensor, log_f: Tensor, *, scale: float) -> Tensor:
+    """FoX's causal softmax(scale q . k + c_i - c_j), c = cumsum(log f) (B, H, N), by fla's
+    ``parallel_forgetting_attn``: (B, H, N, Dv) in q's dtype."""
+    check_device(q)
+    ops = importlib.import_module("fla.ops")
+    o = ops.forgetting_attn.parallel_forgetting_attn(
+        fla_layout(q), fla_layout(k), fla_layout(v), fla_layout(log_f.float()), scale=scale
+    )
+    return o.transpose(1, 2)

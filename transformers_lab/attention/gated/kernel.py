@@ -231,9 +231,12 @@ class GatedKernel(AttentionKernel):
             scores = (self.scale * q[:, :, :, None] * k[:, :, None] * decay).sum(-1)
         scores = scores.masked_fill(~lower, 0.0)
         if beta is not None:
-            kk = k @ k.mT
-            if log_decay is not None:  # one per head and token: the delta rule takes no other
-                kk = kk * pair
+            if log_decay is None:
+                kk = k @ k.mT
+            elif log_decay.dim() == 3:
+                kk = (k @ k.mT) * pair
+            else:  # a decay per key channel (KDA): k_t . (k_s exp(b_t - b_s))
+                kk = (k[:, :, :, None] * k[:, :, None] * decay).sum(-1)
             a = (beta[..., None] * kk).tril(-1)  # scores (I + A)^-1 diag(beta), by a solve
             scores = (
                 torch.linalg.solve_triangular(

@@ -79,16 +79,8 @@ def check_shapes(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, beta
             f"the log-decay must be finite and <= 0 (a decay in (0, 1]), got {bad}: pass "
             "log(alpha), e.g. F.logsigmoid(x), not alpha itself"
         )
-    if beta is not None:
-        if beta.shape != q.shape[:3]:
-            raise ValueError(
-                f"beta must be (B, H, N) = {tuple(q.shape[:3])}, got {tuple(beta.shape)}"
-            )
-        if log_decay is not None and log_decay.dim() == 4:
-            raise ValueError(
-                "the delta rule takes a decay of one number per head and token (B, H, N), "
-                "not one per key channel"
-            )
+    if beta is not None and beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be (B, H, N) = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
 
 
 def decay_state(state: Tensor, a: Tensor) -> Tensor:
@@ -164,9 +156,10 @@ def chunked_recurrence(
     else:
         cum = log_decay.reshape(b, h, nc, c, *log_decay.shape[3:]).cumsum(3)  # b_t
         last = cum[:, :, :, -1:]  # b_C
-        if per_channel:
-            scores = channel_decayed_scores(qc, kc, cum)
-            q_in, k_out = qc * cum.exp(), kc * (last - cum).exp()
+        if per_channel:  # the delta rule's keys read the keys as the queries do
+            reads = channel_decayed_scores((qc, kc) if beta is not None else (qc,), kc, cum)
+            scores = reads[0]
+            q_in, k_out, decay = qc * cum.exp(), kc * (last - cum).exp(), None
         else:
             q_in, k_out = qc * cum[..., None].exp(), kc * (last - cum)[..., None].exp()
             if folds(cum):  # exp(b_t - b_s) = exp(b_t) exp(-b_s): in q_in and k_in
@@ -179,12 +172,14 @@ def chunked_recurrence(
     if beta is not None:  # the WY form: U = t_v - t_k S0 for each chunk's start state S0
         betac = beta.reshape(b, h, nc, c)
         # k' = k exp(b_t), the keys decayed since the chunk's start (k itself without decay)
-        k_dec = kc if log_decay is None else kc * cum[..., None].exp()
-        # A: beta_t exp(b_t - b_s) (k_t . k_s), its strictly lower part the only part the
-        # solve reads (or sends gradient to): no mask. One per head and token: the delta
-        # rule takes no other decay
+        k_dec = kc if log_decay is None else kc * (cum if per_channel else cum[..., None]).exp()
+        # A: beta_t exp(b_t - b_s) (k_t . k_s) (per key channel: beta_t (k_t . k_s exp(b_t -
+        # b_s))), its strictly lower part the only part the solve reads (or sends gradient
+        # to): no mask
         if log_decay is None:
             a = (betac[..., None] * kc) @ kc.mT
+        elif per_channel:  # KDA's: the keys' own decayed scores, as the queries'
+            a = betac[..., None] * reads[1]
         elif decay is None:
             a = (betac[..., None] * k_dec) @ k_in.mT
         else:
@@ -209,8 +204,9 @@ def chunked_recurrence(
     else:
         if beta is not None:  # S' = a S - K'^T (T K'' S) + W: a (Dk x Dk) carry a chunk
             carry = -(k_out.mT @ t_k)
-            if a_end is not None:
-                carry = carry + torch.diag_embed(a_end[..., None].expand(*a_end.shape, dk))
+            if a_end is not None:  # its decay on the diagonal: a number a head or a row each
+                diagonal = a_end if per_channel else a_end[..., None].expand(*a_end.shape, dk)
+                carry = carry + torch.diag_embed(diagonal)
             else:
                 carry = carry + torch.eye(dk, dtype=carry.dtype, device=carry.device)
             factors = carry.unbind(2)
@@ -244,9 +240,10 @@ def pair_decay(cum: Tensor, mask: Tensor) -> Tensor:
     return diff.masked_fill(~mask, -math.inf).exp()
 
 
-def channel_decayed_scores(qc: Tensor, kc: Tensor, cum: Tensor) -> Tensor:
-    """(q_t . (k_s * exp(b_t - b_s))) for s <= t, zeros above: a decay per key channel,
-    q, k and cum (..., C, Dk).
+def channel_decayed_scores(queries: tuple[Tensor, ...], kc: Tensor, cum: Tensor) -> list[Tensor]:
+    """(q_t . (k_s * exp(b_t - b_s))) for s <= t, zeros above, for each of ``queries``
+    (the queries, and under the delta rule the keys too, which share the keys' factors):
+    a decay per key channel, q, k and cum (..., C, Dk).
 
     In float32 or float64, where no chunk's cumulative decay spans more than
     CHANNEL_SPAN in any channel, one product per chunk, (q_t exp(b_t - r)) .
@@ -254,38 +251,65 @@ def channel_decayed_scores(qc: Tensor, kc: Tensor, cum: Tensor) -> Tensor:
     within e^+-CHANNEL_SPAN/2, and every entry of the product, the discarded ones above
     the diagonal included, within e^CHANNEL_SPAN, below float32's e^88. GLA's gates learn
     to forget fast: in MAD's fuzzy recall a chunk of 16 spans e^-62 after nine epochs.
-    Otherwise block by block (``SUB_CHUNK``): between blocks through a
-    reference point r, the cumulative decay at the end of the key block, q_t exp(b_t - r)
-    and k_s exp(r - b_s), both <= 1; inside a diagonal block the explicit (S x S x Dk)
-    sum. Both are exact."""
-    c = qc.shape[-2]
+    Otherwise block by block (``scores_by_blocks``). Both are exact."""
+    c = kc.shape[-2]
     first, last = cum[..., :1, :], cum[..., -1:, :]  # the chunk's range: cum decreases
     if cum.dtype in WIDE and bool(((first - last).detach() <= CHANNEL_SPAN).all()):
         ref = (first + last).detach() / 2
-        lower = torch.ones(c, c, dtype=torch.bool, device=qc.device).tril()
-        scores = (qc * (cum - ref).exp()) @ (kc * (ref - cum).exp()).mT
-        return scores.masked_fill_(~lower, 0.0)
-    return scores_by_blocks(qc, kc, cum)
+        lower = torch.ones(c, c, dtype=torch.bool, device=kc.device).tril()
+        keys = kc * (ref - cum).exp()
+        up = (cum - ref).exp()
+        return [((q * up) @ keys.mT).masked_fill_(~lower, 0.0) for q in queries]
+    return scores_by_blocks(queries, kc, cum)
 
 
-def scores_by_blocks(qc: Tensor, kc: Tensor, cum: Tensor) -> Tensor:
-    """``channel_decayed_scores`` block by block, for any decay (see there)."""
-    c = qc.shape[-2]
+def scores_by_blocks(queries: tuple[Tensor, ...], kc: Tensor, cum: Tensor) -> list[Tensor]:
+    """``channel_decayed_scores`` block by block (``SUB_CHUNK`` tokens), for any decay,
+    batched over the blocks.
+
+    A query after key block j reads it through r_j, the cumulative decay at the end of
+    block j: (q_t exp(b_t - r_j)) . (k_s exp(r_j - b_s)), both factors <= 1 (the queries'
+    factor clamped at 1 where t is not after block j, whose entries are dropped). A block
+    on the diagonal is one product about the block's middle, as a chunk's, where no block
+    spans more than CHANNEL_SPAN in a channel (in float32 or float64), else the explicit
+    (S x S x Dk) sum of exp(b_t - b_s) <= 1."""
+    c = kc.shape[-2]
     sub = SUB_CHUNK if c % SUB_CHUNK == 0 else c
-    scores = qc.new_zeros(*qc.shape[:-1], c)
-    diag = torch.ones(sub, sub, dtype=torch.bool, device=qc.device).tril()
-    for j in range(0, c, sub):
-        keys = slice(j, j + sub)
-        diff = cum[..., keys, None, :] - cum[..., None, keys, :]  # (..., S, S, Dk)
-        decay = diff.masked_fill(~diag[..., None], -math.inf).exp()
-        scores[..., keys, keys] = (qc[..., keys, None, :] * kc[..., None, keys, :] * decay).sum(-1)
-        if j + sub < c:
-            ref = cum[..., j + sub - 1 : j + sub, :]  # (..., 1, Dk)
-            later = slice(j + sub, c)
-            q_r = qc[..., later, :] * (cum[..., later, :] - ref).exp()
-            k_r = kc[..., keys, :] * (ref - cum[..., keys, :]).exp()
-            scores[..., later, keys] = q_r @ k_r.mT
-    return scores
+    m = c // sub
+    k4, cum4 = (t.unflatten(-2, (m, sub)) for t in (kc, cum))  # (..., m, S, Dk)
+    tri = torch.ones(sub, sub, dtype=torch.bool, device=kc.device).tril()
+    first, last = cum4[..., :1, :], cum4[..., -1:, :]
+    if cum.dtype in WIDE and bool(((first - last).detach() <= CHANNEL_SPAN).all()):
+        mid = (first + last).detach() / 2
+        keys, rise = k4 * (mid - cum4).exp(), (cum4 - mid).exp()
+
+        def diagonal(q4: Tensor) -> Tensor:  # (..., m, S, S)
+            return (q4 * rise) @ keys.mT
+    else:
+        diff = cum4[..., :, None, :] - cum4[..., None, :, :]  # (..., m, S, S, Dk)
+        decay = diff.masked_fill(~tri[..., None], -math.inf).exp()
+
+        def diagonal(q4: Tensor) -> Tensor:
+            return (q4[..., :, None, :] * k4[..., None, :, :] * decay).sum(-1)
+
+    if m == 1:
+        return [
+            diagonal(q.unflatten(-2, (m, sub))).masked_fill(~tri, 0.0).squeeze(-3) for q in queries
+        ]
+    ref = last.detach()  # (..., m, 1, Dk): r_j
+    k_r = k4 * (ref - cum4).exp()  # (..., m, S, Dk)
+    up = (cum.unsqueeze(-3) - ref).clamp(max=0.0).exp()  # (..., m, C, Dk)
+    block = torch.arange(m, device=kc.device)
+    later = (block[:, None] > block[None, :])[:, None, :, None]  # query block after key block
+    eye = (block[:, None] == block[None, :])[:, None, :, None]
+    out = []
+    for q in queries:
+        off = ((q.unsqueeze(-3) * up) @ k_r.mT).unflatten(-2, (m, sub))  # (..., m_j, m_i, S, S)
+        off = off.movedim(-4, -2)  # (..., m_i, S_t, m_j, S_s)
+        diag = diagonal(q.unflatten(-2, (m, sub))).masked_fill(~tri, 0.0)
+        scores = off.masked_fill(~later, 0.0) + diag.unsqueeze(-2) * eye
+        out.append(scores.reshape(*q.shape[:-2], c, c))
+    return out
 
 
 def unit_lower_inverse(a: Tensor) -> Tensor:

@@ -32,6 +32,7 @@ PATH_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # contiguous q, k and v as linear is (the presets' time is the layer's, convolution in)
     "deltanet_no_conv": ("deltanet", {"short_conv": 0}),
     "gated_deltanet_no_conv": ("gated_deltanet", {"short_conv": 0}),
+    "kda_no_conv": ("kda", {"short_conv": 0}),
 }
 OWN_PROCESS = "own process"  # the row's time: ``timing`` says how it was measured
 PAIRED = "paired"  # ... in one process with the other variants, passes alternated
