@@ -9,7 +9,7 @@ gate f_t = sigmoid(w_f . x_t + b_f), one per head and token:
 
 The bias is of rank two, so it rides in two extra channels of q and k:
 [q / sqrt(D), c_i - r, 1] . [k, 1, -(c_j - r)], and SDPA's flash kernel runs the whole
-causal call (values padded to the same width; 1.15x softmax's time at N = 4096 on a CPU).
+causal call (values padded to the same width; 1.3x softmax's time at N = 4096 on a CPU).
 Its rounding is that of numbers |c - r| wide, so it serves a call whose cumulative gate
 spans at most ``ONE_CALL_SPAN`` (r its middle). A longer span, or padding, goes by query
 blocks (``BLOCK`` queries), each about its own r, the cumulative gate at its last query:
