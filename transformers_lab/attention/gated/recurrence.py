@@ -9,7 +9,8 @@ One state S (B, H, Dk, Dv) per sequence, and per token t, with a_t = exp(g_t):
   (B, H, N, Dk): GLA's, which multiplies row d of S by a_t[d];
 - without the delta rule u_t = v_t; with it (DeltaNet), u_t = beta_t (v_t - S'^T k_t), the
   value written minus what the decayed state S' = a_t S_{t-1} already gives for k_t: the
-  state's prediction for k_t moves towards v_t by beta_t.
+  state's prediction for k_t moves towards v_t by beta_t. It takes either decay: one per
+  head and token (Gated DeltaNet) or one per key channel (KDA).
 
 Two paths, equal to rounding:
 
@@ -32,7 +33,8 @@ Two paths, equal to rounding:
   (16 x 16 x Dk) sum.
   The delta rule is chunked through the WY representation: the pseudo-values U of a
   chunk solve (I + A) U = diag(beta) (V - diag(exp(b)) K S0), with A the strictly lower
-  beta_t exp(b_t - b_s) (k_t . k_s); with T = (I + A)^-1 diag(beta), T V and
+  beta_t exp(b_t - b_s) (k_t . k_s) (per key channel: beta_t k_t . (k_s exp(b_t - b_s)),
+  the keys' decayed scores, as the queries' are); with T = (I + A)^-1 diag(beta), T V and
   T diag(exp(b)) K come from one unit-lower triangular solve a chunk, and
   U = T V - (T diag(exp(b)) K) S0 for each chunk's start state S0.
 
