@@ -417,13 +417,7 @@ class AttentionKernel(nn.Module):
         ``(B, T)`` for them. ``state`` is what the previous call returned (``None`` at the
         start). This default keeps a KV cache; fastmax overrides it with its recurrent state.
         """
-        if state is not None:
-            k_past, v_past, pad_past = state
-            if pad_past is not None or key_padding_mask is not None:
-                pad_past = _or_zeros(pad_past, k_past)
-                key_padding_mask = torch.cat([pad_past, _or_zeros(key_padding_mask, k)], dim=1)
-            k = torch.cat([k_past, k], dim=2)
-            v = torch.cat([v_past, v], dim=2)
+        k, v, key_padding_mask = extend_cache(state, k, v, key_padding_mask)
         out = self(q, k, v, causal=True, key_padding_mask=key_padding_mask)
         return out, (k, v, key_padding_mask)
 
@@ -503,6 +497,23 @@ class AttentionKernel(nn.Module):
 
 
 AttentionKernel.__init__ = takes_backend(AttentionKernel.__init__)  # type: ignore[method-assign]
+
+
+def extend_cache(
+    cache: tuple[Tensor, Tensor, Tensor | None] | None,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A KV cache (keys, values, padding mask or None; None: empty) with the new tokens'
+    keys, values and padding after it."""
+    if cache is None:
+        return k, v, key_padding_mask
+    k_past, v_past, pad_past = cache
+    if pad_past is not None or key_padding_mask is not None:
+        pad_past = _or_zeros(pad_past, k_past)
+        key_padding_mask = torch.cat([pad_past, _or_zeros(key_padding_mask, k)], dim=1)
+    return torch.cat([k_past, k], dim=2), torch.cat([v_past, v], dim=2), key_padding_mask
 
 
 def _or_zeros(mask: Tensor | None, k: Tensor) -> Tensor:

@@ -32,6 +32,7 @@ from transformers_lab.attention.base import (
     AttentionKernel,
     GateInput,
     attention_mask,
+    extend_cache,
     masked_softmax,
 )
 
@@ -269,12 +270,10 @@ class ForgettingAttention(AttentionKernel):
         log_f = self.log_gates(gates, k.shape[2], key_padding_mask)
         c_new = cumulative(log_f, q.dtype)  # after the last cached token, whose c is 0
         if state is not None:
-            k_past, v_past, pad_past, c_past = state
-            if pad_past is not None or key_padding_mask is not None:
-                pad_past = _or_false(pad_past, k_past)
-                key_padding_mask = torch.cat([pad_past, _or_false(key_padding_mask, k)], 1)
-            k, v = torch.cat([k_past, k], 2), torch.cat([v_past, v], 2)
-            c_new = torch.cat([c_past, c_new], -1)
+            c_new = torch.cat([state[3], c_new], -1)
+        k, v, key_padding_mask = extend_cache(
+            None if state is None else state[:3], k, v, key_padding_mask
+        )
         out = self.attend(q, k, v, c_new, key_padding_mask)
         return out, (k, v, key_padding_mask, c_new - c_new[..., -1:])
 
@@ -296,14 +295,8 @@ class ForgettingAttention(AttentionKernel):
         """The cache's last ``keep`` tokens, their gate sums with them."""
         if state is None:
             return state
-        k, v, pad, c = state
-        first = max(k.shape[2] - keep, 0)
-        return (
-            k[:, :, first:],
-            v[:, :, first:],
-            None if pad is None else pad[:, first:],
-            c[..., first:],
-        )
+        k, v, pad = super().trim_state(state[:3], keep)  # the default cache's cut
+        return k, v, pad, state[3][..., state[3].shape[-1] - k.shape[2] :]
 
     def state_size(self, n: int, value_dim: int | None = None) -> int:
         """The cache: a key, a value and a gate sum a head and token."""
@@ -314,10 +307,3 @@ class ForgettingAttention(AttentionKernel):
 def cumulative(log_f: Tensor, dtype: torch.dtype) -> Tensor:
     """c = cumsum(log f) over the keys, in float32 at least (its sums are long)."""
     return log_f.to(torch.promote_types(dtype, torch.float32)).cumsum(-1)
-
-
-def _or_false(pad: Tensor | None, like: Tensor) -> Tensor:
-    """A (B, N) padding mask for the tokens of ``like`` (B, H, N, D): all False if None."""
-    if pad is not None:
-        return pad
-    return torch.zeros(like.shape[0], like.shape[2], dtype=torch.bool, device=like.device)

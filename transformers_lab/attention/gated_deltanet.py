@@ -5,15 +5,16 @@ recurrence."""
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from transformers_lab.attention.base import GateInput
-from transformers_lab.attention.gated.kernel import GatedKernel
+from transformers_lab.attention.gated.kernel import (
+    GatedKernel,
+    mamba_decay_parameters,
+    mamba_log_decay,
+)
 
 
 class GatedDeltaNetAttention(GatedKernel):
@@ -43,11 +44,7 @@ class GatedDeltaNetAttention(GatedKernel):
         backend: str | None = "auto",
     ) -> None:
         super().__init__(head_dim, n_head, dropout, chunk_size, backend)
-        a = torch.empty(n_head).uniform_(1, 16)
-        self.A_log = nn.Parameter(a.log())
-        dt = torch.exp(torch.rand(n_head) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.A_log, self.dt_bias = mamba_decay_parameters(n_head)
 
     def decay_and_rate(self, gates: dict[str, Tensor], like: Tensor):  # type: ignore[override]
-        rate = F.softplus(gates["a"] + self.dt_bias[:, None].to(like))
-        return -self.A_log.exp()[:, None].to(like) * rate, gates["beta"]
+        return mamba_log_decay(gates["a"], self.A_log, self.dt_bias, like), gates["beta"]

@@ -9,14 +9,14 @@ per key channel (fla's ``fla/ops/kda/naive.py`` and ``fla/layers/kda.py``)."""
 
 from __future__ import annotations
 
-import math
-
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from transformers_lab.attention.base import GateInput
-from transformers_lab.attention.gated.kernel import GatedKernel
+from transformers_lab.attention.gated.kernel import (
+    GatedKernel,
+    mamba_decay_parameters,
+    mamba_log_decay,
+)
 
 
 class KDAAttention(GatedKernel):
@@ -50,12 +50,7 @@ class KDAAttention(GatedKernel):
             "beta": GateInput("sigmoid"),
             "f": GateInput("identity", per_channel=True, rank=head_dim),
         }
-        a = torch.empty(n_head).uniform_(1, 16)
-        self.A_log = nn.Parameter(a.log())
-        low, high = math.log(0.001), math.log(0.1)
-        dt = torch.exp(torch.rand(n_head, self.qk_dim) * (high - low) + low).clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.A_log, self.dt_bias = mamba_decay_parameters(n_head, self.qk_dim)
 
     def decay_and_rate(self, gates: dict[str, Tensor], like: Tensor):  # type: ignore[override]
-        rate = F.softplus(gates["f"] + self.dt_bias[:, None, :].to(like))
-        return -self.A_log.exp()[:, None, None].to(like) * rate, gates["beta"]
+        return mamba_log_decay(gates["f"], self.A_log, self.dt_bias, like), gates["beta"]

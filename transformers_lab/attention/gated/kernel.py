@@ -18,11 +18,12 @@ recurrence in float64, fed one-hot values.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from transformers_lab.attention import fla_ops
 from transformers_lab.attention.backends import check_backend, choose, compute_dtype
@@ -336,6 +337,25 @@ class TemperedDecayKernel(GatedKernel):
     def decay_and_rate(self, gates: dict[str, Tensor], like: Tensor):  # type: ignore[override]
         (gate,) = self.gate_inputs
         return gates[gate] / self.gate_normalizer, None
+
+
+def mamba_decay_parameters(n_head: int, *channels: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """Mamba2's decay, log alpha = -exp(A_log_h) softplus(a + dt_bias), initialised as fla's
+    layers do: A_h drawn in [1, 16] a head, dt_bias the inverse softplus of a step drawn
+    log-uniformly in [0.001, 0.1], (n_head, *channels) of them (one a head, or one a head
+    and key channel)."""
+    a_log = nn.Parameter(torch.empty(n_head).uniform_(1, 16).log())
+    low, high = math.log(0.001), math.log(0.1)
+    dt = torch.exp(torch.rand(n_head, *channels) * (high - low) + low)
+    return a_log, nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+
+def mamba_log_decay(a: Tensor, a_log: Tensor, dt_bias: Tensor, like: Tensor) -> Tensor:
+    """-exp(A_log_h) softplus(a + dt_bias) for a gate input a (B, H, N) or (B, H, N, Dk),
+    dt_bias (H) or (H, Dk)."""
+    bias = dt_bias[:, None] if dt_bias.dim() == 1 else dt_bias[:, None, :]
+    scale = a_log.exp().view(-1, *[1] * (a.dim() - 2))
+    return -scale.to(like) * F.softplus(a + bias.to(like))
 
 
 def at_least_float32(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
