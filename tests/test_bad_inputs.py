@@ -458,6 +458,11 @@ CASES = [
         ["model=vit", "data=digits", "attention=kda"],
         "the ViT attends both ways: attention=kda reads the sequence in order",
     ),
+    case(  # Gated DeltaProduct's n_h keys a token
+        "train",
+        ["experiment=mqar", "attention=gated_deltaproduct", "attention.householder=0"],
+        "gated_deltaproduct: householder must be an integer >= 1 (the keys a token), got 0",
+    ),
     case(
         "train",
         ["model=vit", "data=digits", "attention=fox"],

@@ -41,8 +41,9 @@ def test_every_kernel_under_bf16_autocast_is_close_to_float32(name, causal):
     kernel = build_kernel(name, head_dim=D, n_head=H)
     if not causal and kernel.causal_only:
         pytest.skip(f"{name} is causal only")
-    q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
-    if "beta" in kernel.gate_inputs:  # the delta rule: unit keys, as its layer gives it
+    steps = N * kernel.keys_per_token  # Gated DeltaProduct's n_h keys a token
+    q, k, v = torch.randn(B, H, N, D), torch.randn(B, H, steps, D), torch.randn(B, H, steps, D)
+    if kernel.unit_keys:  # the delta rule: unit keys, as its layer gives it
         k = torch.nn.functional.normalize(k, dim=-1)
     gates = kernel.sample_gates(B, N)
     expected = kernel(q, k, v, causal=causal, **gates)

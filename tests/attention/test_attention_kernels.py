@@ -498,7 +498,7 @@ def test_mismatched_head_dims_are_named():
 @pytest.mark.parametrize("name", NAMES)
 def test_mask_of_wrong_shape_or_dtype_is_refused(name):
     kernel = make(name)
-    q, k, v = qkv(4, 5, qk=kernel.qk_dim)
+    q, k, v = qkv(4, 5 * kernel.keys_per_token, qk=kernel.qk_dim)  # 5 tokens of keys
     with pytest.raises(ValueError, match=r"must have shape \(batch, keys\) = \(2, 5\)"):
         kernel(q, k, v, key_padding_mask=torch.zeros(B, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="must be a bool tensor"):

@@ -30,7 +30,7 @@ def test_the_kernels_each_fused_kernel_covers():
         **dict.fromkeys(["linear", "performer", "cosformer"], ("fla",)),
         **dict.fromkeys(["based", "fastmax"], ("fla", "flex")),
         **dict.fromkeys(["retnet", "gla", "simple_gla", "deltanet", "gated_deltanet"], ("fla",)),
-        **dict.fromkeys(["kda", "fox"], ("fla",)),
+        **dict.fromkeys(["kda", "fox", "gated_deltaproduct"], ("fla",)),
         "sliding_window": ("flex",),
     }
     for name in COVERED:  # every option of a covered kernel says auto, and keeps it
@@ -52,7 +52,11 @@ def test_auto_on_a_cpu_gives_our_loop_bit_for_bit(name):
     auto = check.kernel_factory(name)(head_dim=16, n_head=2)
     auto.load_state_dict(loop.state_dict())
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 150, loop.qk_dim if i < 2 else 16) for i in range(3))
+    steps = 150 * loop.keys_per_token  # Gated DeltaProduct's n_h keys a token
+    q = torch.randn(2, 2, 150, loop.qk_dim)
+    k, v = torch.randn(2, 2, steps, loop.qk_dim), torch.randn(2, 2, steps, 16)
+    if loop.unit_keys:  # the delta rule's, as its layer gives them
+        k = torch.nn.functional.normalize(k, dim=-1)
     gates = loop.sample_gates(2, 150)
     assert torch.equal(auto(q, k, v, causal=True, **gates), loop(q, k, v, causal=True, **gates))
 

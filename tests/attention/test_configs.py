@@ -48,9 +48,10 @@ def test_kernel_config_instantiates_a_factory(name):
     kernel = factory(head_dim=8, n_head=2)
     assert isinstance(kernel, AttentionKernel) and isinstance(kernel, KERNELS[name])
     q = torch.randn(1, 2, 5, kernel.qk_dim)  # Based's q and k are feature_dim wide
-    v = torch.randn(1, 2, 5, 8)
+    steps = 5 * kernel.keys_per_token  # Gated DeltaProduct's n_h keys a token
+    k, v = torch.randn(1, 2, steps, kernel.qk_dim), torch.randn(1, 2, steps, 8)
     gates = kernel.sample_gates(1, 5)  # a gated kernel's inputs, which its layer projects
-    assert kernel(q, q, v, causal=True, **gates).shape == (1, 2, 5, 8)
+    assert kernel(q, k, v, causal=True, **gates).shape == (1, 2, 5, 8)
 
 
 def test_config_keys_match_the_kernel_signature():

@@ -3,9 +3,10 @@ Triton's interpreter (tests/triton_cpu.py), against our chunk loops in float32, 
 every gradient, at two lengths (one leaving a remainder chunk), with padding, and in the
 layer with its parts on. bf16 waits for a GPU (tests/gpu).
 
-The delta rule without a decay runs in float32 only with fla's assertion lifted (fla's
-``chunk_delta_rule`` refuses float32, and so do we, ``fla_ops.DELTA_RULE_HALF_ONLY``):
-the tests lift both, nothing else does.
+The delta rule without a decay, and the delta product, run in float32 only with fla's
+assertion lifted (fla's ``chunk_delta_rule`` and ``chunk_gated_delta_product`` refuse
+float32, and so do we, ``fla_ops.DELTA_RULE_HALF_ONLY``): the tests lift both, nothing
+else does.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def interpreter():
             pytest.fail(f"fla-core is not installed ({exc}): make install installs it")
         chunk = importlib.import_module("fla.ops.delta_rule.chunk")
         mp.setattr(chunk, "torch", NoFloat32Torch())
+        product = importlib.import_module("fla.ops.gated_delta_product")
+        mp.setattr(product, "chunk_gated_delta_product", delta_product_in_float32)
         mp.setattr(fla_ops, "DELTA_RULE_HALF_ONLY", False)
         yield ops
 
@@ -66,6 +69,15 @@ class NoFloat32Torch:
 
     def __getattr__(self, name):
         return torch.float64 if name == "float32" else getattr(torch, name)
+
+
+def delta_product_in_float32(q, k, v, g, beta, num_householder, scale):
+    """fla's ``chunk_gated_delta_product`` without its float32 assertion: its autograd
+    function, called as the op calls it (zero initial state, no final state, no varlen)."""
+    chunk = importlib.import_module("fla.ops.gated_delta_product.chunk")
+    return chunk.ChunkGatedDeltaProductFunction.apply(
+        q, k, v, g, beta, scale, num_householder, None, False, False, None, None, None
+    )
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -86,11 +98,12 @@ def kernels(name: str, head_dim: int = 16, **options):
 
 def inputs(kernel, n: int, padded: bool):
     torch.manual_seed(1)
+    steps = n * kernel.keys_per_token  # Gated DeltaProduct's n_h keys a token
     q = torch.randn(2, 2, n, kernel.qk_dim)
-    k = torch.randn(2, 2, n, kernel.qk_dim)
-    if "beta" in kernel.gate_inputs:  # the delta rule takes unit keys, as its layer gives
+    k = torch.randn(2, 2, steps, kernel.qk_dim)
+    if kernel.unit_keys:  # the delta rule takes unit keys, as its layer gives
         k = F.normalize(k, dim=-1)
-    v = torch.randn(2, 2, n, kernel.head_dim)
+    v = torch.randn(2, 2, steps, kernel.head_dim)
     gates = kernel.sample_gates(2, n)
     mask = None
     if padded:  # one sequence padded at its end, the other at its start
@@ -123,7 +136,7 @@ def compare(loop, fla, n: int, padded: bool) -> tuple[float, float]:
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("name", FLA)
 def test_the_fla_backend_equals_our_loop_outputs_and_gradients(interpreter, name, n, padded):
-    assert len(FLA) >= 13  # linear, performer, cosformer, based, fastmax p=1, p=2, 6 gated, fox
+    assert len(FLA) >= 14  # linear, performer, cosformer, based, fastmax p=1, p=2, 7 gated, fox
     loop, fla = kernels(name)
     errors = compare(loop, fla, n, padded)
     assert max(errors) < TOL, errors
@@ -168,14 +181,17 @@ def test_fastmax_with_a_learned_scale_takes_it_into_fla(interpreter):
 PARTS = {"short_conv": 4, "qk_activation": "silu", "output_norm": True, "output_gate": True}
 
 
-@pytest.mark.parametrize("name", ["fastmax", "fastmax_p1", "based", "gated_deltanet", "gla"])
+@pytest.mark.parametrize(
+    "name", ["fastmax", "fastmax_p1", "based", "gated_deltanet", "gla", "gated_deltaproduct"]
+)
 def test_in_the_layer_with_its_parts_on_fla_equals_our_loop(interpreter, name):
     """The multi-head layer (its short convolution, activation, output norm and gate on),
     one built on fla, one on our loop, the same weights: the output and the gradients of
     the input and of every parameter."""
-    parts = {} if name in ("gated_deltanet", "gla") else PARTS  # the presets have theirs
+    parts = {} if name in ("gated_deltanet", "gla", "gated_deltaproduct") else PARTS  # theirs
     torch.manual_seed(0)
-    layer = MultiHeadAttention(64, 4, check.kernel_factory(name, {**parts, "backend": "loop"}))
+    layer = MultiHeadAttention(64, 4, check.layer_factory(name, {**parts, "backend": "loop"}))
+    assert layer.parts.output_norm and layer.parts.output_gate  # the parts are on
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(0.05 * torch.randn_like(p))

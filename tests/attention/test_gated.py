@@ -64,6 +64,33 @@ def test_the_chunked_path_equals_the_recurrence_outputs_gradients_and_state(case
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(("every", "chunk"), [(2, 4), (2, 7), (3, 16), (3, 64)])
+def test_reading_every_mth_step_gives_those_rows_of_the_recurrence(case, every, chunk):
+    """``read_every``: the outputs of steps m - 1, 2m - 1, ... alone, whatever the other
+    steps' queries hold (Gated DeltaProduct's), their gradients and the state as the full
+    recurrence's; a chunk rounds down to a multiple of m."""
+    n = 13 * every
+    tensors = [t for t in inputs(n, **CASES[case])]
+    for t in tensors:
+        if t is not None:
+            t.requires_grad_()
+    q, k, v, log_decay, beta = tensors
+    want, want_s = naive_recurrence(q, k, v, log_decay, beta)
+    want = want[:, :, every - 1 :: every]
+    got, got_s = chunked_recurrence(q, k, v, log_decay, beta, chunk_size=chunk, read_every=every)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_s, want_s)
+    leaves = [t for t in tensors if t is not None]
+    probe = torch.randn_like(want)
+    want_g = torch.autograd.grad((want * probe).sum() + want_s.sum(), leaves)
+    got_g = torch.autograd.grad((got * probe).sum() + got_s.sum(), leaves)
+    for a, b in zip(got_g, want_g, strict=True):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="read_every must be >= 1 and divide the"):
+        chunked_recurrence(q[:, :, 1:], k[:, :, 1:], v[:, :, 1:], read_every=every)
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_gradcheck(case):
     q, k, v, log_decay, beta = inputs(6, **CASES[case])
     leaves = [t.requires_grad_() for t in (q, k, v, log_decay, beta) if t is not None]

@@ -158,7 +158,8 @@ def test_fla_s_op_gets_the_mapped_q_and_k(docs_kernel, monkeypatch):
     want = kernel(q, k, v, causal=True, **gates)
     seen = {}
 
-    def fake_fla(q, k, v, log_decay=None, beta=None, scale=None):
+    def fake_fla(q, k, v, log_decay=None, beta=None, scale=None, keys_per_token=1):
+        assert keys_per_token == 1
         seen.update(q=q, k=k)
         return chunked_recurrence(q, k, v, log_decay, beta, scale=scale, chunk_size=4)[0]
 

@@ -31,7 +31,9 @@ from transformers_lab.tasks.examples import Example
 @dataclass
 class AttentionRecord:
     """One kernel call: the layer (the attention module's name), its weights on the CPU,
-    (B, H, Nq, Nk), and whether the call was causal."""
+    (B, H, Nq, Nk), and whether the call was causal. A kernel that takes several keys a
+    token (``keys_per_token``: Gated DeltaProduct) has a token's weights summed, one
+    column a token."""
 
     layer: str
     weights: Tensor
@@ -98,6 +100,8 @@ class AttentionCapture:
                 gates = {name: g[: self.max_batch] for name, g in gates.items()}
             with torch.no_grad():
                 weights = kernel.weights(q, k, causal=causal, key_padding_mask=mask, **gates)
+            if kernel.keys_per_token > 1:  # a token's keys (Gated DeltaProduct's n_h): summed
+                weights = weights.unflatten(-1, (-1, kernel.keys_per_token)).sum(-1)
             self.records.append(AttentionRecord(layer, weights.detach().float().cpu(), causal))
 
         return hook

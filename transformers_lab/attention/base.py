@@ -135,11 +135,15 @@ class GateInput:
             head and token, (B, H, N).
         rank: project through a bottleneck of this width (GLA's low-rank gate); None: one
             linear map.
+        per_key: one value per key the kernel takes, (B, H, N n) for a kernel that takes
+            n = ``keys_per_token`` keys a token (Gated DeltaProduct's rate of each of its
+            steps), rather than one per token.
     """
 
     activation: str = "sigmoid"
     per_channel: bool = False
     rank: int | None = None
+    per_key: bool = False
 
     def __post_init__(self) -> None:
         if self.activation not in GATE_ACTIVATIONS:
@@ -149,6 +153,8 @@ class GateInput:
             )
         if self.rank is not None and self.rank < 1:
             raise ValueError(f"a gate's rank must be >= 1 (or None), got {self.rank}")
+        if self.per_key and self.per_channel:
+            raise ValueError("a gate is per_key or per_channel, not both")
 
     def activate(self, g: Tensor) -> Tensor:
         """The gate's values from its projection: ``activation`` of g."""
@@ -227,6 +233,12 @@ class AttentionKernel(nn.Module):
     ``qk_dim`` is the width of the queries and keys the kernel takes, ``head_dim`` unless
     a kernel sets another in its ``__init__`` (Based's ``feature_dim``): the layer projects
     q and k to it, and v to ``head_dim``.
+
+    ``keys_per_token`` is how many keys and values the kernel takes a token, 1 unless a
+    kernel sets another in its ``__init__`` (Gated DeltaProduct's n_h): k and v are then
+    (B, H, N n, D), token t's keys at n t .. n t + n - 1, and the padding mask stays one
+    a token, (B, N). The layer projects them n times as wide, and ``weights`` is
+    (B, H, Nq, N n), so that ``forward == weights @ v`` still holds.
     """
 
     name: ClassVar[str] = "kernel"
@@ -236,6 +248,9 @@ class AttentionKernel(nn.Module):
     constant_state: ClassVar[bool] = False
     forms_scores: ClassVar[bool] = False  # adds score_bias to its q-k scores (ALiBi): opt in
     causal_only: ClassVar[bool] = False  # reads the sequence in order: no encoder, no cross
+    # takes keys of norm 1, as its layer's qk_norm gives them (the delta rule: its state stays
+    # bounded where beta |k|^2 <= 2); the check and the benchmarks draw its keys so
+    unit_keys: ClassVar[bool] = False
     # the options that tell one setting of the kernel from another in a record's name
     # (``fastmax(p=1)``: ``models.common.layer_names``)
     labelled: ClassVar[tuple[str, ...]] = ()
@@ -277,6 +292,7 @@ class AttentionKernel(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.head_dim = head_dim
         self.qk_dim = head_dim
+        self.keys_per_token = 1
         self.n_head = n_head
         self.dropout = dropout
         self.alibi = False
@@ -378,7 +394,12 @@ class AttentionKernel(nn.Module):
         the bare kernel outside its layer: each gate's activation of N(0, 1) draws."""
         return {
             name: gate.activate(
-                torch.randn(batch, self.n_head, tokens, *([self.qk_dim] * gate.per_channel))
+                torch.randn(
+                    batch,
+                    self.n_head,
+                    tokens * (self.keys_per_token if gate.per_key else 1),
+                    *([self.qk_dim] * gate.per_channel),
+                )
             ).to(dtype)
             for name, gate in self.gate_inputs.items()
         }
@@ -482,8 +503,14 @@ class AttentionKernel(nn.Module):
                 f"{self.name}: v of shape {tuple(v.shape)} does not match k of shape "
                 f"{tuple(k.shape)} in (batch, heads, keys)"
             )
+        if k.shape[2] % self.keys_per_token:
+            n = self.keys_per_token
+            raise ValueError(
+                f"{self.name}: takes {n} keys a token, so k's tokens axis must be a multiple "
+                f"of {n}, got k of shape {tuple(k.shape)}"
+            )
         if key_padding_mask is not None:
-            expected = (k.shape[0], k.shape[2])
+            expected = (k.shape[0], k.shape[2] // self.keys_per_token)
             if key_padding_mask.dtype != torch.bool:
                 raise ValueError(
                     f"{self.name}: key_padding_mask must be a bool tensor (True = padding), "

@@ -135,18 +135,21 @@ def build(factory: Factory) -> AttentionKernel:
 
 def gated(kernel: AttentionKernel) -> AttentionKernel:
     """The kernel, its gate inputs supplied at every call as a fixed function of each
-    token's key (its activation of ``k @ W`` for a fixed W), so that forward, decode and
+    token's keys (its activation of ``k @ W`` for a fixed W: of each key for a gate one a
+    key, of the token's keys side by side for one a token), so that forward, decode and
     the checks' changed keys all see the gates their tokens would have."""
-    gates, d = kernel.gate_inputs, kernel.qk_dim
+    gates, d, n = kernel.gate_inputs, kernel.qk_dim, kernel.keys_per_token
     weights = {
-        name: torch.randn(d, d if g.per_channel else 1, dtype=torch.float64, generator=None)
+        name: torch.randn(d if g.per_key else n * d, d if g.per_channel else 1, dtype=torch.float64)
         for name, g in gates.items()
     }
 
     def values(k: Tensor) -> dict[str, Tensor]:
+        b, h, steps, _ = k.shape
+        by_token = k.reshape(b, h, steps // n, n * d)  # a token's keys side by side
         out = {}
         for name, gate in gates.items():
-            g = k @ weights[name].to(k)
+            g = (k if gate.per_key else by_token) @ weights[name].to(k)
             out[name] = gate.activate(g if gate.per_channel else g.squeeze(-1))
         return out
 
@@ -178,13 +181,22 @@ def gated(kernel: AttentionKernel) -> AttentionKernel:
 def qkv(
     kernel: AttentionKernel, nq: int, nk: int, dtype: torch.dtype = torch.float64
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Queries and keys as wide as the kernel takes them (``qk_dim``), values DV wide."""
-    d = kernel.qk_dim
+    """Queries and keys as wide as the kernel takes them (``qk_dim``), values DV wide; nk
+    tokens of keys and values, ``keys_per_token`` keys a token; keys of norm 1 for a kernel
+    that takes them so (``unit_keys``)."""
+    d, steps = kernel.qk_dim, nk * kernel.keys_per_token
+    k = torch.randn(B, H, steps, d, dtype=dtype)
     return (
         torch.randn(B, H, nq, d, dtype=dtype),
-        torch.randn(B, H, nk, d, dtype=dtype),
-        torch.randn(B, H, nk, DV, dtype=dtype),
+        torch.nn.functional.normalize(k, dim=-1) if kernel.unit_keys else k,
+        torch.randn(B, H, steps, DV, dtype=dtype),
     )
+
+
+def tokens(kernel: AttentionKernel, t: Tensor, start: int, stop: int | None = None) -> Tensor:
+    """Keys or values (B, H, N n, D) of tokens ``start`` .. ``stop`` - 1 (n keys a token)."""
+    n = kernel.keys_per_token
+    return t[:, :, start * n : None if stop is None else stop * n]
 
 
 def padding(nk: int) -> Tensor:
@@ -315,8 +327,8 @@ def check_future(kernel: AttentionKernel) -> list[str]:
     q, k, v = qkv(kernel, 9, 9)
     out = kernel(q, k, v, causal=True)
     k2, v2 = k.clone(), v.clone()
-    k2[:, :, 5:] += torch.randn_like(k2[:, :, 5:])
-    v2[:, :, 5:] += torch.randn_like(v2[:, :, 5:])
+    tokens(kernel, k2, 5).add_(torch.randn_like(tokens(kernel, k2, 5)))
+    tokens(kernel, v2, 5).add_(torch.randn_like(tokens(kernel, v2, 5)))
     changed = kernel(q, k2, v2, causal=True)
     why = gap(changed[:, :, :5], out[:, :, :5], 1e-10, 1e-12)
     return [] if why is None else [f"outputs 0..4 change with keys 5..8 (a leak), {why}"]
@@ -329,8 +341,9 @@ def check_padding(kernel: AttentionKernel) -> list[str]:
         mask = padding(7)
         out = kernel(q, k, v, causal=causal, key_padding_mask=mask)
         k2, v2 = k.clone(), v.clone()
-        k2[1, :, -2:] = 100 * torch.randn_like(k2[1, :, -2:])
-        v2[1, :, -2:] = 100 * torch.randn_like(v2[1, :, -2:])
+        for t in (k2, v2):  # the last two tokens of batch 1
+            last = tokens(kernel, t, 5)[1]
+            last.copy_(100 * torch.randn_like(last))
         changed = kernel(q, k2, v2, causal=causal, key_padding_mask=mask)
         if (why := gap(changed, out, 1e-10, 1e-12)) is not None:
             failures.append(f"{'causal: ' if causal else ''}padded keys change the output, {why}")
@@ -382,7 +395,11 @@ def check_decode(kernel: AttentionKernel) -> list[str]:
             for a, b in zip(edges[:-1], edges[1:], strict=True):
                 step_mask = None if mask is None else mask[:, a:b]
                 out, state = kernel.decode(
-                    q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state, key_padding_mask=step_mask
+                    q[:, :, a:b],
+                    tokens(kernel, k, a, b),
+                    tokens(kernel, v, a, b),
+                    state,
+                    key_padding_mask=step_mask,
                 )
                 outs.append(out)
             if (why := gap(torch.cat(outs, dim=2), want, 1e-10, 1e-12)) is not None:
@@ -421,7 +438,7 @@ def check_gradients(kernel: AttentionKernel) -> list[str]:
     small = copy.deepcopy(kernel)
     params = [p for p in small.parameters() if p.requires_grad]
     for causal in modes(kernel):
-        q, k, v = (t[:1, :, :4].clone().requires_grad_() for t in qkv(kernel, 4, 4))
+        q, k, v = (t[:1].clone().requires_grad_() for t in qkv(kernel, 4, 4))
 
         def fn(q: Tensor, k: Tensor, v: Tensor, *_: Tensor, causal: bool = causal) -> Tensor:
             return small(q, k, v, causal=causal)

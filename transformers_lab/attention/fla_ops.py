@@ -15,6 +15,8 @@ causal self-attention, what our loops compute:
 | the delta rule, no decay                     | ``chunk_delta_rule``                      |
 | the delta rule, decay a head                 | ``chunk_gated_delta_rule``                |
 | the delta rule, decay a key channel (KDA)    | ``chunk_kda``                             |
+| n_h delta-rule steps a token, decay a head   | ``chunk_gated_delta_product``             |
+| (Gated DeltaProduct)                         |                                           |
 | softmax with a forget gate (FoX)             | ``parallel_forgetting_attn``              |
 
 Each op takes our features (scale folded into the queries), log decay and rate in fla's
@@ -45,11 +47,17 @@ def fla_layout(t: Tensor) -> Tensor:
     return t.transpose(1, 2).contiguous()
 
 
-def refuses(dtype: torch.dtype, log_decay: Tensor | None, beta: Tensor | None) -> bool:
-    """fla's op for this form refuses ``dtype`` (its delta rule without a decay, float32):
+def refuses(
+    dtype: torch.dtype, log_decay: Tensor | None, beta: Tensor | None, keys_per_token: int = 1
+) -> bool:
+    """fla's op for this form refuses ``dtype`` (its delta rule without a decay, and its
+    delta product, in float32):
     ``auto`` then takes our loop, an explicit ``fla`` says so (``fla_recurrence``)."""
     return (
-        DELTA_RULE_HALF_ONLY and beta is not None and log_decay is None and dtype == torch.float32
+        DELTA_RULE_HALF_ONLY
+        and beta is not None
+        and (log_decay is None or keys_per_token > 1)
+        and dtype == torch.float32
     )
 
 
@@ -70,17 +78,32 @@ def fla_recurrence(
     beta: Tensor | None = None,
     *,
     scale: float,
+    keys_per_token: int = 1,
 ) -> Tensor:
     """``gated.chunked_recurrence``'s output o (B, H, N, Dv), from zero state, by fla's op
-    for its form (the module doc's table), in q's dtype (the delta rule: bf16 or fp16)."""
+    for its form (the module doc's table), in q's dtype (the delta rule: bf16 or fp16).
+
+    With n = ``keys_per_token`` > 1 (Gated DeltaProduct), the inputs are the recurrence's
+    one step a key (``GatedKernel.steps``): each query after its token's last key, the
+    decay at its token's first; fla's op takes one query and decay a token, and o is one
+    output a token, (B, H, N / n, Dv)."""
     check_device(q)
-    if refuses(q.dtype, log_decay, beta):  # fla asserts it, in no words of ours
+    if refuses(q.dtype, log_decay, beta, keys_per_token):  # fla asserts it, in no words of ours
         raise ValueError(
             "attention.backend=fla: fla's delta rule runs in bf16 or fp16 only; train with "
             "trainer.precision=bf16-mixed (trainer=gpu does) or use attention.backend=loop"
         )
     ops = importlib.import_module("fla.ops")
     dv = v.shape[-1]
+    n = keys_per_token
+    if n > 1:
+        if beta is None or (log_decay is not None and log_decay.dim() == 4):
+            raise ValueError(
+                "attention.backend=fla: fla's op for several keys a token is the delta rule "
+                "with a decay a head (chunk_gated_delta_product); use attention.backend=loop"
+            )
+        q = q[:, :, n - 1 :: n]  # the queries after each token's last key
+        log_decay = None if log_decay is None else log_decay[:, :, ::n]  # at its first
     # even widths (fla's 16-bit backward); a zero key channel writes and reads nothing
     q, k, v = fla_layout(even(q)), fla_layout(even(k)), fla_layout(even(v))
     if log_decay is not None and log_decay.dim() == 4:
@@ -95,7 +118,11 @@ def fla_recurrence(
             o, _ = ops.gla.chunk_gla(q, k, v, g=g, scale=scale)
     else:
         beta = fla_layout(beta)
-        if g is None:
+        if n > 1:
+            o, _ = ops.gated_delta_product.chunk_gated_delta_product(
+                q, k, v, g=g, beta=beta, scale=scale, num_householder=n
+            )
+        elif g is None:
             o, _ = ops.delta_rule.chunk_delta_rule(q, k, v, beta=beta, scale=scale)
         elif g.dim() == 3:
             o, _ = ops.gated_delta_rule.chunk_gated_delta_rule(q, k, v, g=g, beta=beta, scale=scale)

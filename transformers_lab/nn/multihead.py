@@ -87,15 +87,24 @@ class LayerState(NamedTuple):
 
 class GateProjection(nn.Module):
     """The gate inputs a kernel declares (``GateInput``), projected from the layer's input
-    x (B, N, d_model): each to (B, H, N), or (B, H, N, D) per key channel."""
+    x (B, N, d_model): each to (B, H, N), (B, H, N, D) per key channel, or (B, H, N n)
+    one a key for a kernel that takes n keys a token (``keys_per_token``)."""
 
-    def __init__(self, d_model: int, n_head: int, qk_dim: int, gates: dict[str, GateInput]):
+    def __init__(
+        self,
+        d_model: int,
+        n_head: int,
+        qk_dim: int,
+        gates: dict[str, GateInput],
+        keys_per_token: int = 1,
+    ):
         super().__init__()
         self.n_head = n_head
         self.gates = dict(gates)
+        self.keys_per_token = keys_per_token
         self.proj = nn.ModuleDict()
         for name, gate in self.gates.items():
-            width = n_head * (qk_dim if gate.per_channel else 1)
+            width = n_head * (qk_dim if gate.per_channel else keys_per_token if gate.per_key else 1)
             if gate.rank is None:
                 self.proj[name] = nn.Linear(d_model, width)
             else:
@@ -108,7 +117,10 @@ class GateProjection(nn.Module):
         out = {}
         for name, gate in self.gates.items():
             g = self.proj[name](x).view(b, n, self.n_head, -1).transpose(1, 2)
-            g = g if gate.per_channel else g.squeeze(-1)  # (B, H, N, D) or (B, H, N)
+            if gate.per_key:  # (B, H, N n): a token's keys in a row
+                g = g.reshape(b, self.n_head, -1)
+            elif not gate.per_channel:  # (B, H, N, D) or (B, H, N)
+                g = g.squeeze(-1)
             out[name] = gate.activate(g)
         return out
 
@@ -177,8 +189,10 @@ class MultiHeadAttention(nn.Module):
             )
         self.qk_dim = self.kernel.qk_dim
         qk_width = n_head * self.qk_dim
-        # the widths of q, k and v in the projections' outputs
-        self.widths = (qk_width, qk_width, d_model)
+        # the widths of q, k and v in the projections' outputs: n keys and values a token
+        # for a kernel that takes n (Gated DeltaProduct's n_h), laid out (n, H, D) as fla's
+        self.keys_per_token = per_token = self.kernel.keys_per_token
+        self.widths = (qk_width, per_token * qk_width, per_token * d_model)
         if cross:
             self.q_proj = nn.Linear(d_model, qk_width, bias=bias)
             self.kv_proj = nn.Linear(context_dim or d_model, qk_width + d_model, bias=bias)
@@ -211,6 +225,12 @@ class MultiHeadAttention(nn.Module):
                 "from another sequence, do not have; give the model another cross_attention "
                 "kernel (model.cross_attention=...)"
             )
+        if cross and per_token > 1:
+            raise ValueError(
+                f"attention={self.kernel.name} takes {per_token} keys a token from one "
+                "sequence; give the model another cross_attention kernel "
+                "(model.cross_attention=...)"
+            )
         if alibi:
             if cross:
                 raise ValueError("alibi is for self-attention: a context is another sequence")
@@ -220,7 +240,7 @@ class MultiHeadAttention(nn.Module):
             None if not parts.short_conv else ShortConvolution(sum(self.widths), parts.short_conv)
         )
         self.gates = (
-            GateProjection(d_model, n_head, self.qk_dim, self.kernel.gate_inputs)
+            GateProjection(d_model, n_head, self.qk_dim, self.kernel.gate_inputs, per_token)
             if self.kernel.gate_inputs
             else None
         )
@@ -231,6 +251,25 @@ class MultiHeadAttention(nn.Module):
         """(B, N, H * width) -> (B, H, N, width): values, or queries and keys."""
         b, n, _ = x.shape
         return x.view(b, n, self.n_head, -1).transpose(1, 2)
+
+    def split_keys(self, x: Tensor) -> Tensor:
+        """(B, N, n H width) -> (B, H, N n, width): the keys or values of a kernel that takes
+        n a token (``keys_per_token``), token t's at n t .. n t + n - 1; ``split_heads``
+        for n = 1."""
+        b, n, _ = x.shape
+        per_token = self.keys_per_token
+        x = x.view(b, n, per_token, self.n_head, -1).permute(0, 3, 1, 2, 4)
+        return x.reshape(b, self.n_head, n * per_token, -1)
+
+    def rotate_keys(self, k: Tensor, offset: int) -> Tensor:
+        """RoPE of the keys (B, H, N n, D): each of a token's n keys at the token's position."""
+        per_token = self.keys_per_token
+        if per_token == 1:
+            return self.rotary(k, offset)
+        b, h, nn_, d = k.shape
+        by_step = k.view(b, h, nn_ // per_token, per_token, d).transpose(2, 3)
+        by_step = self.rotary(by_step.reshape(b, h * per_token, -1, d), offset)
+        return by_step.view(b, h, per_token, -1, d).transpose(2, 3).reshape(b, h, nn_, d)
 
     def shape_qk(self, x: Tensor) -> Tensor:
         """Per-head queries or keys through the layer's activation and L2 norm."""
@@ -292,10 +331,11 @@ class MultiHeadAttention(nn.Module):
             if key_padding_mask is not None:  # a padded token feeds no later token's window
                 qkv = qkv.masked_fill(key_padding_mask[..., None], 0.0)
             qkv, conv_state = self.conv(qkv, state.conv)
-        q, k, v = (self.split_heads(t) for t in qkv.split(self.widths, dim=-1))
+        q, k, v = qkv.split(self.widths, dim=-1)
+        q, k, v = self.split_heads(q), self.split_keys(k), self.split_keys(v)
         q, k = self.shape_qk(q), self.shape_qk(k)
         if self.rotary is not None:
-            q, k = self.rotary(q, state.seen), self.rotary(k, state.seen)
+            q, k = self.rotary(q, state.seen), self.rotate_keys(k, state.seen)
         return q, k, v, conv_state
 
     def queries(self, x: Tensor) -> Tensor:

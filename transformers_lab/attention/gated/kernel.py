@@ -152,6 +152,8 @@ class GatedKernel(AttentionKernel):
             )
         q, k = self.mapped(q, "q"), self.mapped(k, "k")  # before anything else
         log_decay, beta = self.decay_and_rate(gates, k)
+        if self.keys_per_token > 1:  # one step a key: the sequence of the keys
+            q, log_decay, key_padding_mask = self.steps(q, log_decay, key_padding_mask)
         nq, nk = q.shape[2], k.shape[2]
         if nq > nk:  # queries before the first key: empty keys before them
             front = nq - nk
@@ -173,6 +175,29 @@ class GatedKernel(AttentionKernel):
                 beta = beta * keep
         return q, k, v, log_decay, beta, skip
 
+    def steps(
+        self, q: Tensor, log_decay: Tensor | None, key_padding_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """For n = ``keys_per_token`` keys a token, the recurrence one step a key: each
+        query after its token's last key (zero queries at the n - 1 steps before, whose
+        outputs ``read`` drops), a decay a token at its token's first key, and the padding
+        mask of each key."""
+        n = self.keys_per_token
+        b, h, nq, d = q.shape
+        q = torch.cat([q.new_zeros(b, h, nq, n - 1, d), q[:, :, :, None]], 3).flatten(2, 3)
+        if log_decay is not None:
+            rest = log_decay.new_zeros(*log_decay.shape[:3], n - 1, *log_decay.shape[3:])
+            log_decay = torch.cat([log_decay[:, :, :, None], rest], 3).flatten(2, 3)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.repeat_interleave(n, 1)
+        return q, log_decay, key_padding_mask
+
+    def read(self, out: Tensor, skip: int) -> Tensor:
+        """The queries' outputs (rows) of the recurrence's, past the ``skip`` dropped: every
+        step's, or, for n keys a token, the step after each token's last key."""
+        n = self.keys_per_token
+        return out[:, :, skip + n - 1 :: n]
+
     def forward(  # type: ignore[override]
         self,
         q: Tensor,
@@ -187,20 +212,27 @@ class GatedKernel(AttentionKernel):
         q, k, v, log_decay, beta, skip = self.inputs(q, k, v, causal, key_padding_mask, gates)
         fla = choose(self.backend, self.fused_backends, q.device) == "fla"
         dtype = compute_dtype(v)  # autocast's (bf16-mixed) or the inputs' own
-        if fla and self.backend == "auto" and fla_ops.refuses(dtype, log_decay, beta):
+        if (
+            fla
+            and self.backend == "auto"
+            and fla_ops.refuses(dtype, log_decay, beta, self.keys_per_token)
+        ):
             fla = False  # fla's delta rule takes no float32: our loop does
         if fla:
             with torch.autocast(q.device.type, enabled=False):
                 q, k, v = (t.to(dtype) for t in (q, k, v))
-                out = fla_ops.fla_recurrence(q, k, v, log_decay, beta, scale=self.scale)
-            return out[:, :, skip:]
+                out = fla_ops.fla_recurrence(
+                    q, k, v, log_decay, beta, scale=self.scale, keys_per_token=self.keys_per_token
+                )
+            return out[:, :, skip // self.keys_per_token :]  # one output a token
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
             q, k, v, log_decay, beta = at_least_float32(q, k, v, log_decay, beta)
             out, _ = chunked_recurrence(
-                q, k, v, log_decay, beta, scale=self.scale, chunk_size=self.chunk_size
-            )
-        return out[:, :, skip:].to(dtype)
+                q, k, v, log_decay, beta, scale=self.scale, chunk_size=self.chunk_size,
+                read_every=self.keys_per_token,
+            )  # fmt: skip
+        return out[:, :, skip // self.keys_per_token :].to(dtype)  # one output a token
 
     def weights(
         self,
@@ -245,7 +277,7 @@ class GatedKernel(AttentionKernel):
                 )
                 * beta[..., None, :]
             )
-        return scores[:, :, skip:, n - nk :]
+        return self.read(scores, skip)[..., n - nk :]
 
     def reference_weights(
         self,
@@ -265,7 +297,7 @@ class GatedKernel(AttentionKernel):
         onehot = torch.eye(nk, dtype=torch.float64).expand(*k.shape[:2], nk, nk)
         q, k, v, log_decay, beta, skip = self.inputs(q, k, onehot, causal, key_padding_mask, gates)
         out, _ = naive_recurrence(q, k, v, log_decay, beta, scale=self.scale)
-        return out[:, :, skip:]
+        return self.read(out, skip)
 
     def decode(
         self,
@@ -280,24 +312,25 @@ class GatedKernel(AttentionKernel):
         """T new tokens against the state (B, H, Dk, Dv) of the ones before: the recurrence
         for one token, the chunked path for more; the state's size never grows."""
         self.check_inputs(q, k, v, key_padding_mask)
-        if q.shape[2] != k.shape[2]:
+        if q.shape[2] * self.keys_per_token != k.shape[2]:
             raise ValueError(
                 f"{self.name}.decode: q and k must hold the same new tokens, got "
-                f"{q.shape[2]} queries and {k.shape[2]} keys"
+                f"{q.shape[2]} queries and {k.shape[2]} keys ({self.keys_per_token} a token)"
             )
         q, k, v, log_decay, beta, _ = self.inputs(q, k, v, True, key_padding_mask, gates)
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
             q, k, v, log_decay, beta = at_least_float32(q, k, v, log_decay, beta)
             state = None if state is None else state.to(q.dtype)
-            if q.shape[2] == 1:
+            if q.shape[2] <= self.keys_per_token:  # one token
                 out, state = naive_recurrence(
                     q, k, v, log_decay, beta, scale=self.scale, state=state
                 )
+                out = self.read(out, 0)
             else:
                 out, state = chunked_recurrence(
                     q, k, v, log_decay, beta, scale=self.scale, state=state,
-                    chunk_size=self.chunk_size,
+                    chunk_size=self.chunk_size, read_every=self.keys_per_token,
                 )  # fmt: skip
         return out.to(dtype), state
 

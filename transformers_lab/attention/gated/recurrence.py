@@ -131,16 +131,25 @@ def chunked_recurrence(
     scale: float | None = None,
     state: Tensor | None = None,
     chunk_size: int = 64,
+    read_every: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """``naive_recurrence`` in chunks of ``chunk_size`` tokens (see the module doc); the
-    same (o, state)."""
+    same (o, state).
+
+    ``read_every`` = m > 1: only the outputs of steps m - 1, 2m - 1, ... (B, H, N / m, Dv),
+    the other steps' queries zero and never read (Gated DeltaProduct's m keys a token,
+    its query after the last): the queries' products are formed for those rows alone, and
+    the chunks are a multiple of m steps."""
     check_shapes(q, k, v, log_decay, beta)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     b, h, n, dk = q.shape
+    every = read_every
+    if every < 1 or n % every:
+        raise ValueError(f"read_every must be >= 1 and divide the {n} steps, got {every}")
     dv = v.shape[-1]
     scale = dk**-0.5 if scale is None else scale
-    c = min(chunk_size, n)
+    c = min(max(chunk_size // every, 1) * every, n)
     pad = -n % c  # padded tokens: no key, no value, no decay; their outputs are dropped
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -151,25 +160,28 @@ def chunked_recurrence(
     nc = (n + pad) // c
     qc, kc, vc = (t.reshape(b, h, nc, c, t.shape[-1]) for t in (scale * q, k, v))
     mask = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    rows = slice(every - 1, None, every)  # the steps whose outputs are read (all for 1)
+    all_q, qc, below = qc, qc[..., rows, :], mask[rows]  # (.., C / every, Dk), (C / every, C)
     per_channel = log_decay is not None and log_decay.dim() == 4
     if log_decay is None:
-        scores = (qc @ kc.mT).masked_fill(~mask, 0.0)
+        scores = (qc @ kc.mT).masked_fill(~below, 0.0)
         q_in, k_out, a_end = qc, kc, None
     else:
         cum = log_decay.reshape(b, h, nc, c, *log_decay.shape[3:]).cumsum(3)  # b_t
         last = cum[:, :, :, -1:]  # b_C
         if per_channel:  # the delta rule's keys read the keys as the queries do
-            reads = channel_decayed_scores((qc, kc) if beta is not None else (qc,), kc, cum)
-            scores = reads[0]
-            q_in, k_out, decay = qc * cum.exp(), kc * (last - cum).exp(), None
+            queries = (all_q, kc) if beta is not None else (all_q,)  # square blocks
+            reads = channel_decayed_scores(queries, kc, cum)
+            scores = reads[0][..., rows, :]
+            q_in, k_out, decay = qc * cum[..., rows, :].exp(), kc * (last - cum).exp(), None
         else:
-            q_in, k_out = qc * cum[..., None].exp(), kc * (last - cum)[..., None].exp()
+            q_in, k_out = qc * cum[..., rows, None].exp(), kc * (last - cum)[..., None].exp()
             if folds(cum):  # exp(b_t - b_s) = exp(b_t) exp(-b_s): in q_in and k_in
                 k_in, decay = kc * (-cum)[..., None].exp(), None
-                scores = (q_in @ k_in.mT).masked_fill_(~mask, 0.0)
+                scores = (q_in @ k_in.mT).masked_fill_(~below, 0.0)
             else:  # (B, H, nc, C, C): the scores' and the WY form's
                 decay = pair_decay(cum, mask)
-                scores = (qc @ kc.mT) * decay
+                scores = (qc @ kc.mT) * decay[..., rows, :]
         a_end = last.squeeze(3).exp()  # (B, H, nc) or (B, H, nc, Dk)
     if beta is not None:  # the WY form: U = t_v - t_k S0 for each chunk's start state S0
         betac = beta.reshape(b, h, nc, c)
@@ -223,8 +235,8 @@ def chunked_recurrence(
         starts = torch.stack(chain[:-1], 2)  # (B, H, nc, Dk, Dv): each chunk's start state
         s = chain[-1]
     u = vc if beta is None else t_v - t_k @ starts
-    o = (q_in @ starts + scores @ u).reshape(b, h, nc * c, dv)
-    return o[:, :, :n], s
+    o = (q_in @ starts + scores @ u).reshape(b, h, nc * c // every, dv)
+    return o[:, :, : n // every], s
 
 
 def folds(cum: Tensor) -> bool:

@@ -77,20 +77,25 @@ def build_variant(spec: Spec) -> tuple[AttentionKernel, LayerParts]:
     return kernel.to(device=spec.device, dtype=DTYPES[spec.dtype]), parts
 
 
-def make_inputs(spec: Spec, n: int, qk_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k ~ randn (B, H, n, qk_dim) and v ~ randn (B, H, n, D) that require grad."""
+def make_inputs(spec: Spec, n: int, kernel: AttentionKernel) -> tuple[Tensor, Tensor, Tensor]:
+    """q ~ randn (B, H, n, qk_dim), k ~ randn (B, H, n m, qk_dim) and v ~ randn
+    (B, H, n m, D) that require grad, m the kernel's ``keys_per_token``."""
     dtype = DTYPES[spec.dtype]
+    steps = n * kernel.keys_per_token
     return tuple(  # type: ignore[return-value]
         torch.randn(
-            (spec.batch, spec.heads, n, d), device=spec.device, dtype=dtype, requires_grad=True
+            (spec.batch, spec.heads, tokens, d), device=spec.device, dtype=dtype,
+            requires_grad=True,
         )
-        for d in (qk_dim, qk_dim, spec.head_dim)
-    )
+        for tokens, d in ((n, kernel.qk_dim), (steps, kernel.qk_dim), (steps, spec.head_dim))
+    )  # fmt: skip
 
 
 def fused_widths(kernel: AttentionKernel, spec: Spec) -> list[int]:
-    """The widths of q, k and v in the layer's fused projection."""
-    return [spec.heads * d for d in (kernel.qk_dim, kernel.qk_dim, spec.head_dim)]
+    """The widths of q, k and v in the layer's fused projection (k and v ``keys_per_token``
+    times as wide)."""
+    m = kernel.keys_per_token
+    return [spec.heads * d for d in (kernel.qk_dim, m * kernel.qk_dim, m * spec.head_dim)]
 
 
 def make_gates(kernel: AttentionKernel, spec: Spec, n: int) -> dict[str, Tensor]:
@@ -141,14 +146,15 @@ def fwd_bwd_fused(
     if conv is not None:
         conv.zero_grad(set_to_none=True)
         mixed, _ = conv(x)
+    m = kernel.keys_per_token  # a token's m keys laid out (m, H, D), as the layer's
     q, k, v = (
-        t.view(b, n, spec.heads, -1).transpose(1, 2)
-        for t in mixed.split(fused_widths(kernel, spec), dim=-1)
+        t.view(b, n, width, spec.heads, -1).permute(0, 3, 1, 2, 4).flatten(2, 3)
+        for t, width in zip(mixed.split(fused_widths(kernel, spec), dim=-1), (1, m, m), strict=True)
     )
     gates = gates or {}
     for t in gates.values():
         t.grad = None
-    if "beta" in kernel.gate_inputs:  # the delta rule takes unit keys, as its layer gives
+    if kernel.unit_keys:  # the delta rule takes unit keys, as its layer gives
         k = F.normalize(k, dim=-1)
     out = kernel(q, k, v, causal=spec.causal, **gates)
     dense_backward(out)
@@ -249,15 +255,15 @@ def prepare(spec: Spec) -> Callable[[], None]:
             x = torch.cat(
                 [
                     t.transpose(1, 2).reshape(spec.batch, n, -1)
-                    for t in make_inputs(spec, n, kernel.qk_dim)
+                    for t in make_inputs(spec, n, kernel)
                 ],
                 dim=-1,
             ).detach()
             x.requires_grad_()  # (B, N, H (2 qk_dim + D))
             gates = make_gates(kernel, spec, n)
             return lambda: fwd_bwd_fused(kernel, conv, x, spec, gates)
-        q, k, v = make_inputs(spec, n, kernel.qk_dim)
-        if "beta" in kernel.gate_inputs:  # the delta rule takes unit keys, as its layer gives
+        q, k, v = make_inputs(spec, n, kernel)
+        if kernel.unit_keys:  # the delta rule takes unit keys, as its layer gives
             k = F.normalize(k.detach(), dim=-1).requires_grad_()
         gates = make_gates(kernel, spec, n)
         return lambda: fwd_bwd(kernel, q, k, v, spec.causal, gates)
