@@ -458,6 +458,11 @@ CASES = [
         ["model=vit", "data=digits", "attention=kda"],
         "the ViT attends both ways: attention=kda reads the sequence in order",
     ),
+    case(  # RWKV-7's bottlenecks
+        "train",
+        ["experiment=mqar", "attention=rwkv7", "attention.gate_rank=0"],
+        "rwkv7: gate_rank must be an integer >= 1, got 0",
+    ),
     case(  # Gated DeltaProduct's n_h keys a token
         "train",
         ["experiment=mqar", "attention=gated_deltaproduct", "attention.householder=0"],

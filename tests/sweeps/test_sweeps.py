@@ -589,6 +589,6 @@ def test_the_fast_paper_tables_sweep_every_kernel_their_model_takes(
     kernels = set(swept.value().filter(options))
     takes = set(options) - (causal_only if model == "ViT" else set())
     assert kernels == takes - left_out
-    assert {"softmax", "fastmax_p1", "fastmax_p2"} <= kernels and len(causal_only) == 8
+    assert {"softmax", "fastmax_p1", "fastmax_p2"} <= kernels and len(causal_only) == 9
     assert len(str(params["optimizer.lr"]).split(",")) == 3
     assert len(str(params.seed).split(",")) == 3

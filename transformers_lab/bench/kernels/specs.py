@@ -34,6 +34,7 @@ PATH_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gated_deltanet_no_conv": ("gated_deltanet", {"short_conv": 0}),
     "kda_no_conv": ("kda", {"short_conv": 0}),
     "gated_deltaproduct_no_conv": ("gated_deltaproduct", {"short_conv": 0}),
+    "rwkv7_no_conv": ("rwkv7", {"short_conv": 0}),
 }
 OWN_PROCESS = "own process"  # the row's time: ``timing`` says how it was measured
 PAIRED = "paired"  # ... in one process with the other variants, passes alternated
