@@ -34,12 +34,12 @@ class RWKV7Attention(GatedKernel):
     Its gate inputs come from x through bottlenecks ``gate_rank`` wide (RWKV-7's LoRAs):
     ``w`` the decay's, ``a`` the in-context rate's, one number per head, token and key
     channel. Its own parameters, one per head and key channel: ``w_bias`` (the decay's
-    bias, spread from e^-5.5 to e^0.5 across a head's channels as RWKV-7's initialisation
-    spreads it, from slow to fast forgetting), ``k_k`` (kappa's scale, 0.71), ``k_a`` (how
-    much a shrinks the written key, 1.02) and ``r_k`` (the bonus, the token's own value
-    read by r . k' r_k, -0.04). The queries are scaled by 1/sqrt(D), as every kernel's
-    here, where RWKV-7's scale is 1: the output is linear in r, and the per-head norm of
-    its layer takes the scale out.
+    bias, from -5.5 to 0.5 across a head's channels as RWKV-7's initialisation spreads it:
+    log w from -0.0025 a token, slow forgetting, to -0.38, fast), ``k_k`` (kappa's scale,
+    0.71), ``k_a`` (how much a shrinks the written key, 1.02) and ``r_k`` (the bonus, the
+    token's own value read by r . k' r_k, -0.04). The queries are scaled by 1/sqrt(D), as
+    every kernel's here, where RWKV-7's scale is 1: the output is linear in r, and the
+    per-head norm of its layer takes the scale out.
 
     Args:
         gate_rank: the width of the gate inputs' bottlenecks (32: fla's floor).
