@@ -93,15 +93,7 @@ class RWKV7Attention(GatedKernel):
         token, as the DPLR recurrence takes them, one query a key (the queries aligned to
         the last keys, missing ones zero), padded keys writing nothing and decaying
         nothing; and how many leading outputs to drop."""
-        if not causal:
-            raise ValueError(self.noncausal_refusal())
-        missing = [name for name in self.gate_inputs if name not in gates]
-        if missing:
-            raise ValueError(
-                f"{self.name} needs its gate inputs {', '.join(missing)} (B, H, N, D) as "
-                "keyword arguments: its multi-head layer projects them from x "
-                "(nn.multihead.MultiHeadAttention)"
-            )
+        self.check_call(causal, gates)
         q, k = self.mapped(q, "q"), self.mapped(k, "k")
         a = gates["a"]
         bias = self.w_bias[:, None, :].to(k)
@@ -140,8 +132,7 @@ class RWKV7Attention(GatedKernel):
         self.check_inputs(q, k, v, key_padding_mask)
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
-            q, k, v, *gate_values = at_least_float32(q, k, v, *gates.values())
-            gates = dict(zip(gates, gate_values, strict=True))
+            q, k, v, gates = in_float32(q, k, v, gates)
             q, k, v, log_w, alpha, beta, bonus, skip = self.dplr_inputs(
                 q, k, v, causal, key_padding_mask, gates
             )
@@ -221,15 +212,10 @@ class RWKV7Attention(GatedKernel):
         """T new tokens against the state (B, H, Dk, Dv): the recurrence for one token,
         the chunked path for more; the state's size never grows."""
         self.check_inputs(q, k, v, key_padding_mask)
-        if q.shape[2] != k.shape[2]:
-            raise ValueError(
-                f"{self.name}.decode: q and k must hold the same new tokens, got "
-                f"{q.shape[2]} queries and {k.shape[2]} keys"
-            )
+        self.check_decode_tokens(q, k)
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
-            q, k, v, *gate_values = at_least_float32(q, k, v, *gates.values())
-            gates = dict(zip(gates, gate_values, strict=True))
+            q, k, v, gates = in_float32(q, k, v, gates)
             q, k, v, log_w, alpha, beta, bonus, _ = self.dplr_inputs(
                 q, k, v, True, key_padding_mask, gates
             )
@@ -239,3 +225,12 @@ class RWKV7Attention(GatedKernel):
             out, state = run(q, k, v, log_w, alpha, beta, scale=self.scale, state=state, **options)
             out = out + bonus[..., None] * v
         return out.to(dtype), state
+
+
+def in_float32(
+    q: Tensor, k: Tensor, v: Tensor, gates: dict[str, Tensor]
+) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
+    """q, k, v and the gate inputs in float32 where they are in half precision
+    (``at_least_float32``): the state accumulates."""
+    q, k, v, *values = at_least_float32(q, k, v, *gates.values())
+    return q, k, v, dict(zip(gates, values, strict=True))

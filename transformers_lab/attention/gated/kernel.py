@@ -141,15 +141,7 @@ class GatedKernel(AttentionKernel):
         mapped (``feature_map``), the queries aligned to the last keys (missing ones zero,
         their outputs dropped), keys before the first query (none: zeros) and padded keys
         writing nothing and decaying nothing. Also how many leading outputs to drop."""
-        if not causal:
-            raise ValueError(self.noncausal_refusal())
-        missing = [name for name in self.gate_inputs if name not in gates]
-        if missing:
-            raise ValueError(
-                f"{self.name} needs its gate inputs {', '.join(missing)} (B, H, N) or (B, H, N, "
-                "D) as keyword arguments: its multi-head layer projects them from x "
-                "(nn.multihead.MultiHeadAttention)"
-            )
+        self.check_call(causal, gates)
         q, k = self.mapped(q, "q"), self.mapped(k, "k")  # before anything else
         log_decay, beta = self.decay_and_rate(gates, k)
         if self.keys_per_token > 1:  # one step a key: the sequence of the keys
@@ -174,6 +166,28 @@ class GatedKernel(AttentionKernel):
             if beta is not None:
                 beta = beta * keep
         return q, k, v, log_decay, beta, skip
+
+    def check_call(self, causal: bool, gates: dict[str, Tensor]) -> None:
+        """One line unless the call is causal and brings every gate input the kernel
+        declares."""
+        if not causal:
+            raise ValueError(self.noncausal_refusal())
+        missing = [name for name in self.gate_inputs if name not in gates]
+        if missing:
+            raise ValueError(
+                f"{self.name} needs its gate inputs {', '.join(missing)} (B, H, N) or (B, H, N, "
+                "D) as keyword arguments: its multi-head layer projects them from x "
+                "(nn.multihead.MultiHeadAttention)"
+            )
+
+    def check_decode_tokens(self, q: Tensor, k: Tensor) -> None:
+        """One line unless q and k hold the same new tokens (``keys_per_token`` keys a
+        token)."""
+        if q.shape[2] * self.keys_per_token != k.shape[2]:
+            raise ValueError(
+                f"{self.name}.decode: q and k must hold the same new tokens, got "
+                f"{q.shape[2]} queries and {k.shape[2]} keys ({self.keys_per_token} a token)"
+            )
 
     def steps(
         self, q: Tensor, log_decay: Tensor | None, key_padding_mask: Tensor | None
@@ -312,11 +326,7 @@ class GatedKernel(AttentionKernel):
         """T new tokens against the state (B, H, Dk, Dv) of the ones before: the recurrence
         for one token, the chunked path for more; the state's size never grows."""
         self.check_inputs(q, k, v, key_padding_mask)
-        if q.shape[2] * self.keys_per_token != k.shape[2]:
-            raise ValueError(
-                f"{self.name}.decode: q and k must hold the same new tokens, got "
-                f"{q.shape[2]} queries and {k.shape[2]} keys ({self.keys_per_token} a token)"
-            )
+        self.check_decode_tokens(q, k)
         q, k, v, log_decay, beta, _ = self.inputs(q, k, v, True, key_padding_mask, gates)
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
