@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install train ablate zoology mad test test-slow test-gpu bench-gpu gpu-window lint format docs bench bench-long bench-training bench-study notebooks clean
+.PHONY: help install slurm train ablate zoology mad test test-slow test-gpu bench-gpu gpu-window lint format docs bench bench-long bench-training bench-study notebooks clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -18,6 +18,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
+
+# the SLURM tests' one-node cluster (tests/slurm.py) needs Debian's slurm-wlm and munge;
+# root installs them from the package registry, as CI does; without them those tests skip
+SLURM_PACKAGES = slurm-wlm munge
+slurm:  ## install SLURM and munge from Debian's packages (root; CI runs it) for the SLURM tests
+	@if command -v slurmctld >/dev/null && command -v munged >/dev/null; then \
+		echo "SLURM and munge are installed"; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+		echo "SLURM is not installed and this needs root and apt-get: the SLURM tests will skip"; \
+	else \
+		export DEBIAN_FRONTEND=noninteractive; \
+		{ apt-get install -y -q $(SLURM_PACKAGES) >/dev/null \
+		|| { apt-get update -q >/dev/null && apt-get install -y -q $(SLURM_PACKAGES) >/dev/null; }; } \
+		&& echo "installed $(SLURM_PACKAGES)"; \
+	fi
 
 train: install  ## the default experiment (ViT on digits, offline, ~1 min); ARGS="experiment=baby_gpt ..."
 	$(VENV)/bin/tlab-train $(ARGS)

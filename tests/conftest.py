@@ -66,3 +66,17 @@ def transformer_ckpt(generation_data):
     from tests.tiny_checkpoints import transformer_checkpoint
 
     return transformer_checkpoint(generation_data)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A throwaway one-node SLURM cluster (tests/slurm.py), shared by the session's tests;
+    skipped, with the reason, where SLURM's binaries are missing or the tests are not root."""
+    import slurm
+
+    try:
+        cluster = slurm.start()
+    except slurm.Unavailable as exc:
+        pytest.skip(str(exc))
+    yield cluster
+    cluster.stop()

@@ -37,8 +37,8 @@ SKIPPED = {
     "tlab-train trainer=gpu trainer.precision=bf16-mixed compile=true": NO_GPU,
     "python -m transformers_lab.attention.check gla --device cuda": NO_GPU
     + " (tests/gpu runs it for every kernel on a GPU machine)",
-    "tlab-train -m launcher=slurm": "needs a SLURM cluster (the preset's composition is tested "
-    "in test_sweeps.py)",
+    "tlab-train -m launcher=slurm": "needs a SLURM cluster: test_slurm.py runs such sweeps on "
+    "the tests' own one-node cluster",
     "tlab-train sweep=attention_kernels launcher=slurm": "needs a SLURM cluster and GPUs",
     "tlab-train sweep=lr_optuna experiment=mqar trainer=gpu": "needs GPUs and a PostgreSQL "
     "server (workers sharing a study: test_optuna_sweeps.py)",

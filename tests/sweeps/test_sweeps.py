@@ -316,13 +316,13 @@ def test_parallel_jobs_through_joblib_get_their_own_directories(tmp_path):
 @pytest.mark.parametrize(
     ("preset", "target"),
     [
-        ("launcher=slurm", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
+        ("launcher=slurm", "hydra_plugins.tlab_slurm_launcher.SlurmLauncher"),
         ("launcher=joblib", "hydra_plugins.tlab_joblib_launcher.JoblibLauncher"),
     ],
 )
 def test_launcher_presets_select_their_plugin(preset, target, monkeypatch, tmp_path):
-    """The plugins are installed with the project and the presets compose into them (a
-    SLURM cluster itself cannot be reached from the tests)."""
+    """The plugins are installed with the project and the presets compose into them (the
+    SLURM launcher on a cluster: test_slurm.py)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.plugins import Plugins
 
@@ -337,7 +337,8 @@ def test_launcher_presets_select_their_plugin(preset, target, monkeypatch, tmp_p
     assert target in Plugins.instance().class_name_to_class
     if "tlab_" in target:  # a stand-in until Hydra builds it: then the real plugin
         built = Plugins.instance()._instantiate(cfg.hydra.launcher)
-        assert type(built).__module__ == "transformers_lab.sweeps.joblib_launcher"
+        module = target.split(".")[1].removeprefix("tlab_")
+        assert type(built).__module__ == f"transformers_lab.sweeps.{module}"
     if preset == "launcher=joblib":  # Hydra's joblib settings, the preset's n_jobs
         assert cfg.hydra.launcher.n_jobs == 2 and cfg.hydra.launcher.pre_dispatch == "2*n_jobs"
 

@@ -1,13 +1,15 @@
 """The job wrapper every ``tlab-train`` run goes through: it records the job in
 ``<run dir>/result.json`` from start to end, keeps a sweep going when one job fails
 (unless ``fail_fast=true``), skips or resumes jobs of a sweep run again in its own dir
-(``skip_finished=true``), and names the job's wandb run within its sweep."""
+(``skip_finished=true``, or requeued by SLURM), and names the job's wandb run within its
+sweep."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -38,7 +40,7 @@ def run_job(cfg: DictConfig, fit: Callable[[DictConfig], Outcome]) -> float | No
     """
     out = Path(cfg.paths.output_dir)
     overrides = job_overrides()
-    if cfg.get("skip_finished") and (earlier := read_record(out)) is not None:
+    if (cfg.get("skip_finished") or requeued()) and (earlier := read_record(out)) is not None:
         if not same_job(earlier.overrides, overrides):
             log.warning("%s holds a job with other overrides: running afresh", out)
         elif earlier.status == "ok":
@@ -90,13 +92,20 @@ def run_job(cfg: DictConfig, fit: Callable[[DictConfig], Outcome]) -> float | No
     return record.objective
 
 
+def requeued() -> bool:
+    """Whether SLURM runs this job again (a preemption, ``scontrol requeue``): then it
+    resumes from its own ``last.ckpt`` as under ``skip_finished=true``."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+
+
 def resume_own_checkpoint(cfg: DictConfig) -> None:
     """Set ``ckpt_path`` to the job's own ``last.ckpt``, if it saved one before it was
     stopped (else it starts afresh)."""
     folder = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
     last = Path(folder or Path(cfg.paths.output_dir) / "checkpoints") / "last.ckpt"
     if last.is_file():
-        say(f"resuming from {last} (skip_finished=true: this job was stopped before it ended)")
+        why = "SLURM requeued this job" if requeued() else "skip_finished=true"
+        say(f"resuming from {last} ({why}: this job was stopped before it ended)")
         with open_dict(cfg):
             cfg.ckpt_path = str(last)
         set_aside_metrics(Path(cfg.paths.output_dir), last)

@@ -1,4 +1,4 @@
-"""The project's Hydra plugins (its sweepers and its joblib launcher), entered into Hydra's
+"""The project's Hydra plugins (its sweepers, its joblib and SLURM launchers), entered into Hydra's
 plugin namespace at start-up, so that no separate package has to be installed.
 
 What is entered is a stand-in per plugin, light to define: the plugin's module (Optuna,
@@ -24,6 +24,7 @@ PLUGINS = {
     "tlab_grid_sweeper.GridSweeper": (Sweeper, "transformers_lab.sweeps.grid_sweeper"),
     "tlab_optuna_sweeper.StudySweeper": (Sweeper, "transformers_lab.sweeps.optuna_sweeper"),
     "tlab_joblib_launcher.JoblibLauncher": (Launcher, "transformers_lab.sweeps.joblib_launcher"),
+    "tlab_slurm_launcher.SlurmLauncher": (Launcher, "transformers_lab.sweeps.slurm_launcher"),
 }
 
 
@@ -44,7 +45,7 @@ def stand_in(kind: type, module: str, name: str, path: str) -> type:
 
 
 def register_plugins() -> None:
-    """The grid sweeper (the default), the Optuna study sweeper and the joblib launcher,
+    """The grid sweeper (the default), the Optuna study sweeper and the two launchers,
     as their configs' ``_target_`` name them (``conf/hydra/sweeper/``,
     ``conf/hydra/launcher/``), each a stand-in until Hydra builds it."""
     plugins = Plugins.instance()

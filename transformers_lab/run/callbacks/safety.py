@@ -8,7 +8,8 @@
 - ``NonFiniteGuard``: the first NaN or infinity in the loss or a gradient stops the run
   before the optimizer applies it, with one line that names the step and likely causes.
 - ``StopOnSignal``: SIGINT (Ctrl+C) stops at the next batch boundary like SIGTERM does,
-  so both end in a checkpoint and a clean exit.
+  and so does SIGUSR2 (SLURM's warning before a time limit, whose default would kill the
+  run), so all end in a checkpoint and a clean exit.
 - ``ExactResume`` (with ``data.loader.ResumableLoader``): a checkpoint holds the random
   generators and the position in the epoch's data order, so a resumed run continues
   exactly as the uninterrupted one would have.
@@ -193,7 +194,8 @@ def clear_noted_signal() -> None:
 
 
 class StopOnSignal(L.Callback):
-    """SIGTERM and Ctrl+C (SIGINT) stop training after the current batch, on every process
+    """SIGTERM, Ctrl+C (SIGINT) and SIGUSR2 (what a SLURM job gets ``--signal``'s delay
+    before its time limit) stop training after the current batch, on every process
     at the same step, so ``Checkpoint`` saves ``last.ckpt`` and the entry point exits
     cleanly. A second Ctrl+C stops at once, without saving. ``received`` names the signal.
 
@@ -205,7 +207,7 @@ class StopOnSignal(L.Callback):
     (one all-reduce) and all raise Lightning's own stop flag together.
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
     def __init__(self) -> None:
         self.received: str | None = None

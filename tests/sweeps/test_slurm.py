@@ -1,0 +1,269 @@
+"""Sweeps through ``launcher=slurm`` on a real one-node SLURM cluster (tests/slurm.py): a job
+cancelled, one preempted and requeued, one out of time, and the sweep that comes through
+all three with every job finished once; and the bad input refused before submitting."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from transformers_lab.errors import ConfigError
+from transformers_lab.run.curves import history
+from transformers_lab.run.record import RESULT_FILE
+from transformers_lab.sweeps.slurm_launcher import time_limit_minutes
+
+HERE = Path(__file__).parent  # this file (its callback by module name) and tests/
+TESTS_ON_PATH = os.pathsep.join([str(HERE), str(HERE.parent), *sys.path])
+
+TINY = [
+    "experiment=mqar",
+    "data.train_examples=128",
+    "data.val_examples=32",
+    "trainer.enable_progress_bar=false",
+    "trainer.log_every_n_steps=1",
+    "logger=csv",
+]
+# one CPU and 1 GB a job: the two-core node runs two at once
+ON_THE_TEST_CLUSTER = [
+    "launcher=slurm",
+    "hydra.launcher.partition=debug",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.gpus_per_node=null",
+    "hydra.launcher.mem_gb=1",
+    "hydra.launcher.poll_s=1",
+]
+PACED = ["+callbacks.pace._target_=test_slurm.Paced", "+callbacks.pace.seed=${seed}"]
+
+
+class Paced(L.Callback):
+    """Mark that the job trains (``training-<seed>`` in ``$TLAB_TEST_MARKS``) and take
+    ``$TLAB_TEST_PACE`` seconds a batch, so that a signal finds it training; the same
+    command line runs at full speed when a resumed sweep sets the pace to 0."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        (Path(os.environ["TLAB_TEST_MARKS"]) / f"training-{self.seed}").touch()
+        time.sleep(float(os.environ.get("TLAB_TEST_PACE", "0")))
+
+
+def tlab_train(*args: str, cwd: Path, env: dict[str, str], wait: bool = True):
+    env = {**os.environ, "WANDB_MODE": "offline", "TLAB_ROOT": str(cwd), **env}
+    env.pop("WANDB_API_KEY", None)
+    command = [sys.executable, "-m", "transformers_lab.train", *args]
+    if not wait:
+        return subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def sweep_dir_of(root: Path) -> Path:
+    (found,) = list((root / "logs" / "train" / "multiruns").iterdir())
+    return found
+
+
+def record(job_dir: Path) -> dict:
+    return json.loads((job_dir / RESULT_FILE).read_text())
+
+
+def job_log(job_dir: Path) -> str:
+    """What the sweep's jobs printed on the cluster (submitit's logs, every submission's);
+    a line about one job names its dir."""
+    submitit = job_dir.parent / ".submitit"
+    return "\n".join(p.read_text() for p in sorted(submitit.glob("*/*_log.*")))
+
+
+def wait_for(done, timeout: float, what: str, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the sweep ended before {what}: {out[-2000:]}{err[-3000:]}")
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.5)
+
+
+# ------------------------------------------------------------------ bad input, one line each
+
+
+@pytest.mark.parametrize(
+    ("given", "minutes"),
+    [(240, 240), ("90", 90), ("30:30", 31), ("4:00:00", 240), ("1-00", 1440), ("1-2:30", 1590),
+     ("2-00:00:30", 2881), (0.5, 1), ("90:00", 90)],
+)  # fmt: skip
+def test_a_time_limit_is_minutes_or_slurm_s_own_forms(given, minutes):
+    assert time_limit_minutes(given) == minutes
+
+
+@pytest.mark.parametrize("given", ["1h", "4:00:00:00", "1:75:00", "0", "-5", "", "1-", True])
+def test_a_time_limit_in_another_form_is_refused_in_one_line(given):
+    with pytest.raises(ConfigError) as caught:
+        time_limit_minutes(given)
+    said = str(caught.value)
+    assert said.startswith(f"hydra.launcher.timeout_min={given!r} is no time limit: give minutes")
+    assert "4:00:00" in said and "\n" not in said
+
+
+def test_launcher_slurm_without_sbatch_says_so_and_names_the_fix(tmp_path):
+    """No SLURM commands on the PATH (a laptop): one line that names launcher=joblib."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    proc = tlab_train(
+        "-m", "launcher=slurm", "seed=0,1", *TINY, cwd=tmp_path, env={"PATH": str(empty)}
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: launcher=slurm: no sbatch on this machine's PATH")
+    assert "launcher=joblib" in line
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("hydra.launcher.partition=gpu", "error: hydra.launcher.partition=gpu: this cluster has "
+         "no such partition; it has debug, urgent"),
+        ("hydra.launcher.timeout_min=4h", "error: hydra.launcher.timeout_min='4h' is no time "
+         "limit: give minutes"),
+    ],
+)  # fmt: skip
+def test_a_partition_or_time_limit_the_cluster_cannot_take_is_refused_before_submitting(
+    slurm_cluster, override, said, tmp_path
+):
+    proc = tlab_train(
+        "-m", *ON_THE_TEST_CLUSTER, override, "seed=0,1", *TINY, cwd=tmp_path,
+        env=slurm_cluster.env(),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(said), line
+    assert "submitted" not in proc.stdout  # nothing was queued
+
+
+# ------------------------------------------------------------------ a sweep on the cluster
+
+
+def assert_resumed_once(job_dir: Path) -> None:
+    """The job finished, its curve joined across one resume from its own last.ckpt."""
+    assert record(job_dir)["status"] == "ok"
+    assert (job_dir / "csv.1" / "metrics.csv").is_file()
+    rows, resumes = history(job_dir)
+    assert len(resumes) == 1 and 0 < resumes[0] < 24, resumes
+    steps = [int(r["step"]) for r in rows if "train/loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 23, steps  # 6 epochs of 4 batches
+
+
+@pytest.mark.slow
+def test_a_sweep_comes_through_a_cancel_and_a_preemption_with_every_job_finished_once(
+    slurm_cluster, tmp_path
+):
+    """4 jobs, two at a time on the two-core node. While jobs 0 and 1 train, a job of the
+    ``urgent`` partition preempts one (SIGTERM: it saves last.ckpt; SLURM queues it again,
+    and it resumes from that checkpoint) and the other is cancelled (``scancel``: it saves
+    and records itself interrupted). The launcher waits for the requeued job, reports the
+    cancelled one with the command that finishes the sweep, and writes the summary. That
+    command resumes the cancelled job alone: every job finished once."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**slurm_cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": "0.5",
+           "PYTHONPATH": TESTS_ON_PATH}  # fmt: skip
+    sweep_args = ["-m", *ON_THE_TEST_CLUSTER, "seed=0,1,2,3", *TINY, "trainer.max_epochs=6"]
+    proc = tlab_train(*sweep_args, *PACED, cwd=tmp_path, env=env, wait=False)
+    try:
+        training = [marks / f"training-{seed}" for seed in (0, 1)]
+        wait_for(lambda: all(m.exists() for m in training), 180, "jobs 0 and 1 to train", proc)
+        running = {j for j, s in slurm_cluster.states().items() if s == "RUNNING"}
+        assert len(running) == 2, slurm_cluster.states()
+        slurm_cluster.run(
+            "sbatch", "-p", "urgent", "-c", "1", "--mem=100", "-o", "/dev/null",
+            "--wrap", "sleep 1",
+        )  # fmt: skip
+        wait_for(
+            lambda: any(slurm_cluster.states().get(j) != "RUNNING" for j in running), 60,
+            "a preemption", proc,
+        )  # fmt: skip
+        states = slurm_cluster.states()
+        (preempted,) = (j for j in running if states[j] != "RUNNING")
+        (cancelled,) = running - {preempted}
+        slurm_cluster.run("scancel", cancelled)
+        slurm_cluster.release(preempted)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    sweep = sweep_dir_of(tmp_path)
+    jobs = {int(j.split("_")[1]): j for j in (preempted, cancelled)}
+    cancelled_dir = sweep / str(next(k for k, j in jobs.items() if j == cancelled))
+    preempted_dir = sweep / str(next(k for k, j in jobs.items() if j == preempted))
+    # the preempted job: requeued once, resumed from its own checkpoint, finished
+    assert slurm_cluster.restarts(preempted) == 1
+    assert f"resuming from {preempted_dir / 'checkpoints' / 'last.ckpt'} (SLURM requeued" in (
+        job_log(preempted_dir)
+    )
+    assert_resumed_once(preempted_dir)
+    # the cancelled one: saved, recorded, reported with the command that finishes the sweep
+    stopped = record(cancelled_dir)
+    assert stopped["status"] == "interrupted" and "SIGTERM" in stopped["error"]
+    assert (cancelled_dir / "checkpoints" / "last.ckpt").is_file()
+    said = out + err
+    assert (
+        f"job {cancelled_dir.name} (SLURM {cancelled}) ended CANCELLED without a result: its "
+        "record says interrupted"
+    ) in said, said[-3000:]
+    assert f"hydra.sweep.dir={sweep} skip_finished=true" in said
+    finished = {k: (sweep / str(k) / RESULT_FILE).stat().st_mtime_ns for k in range(4)}
+    del finished[int(cancelled_dir.name)]
+    assert all(record(sweep / str(k))["status"] == "ok" for k in finished)
+
+    resumed = tlab_train(
+        *sweep_args, *PACED, f"hydra.sweep.dir={sweep}", "skip_finished=true", cwd=tmp_path,
+        env={**env, "TLAB_TEST_PACE": "0"},
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed_once(cancelled_dir)
+    for k, mtime in finished.items():  # skipped: their records untouched
+        assert (sweep / str(k) / RESULT_FILE).stat().st_mtime_ns == mtime
+    summary = (sweep / "summary.md").read_text()
+    assert "| 4/4 |" in summary, summary
+
+
+@pytest.mark.slow
+def test_a_job_out_of_time_saves_and_a_second_submission_resumes_it(slurm_cluster, tmp_path):
+    """A two-minute limit with SIGUSR2 a minute before it (SLURM looks at its jobs' times
+    every 30 s or so), and a job of 24 batches at 5 s each: at the warning, well after its
+    start, it saves last.ckpt and records itself interrupted, before the limit. The
+    launcher reports it; the same sweep submitted again with a longer limit and
+    skip_finished=true resumes it to the end."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**slurm_cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": "5",
+           "PYTHONPATH": TESTS_ON_PATH}  # fmt: skip
+    sweep_args = ["-m", *ON_THE_TEST_CLUSTER, "seed=0", *TINY, "trainer.max_epochs=6", *PACED]
+    limited = ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=60"]
+    first = tlab_train(*sweep_args, *limited, cwd=tmp_path, env=env)
+    said = first.stdout + first.stderr
+    sweep = sweep_dir_of(tmp_path)
+    job = sweep / "0"
+    stopped = record(job)
+    assert stopped["status"] == "interrupted", said[-3000:]
+    assert "SIGUSR2" in stopped["error"]  # the warning, not the limit's SIGTERM
+    assert (job / "checkpoints" / "last.ckpt").is_file()
+    assert "job 0 (SLURM " in said and "without a result: its record says interrupted" in said
+    assert first.returncode == 1  # none of its jobs finished
+
+    resumed = tlab_train(
+        *sweep_args, "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}",
+        "skip_finished=true", cwd=tmp_path, env={**env, "TLAB_TEST_PACE": "0"},
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {job / 'checkpoints' / 'last.ckpt'} (skip_finished=true" in job_log(job)
+    assert_resumed_once(job)
