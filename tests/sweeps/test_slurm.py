@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,9 +18,11 @@ import pytest
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.curves import history
 from transformers_lab.run.record import RESULT_FILE
+from transformers_lab.sweeps import study as st
 from transformers_lab.sweeps.slurm_launcher import time_limit_minutes
 
 HERE = Path(__file__).parent  # this file (its callback by module name) and tests/
+SWEEPS_DOC = HERE.parents[1] / "docs" / "sweeps.md"
 TESTS_ON_PATH = os.pathsep.join([str(HERE), str(HERE.parent), *sys.path])
 
 TINY = [
@@ -51,7 +54,10 @@ class Paced(L.Callback):
         self.seed = seed
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
-        (Path(os.environ["TLAB_TEST_MARKS"]) / f"training-{self.seed}").touch()
+        marks = Path(os.environ["TLAB_TEST_MARKS"])
+        (marks / f"training-{self.seed}").touch()
+        if task := os.environ.get("SLURM_ARRAY_TASK_ID"):  # a worker of an array job
+            (marks / f"task-{task}").touch()
         time.sleep(float(os.environ.get("TLAB_TEST_PACE", "0")))
 
 
@@ -148,7 +154,23 @@ def test_a_partition_or_time_limit_the_cluster_cannot_take_is_refused_before_sub
     assert "submitted" not in proc.stdout  # nothing was queued
 
 
+def test_without_slurm_the_cluster_is_unavailable_and_says_why(monkeypatch):
+    """A newcomer's machine: the SLURM tests skip with the reason and the fix."""
+    import slurm
+
+    monkeypatch.setattr(slurm.shutil, "which", lambda *args, **kwargs: None)
+    with pytest.raises(slurm.Unavailable, match=r"^no munged: install Debian's slurm-wlm"):
+        slurm.start()
+    monkeypatch.undo()
+    monkeypatch.setattr(slurm.os, "geteuid", lambda: 1000)
+    with pytest.raises(slurm.Unavailable, match="slurmd starts jobs as their users"):
+        slurm.start()
+
+
 # ------------------------------------------------------------------ a sweep on the cluster
+
+
+ENDED_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT"}
 
 
 def assert_resumed_once(job_dir: Path) -> None:
@@ -267,3 +289,103 @@ def test_a_job_out_of_time_saves_and_a_second_submission_resumes_it(slurm_cluste
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {job / 'checkpoints' / 'last.ckpt'} (skip_finished=true" in job_log(job)
     assert_resumed_once(job)
+
+
+# ------------------------------------------------------------------ an array job on one study
+
+
+def array_job_script() -> str:
+    """docs/sweeps.md's SLURM array of workers on one PostgreSQL study, as written."""
+    blocks = re.findall(
+        r"```bash\n(#!/bin/bash\n#SBATCH --array.*?)```", SWEEPS_DOC.read_text(), re.S
+    )
+    (script,) = blocks
+    return script
+
+
+def swapped(script: str, swaps: list[tuple[str, str]]) -> str:
+    """The script with each of its settings swapped for the test's: each must be there once,
+    so that the test follows the doc."""
+    for old, new in swaps:
+        assert script.count(old) == 1, (old, script)
+        script = script.replace(old, new)
+    return script
+
+
+@pytest.mark.slow
+def test_the_docs_array_job_shares_one_postgresql_study_and_survives_a_cancelled_worker(
+    slurm_cluster, postgres_server, tmp_path
+):
+    """The docs' script, with this cluster's sizes and the test server: ``sbatch`` of 4
+    workers on one study of 8 trials; the first worker seen training is cancelled. It
+    gives its trial up as it stops (its record says interrupted, its slot is asked again),
+    the other workers share the rest, and the study ends with 8 finished trials, each run
+    once by one worker, and none beyond them."""
+    import optuna
+
+    sweep = tmp_path / "study"
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    budget = [*TINY, "trainer.max_epochs=2", "pruner=none", *PACED]
+    script = swapped(
+        array_job_script(),
+        [
+            ("--array=0-7", "--array=0-3"),
+            (" --gres=gpu:1", ""),
+            ("trainer=gpu", "trainer=cpu"),
+            ("@db.cluster/", f"@{postgres_server.host}:{postgres_server.port}/"),
+            ("hydra.sweeper.n_trials=64", "hydra.sweeper.n_trials=8"),
+            ("hydra.sweep.dir=/shared/sweeps/mqar-lr",
+             f"hydra.sweep.dir={sweep} {' '.join(budget)}"),
+        ],
+    )  # fmt: skip
+    (tmp_path / "study.sh").write_text(script.replace("${seed}", "\\${seed}"))
+    venv_bin = str(Path(sys.executable).parent)  # tlab-train
+    env = {
+        **os.environ, **slurm_cluster.env(), "WANDB_MODE": "offline", "TLAB_ROOT": str(tmp_path),
+        "PGPASSWORD": "tlab-test-secret", "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": "0.5",
+        "PYTHONPATH": TESTS_ON_PATH,
+    }  # fmt: skip
+    env["PATH"] = os.pathsep.join([venv_bin, env["PATH"]])
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "-c", "1", "--mem=1G", "-o", str(tmp_path / "worker-%a.out"),
+         str(tmp_path / "study.sh")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    array = submitted.stdout.strip().split(";")[0]
+    workers = [f"{array}_{k}" for k in range(4)]
+
+    def first_training() -> str | None:
+        found = sorted(marks.glob("task-*"), key=lambda p: p.stat().st_mtime)
+        return found[0].name.split("-")[1] if found else None
+
+    deadline = time.monotonic() + 180
+    while first_training() is None:
+        assert time.monotonic() < deadline, slurm_cluster.states()
+        time.sleep(0.5)
+    cancelled = f"{array}_{first_training()}"
+    slurm_cluster.run("scancel", cancelled)
+    deadline = time.monotonic() + 300
+    while not all(slurm_cluster.states().get(w) in ENDED_STATES for w in workers):
+        assert time.monotonic() < deadline, slurm_cluster.states()
+        time.sleep(1)
+    states = slurm_cluster.states()
+    logs = {w: (tmp_path / f"worker-{w.split('_')[1]}.out").read_text() for w in workers}
+    assert states[cancelled] == "CANCELLED"
+    assert all(states[w] == "COMPLETED" for w in workers if w != cancelled), (states, logs)
+
+    study = optuna.load_study(study_name="mqar-lr", storage=postgres_server.url())
+    trials = study.get_trials(deepcopy=False)
+    finished = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    given_up = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+    assert len(finished) == 8 and len(trials) == 9, [(t.number, t.state) for t in trials]
+    (lost,) = given_up
+    assert st.ERROR not in lost.user_attrs  # given up, not failed: its slot was asked again
+    assert record(sweep / str(lost.number))["status"] == "interrupted"
+    for trial in finished:  # each run once, to its end, by one worker
+        job = sweep / str(trial.number)
+        assert record(job)["status"] == "ok"
+        assert not (job / "csv.1").exists()
+    said = "".join(logs.values())
+    for trial in finished:
+        assert said.count(f"trial {trial.number}: ") == 1, said[-3000:]
