@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -139,9 +140,13 @@ def test_launcher_slurm_without_sbatch_says_so_and_names_the_fix(tmp_path):
          "no such partition; it has debug, urgent"),
         ("hydra.launcher.timeout_min=4h", "error: hydra.launcher.timeout_min='4h' is no time "
          "limit: give minutes"),
+        ("hydra.launcher.gpus_per_node=1", "error: launcher=slurm: sbatch refused the sweep's "
+         "jobs: sbatch: error: Invalid generic resource (gres) specification (check "),
+        ("+hydra.launcher.nodes_list=x", "error: hydra.launcher: Unknown argument 'nodes_list' "
+         "for executor 'slurm'"),
     ],
 )  # fmt: skip
-def test_a_partition_or_time_limit_the_cluster_cannot_take_is_refused_before_submitting(
+def test_what_the_cluster_cannot_take_is_refused_in_one_line(
     slurm_cluster, override, said, tmp_path
 ):
     proc = tlab_train(
@@ -289,6 +294,41 @@ def test_a_job_out_of_time_saves_and_a_second_submission_resumes_it(slurm_cluste
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {job / 'checkpoints' / 'last.ckpt'} (skip_finished=true" in job_log(job)
     assert_resumed_once(job)
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_sweep_s_process_leaves_its_jobs_to_the_cluster(slurm_cluster, tmp_path):
+    """SIGTERM to the process that waits (its terminal closed, ``timeout``): it says that
+    the jobs go on and how to stop them or finish the sweep, and exits 143; the jobs
+    finish on the cluster and tlab-summarize writes their summary."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**slurm_cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": "0.5",
+           "PYTHONPATH": TESTS_ON_PATH}  # fmt: skip
+    args = ["-m", *ON_THE_TEST_CLUSTER, "seed=0,1", *TINY, "trainer.max_epochs=2", *PACED]
+    proc = tlab_train(*args, cwd=tmp_path, env=env, wait=False)
+    try:
+        wait_for(lambda: any(marks.iterdir()), 180, "a job to train", proc)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    sweep = sweep_dir_of(tmp_path)
+    said = err.strip().splitlines()[-1]
+    assert said.startswith("stopped waiting (SIGTERM): the sweep's jobs go on on the cluster"), said
+    assert f"tlab-summarize {sweep} writes the summary" in said
+    assert f"hydra.sweep.dir={sweep} skip_finished=true" in said
+    wait_for(lambda: all((sweep / str(k) / RESULT_FILE).is_file() for k in (0, 1))
+             and all(record(sweep / str(k))["status"] == "ok" for k in (0, 1)),
+             120, "the jobs to finish on the cluster")  # fmt: skip
+    summarized = subprocess.run(
+        [sys.executable, "-m", "transformers_lab.sweeps.report.cli", str(sweep)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert summarized.returncode == 0, summarized.stderr[-2000:]
+    assert "| 2/2 |" in (sweep / "summary.md").read_text()
 
 
 # ------------------------------------------------------------------ an array job on one study

@@ -25,10 +25,13 @@ the command that finishes the sweep (``skip_finished=true``: it resumes from its
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import math
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -85,6 +88,17 @@ def time_limit_minutes(value: Any) -> int:
             f"hydra.launcher.timeout_min={value!r} is no time limit: give {TIME_FORMS}"
         )
     return minutes
+
+
+def stop_waiting(signum: int, frame: Any) -> None:
+    """SIGTERM to the sweep's process while it waits: as Ctrl+C (its jobs go on)."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's last line that says something (sbatch's ``error: ...``)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def slurm_command(name: str) -> str:
@@ -200,18 +214,23 @@ class SlurmLauncher(Launcher):
         check_partition(params.get("partition"))
         params["timeout_min"] = time_limit_minutes(params.get("timeout_min", 60))
         executor = submitit.AutoExecutor(folder=params["submitit_folder"], cluster="slurm")
-        executor.update_parameters(
-            **{
-                k if k in GENERIC else f"slurm_{k}": v
-                for k, v in params.items()
-                if k not in OURS and v is not None
-            }
-        )
+        try:
+            executor.update_parameters(
+                **{
+                    k if k in GENERIC else f"slurm_{k}": v
+                    for k, v in params.items()
+                    if k not in OURS and v is not None
+                }
+            )
+        except (NameError, ValueError) as exc:  # a key or a value submitit does not take
+            raise ConfigError(f"hydra.launcher: {str(exc).strip().splitlines()[0]}") from None
         return executor
 
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> Sequence[JobReturn]:
+        import submitit
+
         assert self.config is not None
         executor = self.executor()
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -220,13 +239,43 @@ class SlurmLauncher(Launcher):
         for num, overrides in zip(nums, job_overrides, strict=True):
             log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
         state = Singleton.get_state()
-        jobs = executor.map_array(self, [list(o) for o in job_overrides], nums, [state] * len(nums))
+        try:  # submitit prints sbatch's refusal too: it is said once, below
+            with contextlib.redirect_stderr(io.StringIO()):
+                jobs = executor.map_array(
+                    self, [list(o) for o in job_overrides], nums, [state] * len(nums)
+                )
+        except (
+            submitit.core.utils.FailedJobError,
+            submitit.core.utils.FailedSubmissionError,
+        ) as exc:
+            raise ConfigError(
+                f"launcher=slurm: sbatch refused the sweep's jobs: {one_line(exc)} (check "
+                "hydra.launcher's resources against the partition: sinfo, scontrol show partition)"
+            ) from None
         ids = [job.job_id for job in jobs]
         say(f"submitted {len(jobs)} job(s) to SLURM: {', '.join(ids)} (squeue -u $USER)")
         self.ended = {}
-        returns = self.wait(jobs, job_overrides, nums)
+        handler = signal.signal(signal.SIGTERM, stop_waiting)
+        try:
+            returns = self.wait(jobs, job_overrides, nums)
+        except KeyboardInterrupt as exc:  # Ctrl+C or SIGTERM to this process
+            self.stopped_waiting(str(exc) or "SIGINT", sweep_dir, ids)
+        finally:
+            signal.signal(signal.SIGTERM, handler)
         self.report(returns, ids)
         return returns
+
+    def stopped_waiting(self, name: str, sweep_dir: Path, ids: Sequence[str]) -> None:
+        """The jobs are the cluster's: they go on. Say how to stop them or finish the sweep."""
+        assert self.config is not None
+        resume = " ".join(sweep_resume(self.config.hydra, "the finished jobs are skipped") or ())
+        say(
+            f"stopped waiting ({name}): the sweep's jobs go on on the cluster "
+            f"({', '.join(ids)}); scancel stops them, each saving its last.ckpt; when they "
+            f"end, tlab-summarize {sweep_dir} writes the summary, or {resume}",
+            file=sys.stderr,
+        )
+        raise SystemExit(128 + getattr(signal, name))
 
     def wait(
         self, jobs: Sequence[Any], job_overrides: Sequence[Sequence[str]], nums: Sequence[int]
