@@ -1,5 +1,5 @@
 """A throwaway SLURM cluster for the tests: munged, slurmctld and slurmd on 127.0.0.1 with
-their state in a temporary dir; one node (this machine's cores and memory) and two
+their state in a temporary dir; one node (two CPUs, this machine's memory) and two
 partitions, ``debug`` (the default) and ``urgent``, whose jobs preempt ``debug``'s
 (``PreemptMode=REQUEUE``: a preempted job gets SIGTERM and is queued again). Stopped and
 removed afterwards.
@@ -24,10 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers_lab.sweeps.slurm_launcher import ENDED
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo")
 PARTITIONS = ("debug", "urgent")
 KILL_WAIT_S = 10  # between a stopped job's SIGTERM and its SIGKILL
+CPUS = 2  # the node's, whatever the machine has: the tests count on two jobs at once
 
 
 class Unavailable(RuntimeError):
@@ -119,10 +122,6 @@ class Cluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL"}
-ENDED |= {"OUT_OF_MEMORY", "DEADLINE"}
-
-
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -140,7 +139,6 @@ def wait_until(done: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def config(root: Path, node: str) -> str:
-    cpus = os.cpu_count() or 1
     with open("/proc/meminfo") as f:
         total_mb = int(f.readline().split()[1]) // 1024
     lines = [
@@ -164,6 +162,7 @@ def config(root: Path, node: str) -> str:
         "SchedulerType=sched/backfill",
         "SchedulerParameters=sched_interval=1",
         "MpiDefault=none",
+        "SlurmdParameters=config_overrides",  # the node is as configured, whatever the machine
         "ReturnToService=2",
         "JobCompType=jobcomp/none",
         "AccountingStorageType=accounting_storage/none",
@@ -173,7 +172,7 @@ def config(root: Path, node: str) -> str:
         "PreemptMode=REQUEUE",
         f"KillWait={KILL_WAIT_S}",
         "MessageTimeout=10",
-        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={max(total_mb - 2048, 1024)}"
+        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={CPUS} RealMemory={max(total_mb - 2048, 1024)}"
         " State=UNKNOWN",
         "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1",
         "PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2",

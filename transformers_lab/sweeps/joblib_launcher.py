@@ -3,7 +3,8 @@
 Hydra's joblib launcher runs the jobs in loky worker processes. SIGTERM to its main
 process (``timeout``, ``make``, ``kill PID``) killed that process alone: the workers went
 on training, orphaned, and a resume started then ran a job twice at once in one dir.
-Here, on SIGTERM or SIGINT, the main process:
+Here, on SIGTERM, SIGINT or SIGUSR2 (a SLURM job's warning before its time limit, when the
+sweep runs inside one), the main process:
 
 - writes ``STOPPED`` into a folder of its own in the sweep dir: a job that starts after
   it does not run (it leaves no record, so the sweep's resume runs it);
@@ -87,7 +88,7 @@ class WorkerJob:
 
 class JoblibLauncher(Launcher):
     """Hydra's joblib launcher (held as Hydra's plugins loaded it), whose sweep stops as a
-    whole on SIGTERM or SIGINT to its main process; a second signal stops at once."""
+    whole on SIGTERM, SIGINT or SIGUSR2 to its main process; a second signal stops at once."""
 
     def __init__(self, **kwargs: Any) -> None:
         joblib = Plugins.instance().class_name_to_class[JOBLIB]

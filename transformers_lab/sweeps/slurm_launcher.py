@@ -3,8 +3,10 @@ array, submitted through submitit, and a sweep that comes through what clusters 
 jobs: cancels, preemptions, requeues and time limits.
 
 Before it submits, it checks what would otherwise fail as a traceback or a job that never
-starts, and says each in one line: ``sbatch`` must be found, the partition must be the
-cluster's, and the time limit must be minutes or SLURM's own form (``4:00:00``).
+starts, and says each in one line: ``sbatch`` and ``squeue`` must be found and answer, the
+partition must be the cluster's, the time limit must be minutes or SLURM's own form
+(``4:00:00``) and longer than ``signal_delay_s``; what sbatch itself refuses is said in
+its words.
 
 In a job:
 
@@ -17,15 +19,18 @@ In a job:
   (``run.job``: ``SLURM_RESTART_COUNT``).
 
 The launcher waits on its jobs' results and on their states in ``squeue``, not
-``sacct``, so a cluster without accounting works too. A requeued job is waited for. A job
-that ended without a result (cancelled, timed out, killed) is reported with its state and
-the command that finishes the sweep (``skip_finished=true``: it resumes from its
-``last.ckpt``); the other jobs' results come back and the sweep's summary is written.
+``sacct``, so a cluster without accounting works too. A requeued job is waited for; a held
+one is said once, with the command that releases it. A job that ended without a result
+(cancelled, timed out, killed) or with an error is reported with its state and the command
+that finishes the sweep (``skip_finished=true``: it resumes from its ``last.ckpt``); the
+other jobs' results come back and the sweep's summary is written. Ctrl+C, SIGTERM or
+SIGHUP to the sweep's own process stops its waiting only: the jobs are the cluster's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import getpass
 import io
 import logging
 import math
@@ -60,19 +65,23 @@ OURS = {"submitit_folder", "poll_s"}  # the launcher's own
 # squeue's states of a job that will not run again (a requeued job is REQUEUED, then PENDING)
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"}
 ENDED |= {"OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-RESULT_GRACE_S = 10.0  # a job's result file may show up after the job left squeue
+HELD = {"REQUEUE_HOLD", "SPECIAL_EXIT", "SUSPENDED", "STOPPED"}  # waits on a person
+# a job's result file may show up after the job left squeue (a network file system); one
+# still missing then is read from the job's own record (its objective, if it finished)
+RESULT_GRACE_S = 5.0
+SQUEUE_SILENT_POLLS = 12  # squeue failing this many times in a row is said
 # SLURM's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 TIME_FORMS = "minutes (240) or SLURM's form: M:S, H:M:S, D-H, D-H:M or D-H:M:S (4:00:00)"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # and SIGINT, Python's KeyboardInterrupt
 
 
 def time_limit_minutes(value: Any) -> int:
     """A job's time limit in whole minutes (seconds round up), from minutes or SLURM's
-    ``--time`` forms; anything else is refused in one line."""
+    ``--time`` forms; anything else is refused in one line. (In a YAML file, quote a form
+    with colons: YAML reads ``4:00:00`` as the number 14400.)"""
     text = str(value).strip()
     minutes = 0
-    if isinstance(value, bool):
-        pass
-    elif re.fullmatch(r"\d+(\.\d+)?", text):
+    if not isinstance(value, bool) and re.fullmatch(r"\d+(\.\d+)?", text):
         minutes = math.ceil(float(text))
     elif m := re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text):
         days, first, second, third = (int(g) if g else 0 for g in m.groups())
@@ -90,12 +99,22 @@ def time_limit_minutes(value: Any) -> int:
     return minutes
 
 
+def check_signal_delay(delay_s: Any, minutes: int) -> None:
+    """SIGUSR2 must come after the job's start: the delay below the time limit."""
+    if not isinstance(delay_s, int) or isinstance(delay_s, bool) or not 0 < delay_s < minutes * 60:
+        raise ConfigError(
+            f"hydra.launcher.signal_delay_s={delay_s!r} must be a number of seconds above 0 "
+            f"and below the time limit ({minutes} min): the job saves and stops that long "
+            "before its limit"
+        )
+
+
 def stop_waiting(signum: int, frame: Any) -> None:
-    """SIGTERM to the sweep's process while it waits: as Ctrl+C (its jobs go on)."""
+    """SIGTERM or SIGHUP to the sweep's process while it waits: as Ctrl+C (its jobs go on)."""
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def one_line(exc: BaseException) -> str:
+def last_line(exc: BaseException) -> str:
     """An error's last line that says something (sbatch's ``error: ...``)."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     return lines[-1] if lines else type(exc).__name__
@@ -114,49 +133,59 @@ def slurm_command(name: str) -> str:
 
 
 def ask(*command: str) -> str:
-    """A SLURM query's output; one line with SLURM's own words when it fails."""
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    """A SLURM command's output; one line with SLURM's own words when it fails."""
+    name = Path(command[0]).name
+    hint = "is the cluster's controller up, and SLURM_CONF right?"
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"launcher=slurm: {name} did not answer in 60 s ({hint})") from None
     if proc.returncode != 0:
         said = (proc.stderr or proc.stdout).strip().splitlines()
         raise ConfigError(
-            f"launcher=slurm: {Path(command[0]).name} failed: "
-            f"{said[-1] if said else proc.returncode} (is the cluster's controller up, and "
-            "SLURM_CONF right?)"
+            f"launcher=slurm: {name} failed: {said[-1] if said else proc.returncode} ({hint})"
         )
     return proc.stdout
 
 
 def check_partition(partition: str | None) -> None:
-    """The partition must be one of the cluster's (None: the cluster's default)."""
+    """The partition must be one of the cluster's (None: the cluster's default); hidden
+    ones count."""
     if partition is None:
         return
-    names = ask(slurm_command("sinfo"), "-h", "-o", "%R").split()
+    names = ask(slurm_command("sinfo"), "-a", "-h", "-o", "%R").split()
     if str(partition) not in names:
         raise ConfigError(
             f"hydra.launcher.partition={partition}: this cluster has no such partition; it has "
-            f"{', '.join(sorted(set(names))) or 'none'} (sinfo lists them)"
+            f"{', '.join(sorted(set(names))) or 'none'} (sinfo -a lists them)"
         )
 
 
-def job_states() -> dict[str, str] | None:
-    """The state of each of the user's jobs that squeue knows (array tasks one a line),
-    or None when squeue cannot answer now (the controller busy): the launcher asks again."""
+def job_states() -> dict[str, tuple[str, str]] | None:
+    """The state and its reason of each of the user's jobs that squeue knows (array tasks
+    one a line), or None when squeue cannot answer now (the controller busy): the launcher
+    asks again."""
     try:
         out = subprocess.run(
-            ["squeue", "--me", "-h", "-r", "-t", "all", "-o", "%i|%T"],
+            ["squeue", "-u", getpass.getuser(), "-h", "-r", "-t", "all", "-o", "%i|%T|%r"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:
         return None
-    return dict(line.split("|", 1) for line in out.stdout.split() if "|" in line)
+    rows = (line.split("|") for line in out.stdout.splitlines() if line.count("|") == 2)
+    return {job: (state, reason) for job, state, reason in rows}
 
 
 def has_result(job: Any) -> bool:
     """Whether each task of a submitit job wrote its result (a job of several tasks, as
-    DDP over ``tasks_per_node``, holds one sub-job a task)."""
-    return all(task.paths.result_pickle.exists() for task in job._sub_jobs or [job])
+    DDP over ``tasks_per_node``, has one a task). The folder is touched first, as submitit
+    does, so that a network file system shows a new file."""
+    with contextlib.suppress(OSError):
+        job.paths.folder.chmod(job.paths.folder.stat().st_mode)
+    tasks = [job.task(k) for k in range(job.num_tasks)] if job.num_tasks > 1 else [job]
+    return all(task.paths.result_pickle.exists() for task in tasks)
 
 
 class SlurmLauncher(Launcher):
@@ -171,7 +200,6 @@ class SlurmLauncher(Launcher):
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
         self.task_function: TaskFunction | None = None
-        self.ended: dict[str, str] = {}  # job id -> its state, for those without a result
 
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
@@ -211,8 +239,10 @@ class SlurmLauncher(Launcher):
 
         params = dict(self.params)
         slurm_command("sbatch")
+        ask(slurm_command("squeue"), "-u", getpass.getuser(), "-h", "-o", "%i")  # answers
         check_partition(params.get("partition"))
         params["timeout_min"] = time_limit_minutes(params.get("timeout_min", 60))
+        check_signal_delay(params.get("signal_delay_s", 120), params["timeout_min"])
         executor = submitit.AutoExecutor(folder=params["submitit_folder"], cluster="slurm")
         try:
             executor.update_parameters(
@@ -239,31 +269,121 @@ class SlurmLauncher(Launcher):
         for num, overrides in zip(nums, job_overrides, strict=True):
             log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
         state = Singleton.get_state()
+        refused = (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError)
         try:  # submitit prints sbatch's refusal too: it is said once, below
             with contextlib.redirect_stderr(io.StringIO()):
                 jobs = executor.map_array(
                     self, [list(o) for o in job_overrides], nums, [state] * len(nums)
                 )
-        except (
-            submitit.core.utils.FailedJobError,
-            submitit.core.utils.FailedSubmissionError,
-        ) as exc:
+        except refused as exc:
             raise ConfigError(
-                f"launcher=slurm: sbatch refused the sweep's jobs: {one_line(exc)} (check "
+                f"launcher=slurm: sbatch refused the sweep's jobs: {last_line(exc)} (check "
                 "hydra.launcher's resources against the partition: sinfo, scontrol show partition)"
             ) from None
         ids = [job.job_id for job in jobs]
         say(f"submitted {len(jobs)} job(s) to SLURM: {', '.join(ids)} (squeue -u $USER)")
-        self.ended = {}
-        handler = signal.signal(signal.SIGTERM, stop_waiting)
+        handlers = {s: signal.signal(s, stop_waiting) for s in STOP_SIGNALS}
         try:
-            returns = self.wait(jobs, job_overrides, nums)
-        except KeyboardInterrupt as exc:  # Ctrl+C or SIGTERM to this process
+            returns, unfinished = self.wait(jobs, job_overrides, nums)
+        except KeyboardInterrupt as exc:  # Ctrl+C, SIGTERM or SIGHUP to this process
             self.stopped_waiting(str(exc) or "SIGINT", sweep_dir, ids)
         finally:
-            signal.signal(signal.SIGTERM, handler)
-        self.report(returns, ids)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+        self.report(returns, unfinished, ids)
         return returns
+
+    def wait(
+        self, jobs: Sequence[Any], job_overrides: Sequence[Sequence[str]], nums: Sequence[int]
+    ) -> tuple[list[JobReturn], dict[int, str]]:
+        """Each job's return, once it has a result or has ended without one; and for those
+        without (by index), what happened to them."""
+        poll = float(self.params.get("poll_s") or 5)
+        returns: dict[int, JobReturn] = {}
+        unfinished: dict[int, str] = {}
+        ended_at: dict[int, float] = {}
+        held: set[int] = set()
+        silent = 0
+        while len(returns) < len(jobs):
+            states = job_states()
+            silent = 0 if states is not None else silent + 1
+            if silent and silent % SQUEUE_SILENT_POLLS == 0:
+                log.warning("squeue has not answered for %d polls: still waiting", silent)
+            for i, job in enumerate(jobs):
+                if i in returns:
+                    continue
+                if has_result(job):
+                    returns[i], error = self.result(job, job_overrides[i], nums[i])
+                    if error is not None:
+                        unfinished[i] = error
+                    continue
+                if states is None:
+                    continue
+                state, reason = states.get(job.job_id, (None, ""))
+                if (state in HELD or reason.startswith("JobHeld")) and i not in held:
+                    held.add(i)
+                    say(f"job {nums[i]} (SLURM {job.job_id}) is held ({state}, {reason}): "
+                        f"scontrol release {job.job_id} lets it run")  # fmt: skip
+                if state is not None and state not in ENDED:
+                    ended_at.pop(i, None)  # running, pending, requeued, held
+                    continue
+                first = ended_at.setdefault(i, time.monotonic())
+                if time.monotonic() - first >= RESULT_GRACE_S:
+                    returns[i] = self.without_result(job, job_overrides[i], nums[i])
+                    if (record := read_record(returns[i].working_dir)) is None or (
+                        record.status != "ok"
+                    ):
+                        unfinished[i] = f"ended {state or '(squeue no longer lists it)'}"
+            if len(returns) < len(jobs):
+                time.sleep(poll)
+        return [returns[i] for i in range(len(jobs))], unfinished
+
+    def result(self, job: Any, overrides: Sequence[str], num: int) -> tuple[JobReturn, str | None]:
+        """The job's own return; a job that raised (an error outside training, which the job
+        records itself) is a NaN with its error's last line."""
+        try:
+            return job.results()[0], None
+        except Exception as exc:  # the sweep goes on: the others' results are waited for
+            where = job.paths.stderr
+            return self.without_result(job, overrides, num), f"raised {last_line(exc)} ({where})"
+
+    def without_result(self, job: Any, overrides: Sequence[str], num: int) -> JobReturn:
+        """The return of a job that gave none: its record's objective if it finished (its
+        result file lost), else NaN to the sweeper; and the job's dir, where its record is."""
+        assert self.hydra_context is not None and self.config is not None
+        config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(config):
+            config.hydra.job.num = num
+            config.hydra.job.id = job.job_id
+            out = Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
+            config.hydra.runtime.output_dir = str(out)
+            hydra_cfg = OmegaConf.create({"hydra": config.pop("hydra")})
+        record = read_record(out)
+        finished = record is not None and record.status == "ok" and record.objective is not None
+        return JobReturn(
+            overrides=list(overrides),
+            cfg=config,
+            hydra_cfg=hydra_cfg,
+            working_dir=str(out),
+            task_name=str(hydra_cfg.hydra.job.name),
+            status=JobStatus.COMPLETED,
+            _return_value=record.objective if finished else math.nan,
+        )
+
+    def report(
+        self, returns: Sequence[JobReturn], unfinished: dict[int, str], ids: Sequence[str]
+    ) -> None:
+        """One line for each job that did not finish, and how to finish the sweep."""
+        assert self.config is not None
+        for i, what in sorted(unfinished.items()):
+            out = Path(str(returns[i].working_dir))
+            record = read_record(out)
+            status = "it never started" if record is None else f"its record says {record.status}"
+            say(f"job {out.name} (SLURM {ids[i]}) {what} without a result: {status}")
+        if unfinished:
+            resumes = "its stopped jobs resume from their last.ckpt"
+            resume = " ".join(sweep_resume(self.config.hydra, resumes) or ())
+            say(f"{len(unfinished)} job(s) of this sweep did not finish; {resume}", file=sys.stderr)
 
     def stopped_waiting(self, name: str, sweep_dir: Path, ids: Sequence[str]) -> None:
         """The jobs are the cluster's: they go on. Say how to stop them or finish the sweep."""
@@ -276,67 +396,3 @@ class SlurmLauncher(Launcher):
             file=sys.stderr,
         )
         raise SystemExit(128 + getattr(signal, name))
-
-    def wait(
-        self, jobs: Sequence[Any], job_overrides: Sequence[Sequence[str]], nums: Sequence[int]
-    ) -> list[JobReturn]:
-        """Each job's return, once it has a result or has ended without one."""
-        poll = float(self.params.get("poll_s") or 5)
-        returns: dict[int, JobReturn] = {}
-        ended_at: dict[int, float] = {}
-        while len(returns) < len(jobs):
-            states = job_states()
-            for i, job in enumerate(jobs):
-                if i in returns:
-                    continue
-                if has_result(job):
-                    returns[i] = job.results()[0]
-                    continue
-                if states is None:
-                    continue
-                state = states.get(job.job_id)
-                if state is not None and state not in ENDED:
-                    ended_at.pop(i, None)  # running, pending, requeued
-                    continue
-                first = ended_at.setdefault(i, time.monotonic())
-                if time.monotonic() - first >= RESULT_GRACE_S:
-                    returns[i] = self.unfinished(job_overrides[i], nums[i])
-                    self.ended[job.job_id] = state or "gone from squeue"
-            if len(returns) < len(jobs):
-                time.sleep(poll)
-        return [returns[i] for i in range(len(jobs))]
-
-    def unfinished(self, overrides: Sequence[str], num: int) -> JobReturn:
-        """The return of a job that ended without a result: NaN to the sweeper, and the
-        job's dir, where its record (interrupted, or running if it was killed) is."""
-        assert self.hydra_context is not None and self.config is not None
-        config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-        with open_dict(config):
-            config.hydra.job.num = num
-            out = Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
-            config.hydra.runtime.output_dir = str(out)
-            hydra_cfg = OmegaConf.create({"hydra": config.pop("hydra")})
-        return JobReturn(
-            overrides=list(overrides),
-            cfg=config,
-            hydra_cfg=hydra_cfg,
-            working_dir=str(out),
-            task_name=str(hydra_cfg.hydra.job.name),
-            status=JobStatus.COMPLETED,
-            _return_value=math.nan,
-        )
-
-    def report(self, returns: Sequence[JobReturn], ids: Sequence[str]) -> None:
-        """One line for each job that ended without a result, and how to finish the sweep."""
-        assert self.config is not None
-        unfinished = [(i, run) for i, run in zip(ids, returns, strict=True) if i in self.ended]
-        for job_id, run in unfinished:
-            out = Path(str(run.working_dir))
-            record = read_record(out)
-            status = "it never started" if record is None else f"its record says {record.status}"
-            ended = self.ended[job_id]
-            say(f"job {out.name} (SLURM {job_id}) ended {ended} without a result: {status}")
-        if unfinished:
-            resumes = "its stopped jobs resume from their last.ckpt"
-            resume = " ".join(sweep_resume(self.config.hydra, resumes) or ())
-            say(f"{len(unfinished)} job(s) of this sweep did not finish; {resume}", file=sys.stderr)

@@ -167,12 +167,12 @@ _noted: list[str] = []  # the signal noted by ``note_signals``' handler, if one 
 
 
 def note_signals() -> None:
-    """From now on, SIGTERM and SIGINT are noted rather than fatal in this process, until
-    training takes them (``StopOnSignal`` starts from the note, stops after one batch and
-    saves). For a sweep's worker process, whose main process forwards a stop to it at
-    any moment of a job: while it builds the job's data, between jobs, or while it
-    trains. A second signal, before training took them, stops at once.
-    ``clear_noted_signal`` starts the next job afresh."""
+    """From now on, SIGTERM, SIGINT and SIGUSR2 are noted rather than fatal in this
+    process, until training takes them (``StopOnSignal`` starts from the note, stops after
+    one batch and saves). For a sweep's worker process, whose main process forwards a
+    stop to it at any moment of a job: while it builds the job's data, between jobs, or
+    while it trains; and for a SLURM job from its start. A second signal, before training
+    took them, stops at once. ``clear_noted_signal`` starts the next job afresh."""
     if threading.current_thread() is threading.main_thread():
         for signum in StopOnSignal.SIGNALS:
             signal.signal(signum, _note)
