@@ -202,7 +202,7 @@ def test_a_sweep_comes_through_a_cancel_and_a_preemption_with_every_job_finished
     command resumes the cancelled job alone: every job finished once."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    env = {**slurm_cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": "0.75",
+    env = {**slurm_cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": "0.5",
            "PYTHONPATH": TESTS_ON_PATH}  # fmt: skip
     sweep_args = ["-m", *ON_THE_TEST_CLUSTER, "seed=0,1,2,3", *TINY, "trainer.max_epochs=6"]
     proc = tlab_train(*sweep_args, *PACED, cwd=tmp_path, env=env, wait=False)
@@ -269,9 +269,10 @@ def test_a_sweep_comes_through_a_cancel_and_a_preemption_with_every_job_finished
 
 @pytest.mark.slow
 def test_a_job_out_of_time_saves_and_a_second_submission_resumes_it(slurm_cluster, tmp_path):
-    """A two-minute limit with SIGUSR2 a minute before it (SLURM looks at its jobs' times
-    every 30 s or so), and a job of 24 batches at 5 s each: at the warning, well after its
-    start, it saves last.ckpt and records itself interrupted, before the limit. The
+    """A one-minute limit with SIGUSR2 30 s before it (SLURM looks at its jobs' times every
+    30 s or so: it comes 30 to 60 s after the start), and a job of 24 batches at 5 s each:
+    at the warning, well after its start, it saves last.ckpt and records itself
+    interrupted, before the limit. The
     launcher reports it; the same sweep submitted again with a longer limit and
     skip_finished=true resumes it to the end."""
     marks = tmp_path / "marks"
@@ -279,7 +280,7 @@ def test_a_job_out_of_time_saves_and_a_second_submission_resumes_it(slurm_cluste
     env = {**slurm_cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": "5",
            "PYTHONPATH": TESTS_ON_PATH}  # fmt: skip
     sweep_args = ["-m", *ON_THE_TEST_CLUSTER, "seed=0", *TINY, "trainer.max_epochs=6", *PACED]
-    limited = ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=60"]
+    limited = ["hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=30"]
     first = tlab_train(*sweep_args, *limited, cwd=tmp_path, env=env)
     said = first.stdout + first.stderr
     sweep = sweep_dir_of(tmp_path)

@@ -23,8 +23,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from transformers_lab.run.checkpoints import checkpoint_step
-
 RESUMED_AT = "resumed_at.json"  # in a set-aside csv.<k>/: the step the next part starts at
 
 
@@ -124,6 +122,10 @@ def resume_chain(run_dir: Path) -> list[tuple[Path, Path | None]]:
 def history(run_dir: str | Path) -> tuple[list[dict[str, float]], list[int]]:
     """The rows of every part of the run's training, oldest first, each part cut where
     the next one began; and the steps where a resume began."""
+    # here, not at the top: a sweep's summary callback imports this module at every
+    # multirun's start, and checkpoints imports Lightning (seconds a command)
+    from transformers_lab.run.checkpoints import checkpoint_step
+
     parts: list[Part] = []
     for folder, ckpt in resume_chain(Path(run_dir)):
         own = csv_parts(folder)

@@ -51,8 +51,6 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.callbacks.safety import note_signals
-from transformers_lab.run.fit import say
 from transformers_lab.run.overrides import sweep_resume
 from transformers_lab.run.record import read_record
 
@@ -73,6 +71,12 @@ SQUEUE_SILENT_POLLS = 12  # squeue failing this many times in a row is said
 # SLURM's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 TIME_FORMS = "minutes (240) or SLURM's form: M:S, H:M:S, D-H, D-H:M or D-H:M:S (4:00:00)"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # and SIGINT, Python's KeyboardInterrupt
+
+
+def say(*lines: str, file: Any = None) -> None:
+    """Print in the sweep's process (Lightning and torch stay unimported in it, so that
+    what the launcher refuses is said in a second or two)."""
+    print(*lines, sep="\n", file=file or sys.stdout, flush=True)
 
 
 def time_limit_minutes(value: Any) -> int:
@@ -210,6 +214,8 @@ class SlurmLauncher(Launcher):
 
     def __call__(self, overrides: list[str], job_num: int, singleton_state: dict) -> JobReturn:
         import submitit
+
+        from transformers_lab.run.callbacks.safety import note_signals
 
         assert self.hydra_context is not None and self.config is not None
         assert self.task_function is not None
