@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -483,11 +484,21 @@ def test_a_resumed_run_goes_on_in_the_same_wandb_run(tmp_path, monkeypatch):
     ids = []
     for name in ("first", "second", "third"):
         (run_file,) = (tmp_path / name / "wandb").glob("offline-run-*/*.wandb")
-        ids.append(read_wandb_run(run_file)["run"].run_id)
+        ids.append(written_run(run_file).run_id)
         assert (tmp_path / name / "wandb_id").read_text().strip() == ids[0]
     assert ids == [ids[0]] * 3  # each resume took a new id before
     fresh = run_train(tmp_path, [*common, "trainer.max_epochs=1"], "other")
     assert fresh and (tmp_path / "other" / "wandb_id").read_text().strip() != ids[0]
+
+
+def written_run(path: Path, timeout: float = 30) -> object:
+    """The run record of a ``.wandb`` file, once wandb's service process has written it
+    (it writes the file on its own time: under load, after the run has returned)."""
+    deadline = time.monotonic() + timeout
+    while (run := read_wandb_run(path)["run"]) is None:
+        assert time.monotonic() < deadline, f"{path} holds no run record after {timeout} s"
+        time.sleep(0.5)
+    return run
 
 
 def read_wandb_run(path: Path) -> dict:
