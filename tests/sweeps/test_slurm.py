@@ -169,7 +169,8 @@ def test_without_slurm_the_cluster_is_unavailable_and_says_why(monkeypatch):
     with pytest.raises(slurm.Unavailable, match=r"^no munged: install Debian's slurm-wlm"):
         slurm.start()
     monkeypatch.undo()
-    monkeypatch.setattr(slurm.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(slurm, "binary", lambda name: f"/usr/bin/{name}")  # installed,
+    monkeypatch.setattr(slurm.os, "geteuid", lambda: 1000)  # but not root
     with pytest.raises(slurm.Unavailable, match="slurmd starts jobs as their users"):
         slurm.start()
 
