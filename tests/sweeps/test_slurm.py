@@ -20,7 +20,9 @@ from transformers_lab.errors import ConfigError
 from transformers_lab.run.curves import history
 from transformers_lab.run.record import RESULT_FILE
 from transformers_lab.sweeps import study as st
-from transformers_lab.sweeps.slurm_launcher import time_limit_minutes
+from transformers_lab.sweeps.slurm_launcher import ENDED, time_limit_minutes
+
+import postgres
 
 HERE = Path(__file__).parent  # this file (its callback by module name) and tests/
 SWEEPS_DOC = HERE.parents[1] / "docs" / "sweeps.md"
@@ -87,6 +89,16 @@ def job_log(job_dir: Path) -> str:
     a line about one job names its dir."""
     submitit = job_dir.parent / ".submitit"
     return "\n".join(p.read_text() for p in sorted(submitit.glob("*/*_log.*")))
+
+
+def paced(cluster, tmp_path: Path, pace: str) -> tuple[Path, dict[str, str]]:
+    """The folder the ``Paced`` callback marks, and the environment of a sweep on the test
+    cluster whose jobs take ``pace`` seconds a batch."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": pace,
+           "PYTHONPATH": TESTS_ON_PATH}  # fmt: skip
+    return marks, env
 
 
 def wait_for(done, timeout: float, what: str, proc=None) -> None:
@@ -178,9 +190,6 @@ def test_without_slurm_the_cluster_is_unavailable_and_says_why(monkeypatch):
 # ------------------------------------------------------------------ a sweep on the cluster
 
 
-ENDED_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT"}
-
-
 def assert_resumed_once(job_dir: Path) -> None:
     """The job finished, its curve joined across one resume from its own last.ckpt."""
     assert record(job_dir)["status"] == "ok"
@@ -201,10 +210,7 @@ def test_a_sweep_comes_through_a_cancel_and_a_preemption_with_every_job_finished
     and records itself interrupted). The launcher waits for the requeued job, reports the
     cancelled one with the command that finishes the sweep, and writes the summary. That
     command resumes the cancelled job alone: every job finished once."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    env = {**slurm_cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": "0.5",
-           "PYTHONPATH": TESTS_ON_PATH}  # fmt: skip
+    marks, env = paced(slurm_cluster, tmp_path, "0.5")
     sweep_args = ["-m", *ON_THE_TEST_CLUSTER, "seed=0,1,2,3", *TINY, "trainer.max_epochs=6"]
     proc = tlab_train(*sweep_args, *PACED, cwd=tmp_path, env=env, wait=False)
     try:
@@ -276,10 +282,7 @@ def test_a_job_out_of_time_saves_and_a_second_submission_resumes_it(slurm_cluste
     interrupted, before the limit. The
     launcher reports it; the same sweep submitted again with a longer limit and
     skip_finished=true resumes it to the end."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    env = {**slurm_cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": "5",
-           "PYTHONPATH": TESTS_ON_PATH}  # fmt: skip
+    marks, env = paced(slurm_cluster, tmp_path, "5")
     sweep_args = ["-m", *ON_THE_TEST_CLUSTER, "seed=0", *TINY, "trainer.max_epochs=6", *PACED]
     limited = ["hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=30"]
     first = tlab_train(*sweep_args, *limited, cwd=tmp_path, env=env)
@@ -309,10 +312,7 @@ def test_a_signal_to_the_sweep_s_process_leaves_its_jobs_to_the_cluster(slurm_cl
     """SIGTERM to the process that waits (its terminal closed, ``timeout``): it says that
     the jobs go on and how to stop them or finish the sweep, and exits 143; the jobs
     finish on the cluster and tlab-summarize writes their summary."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    env = {**slurm_cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": "0.5",
-           "PYTHONPATH": TESTS_ON_PATH}  # fmt: skip
+    marks, env = paced(slurm_cluster, tmp_path, "0.5")
     args = ["-m", *ON_THE_TEST_CLUSTER, "seed=0,1", *TINY, "trainer.max_epochs=2", *PACED]
     proc = tlab_train(*args, cwd=tmp_path, env=env, wait=False)
     try:
@@ -372,8 +372,7 @@ def test_the_docs_array_job_shares_one_postgresql_study_and_survives_a_cancelled
     import optuna
 
     sweep = tmp_path / "study"
-    marks = tmp_path / "marks"
-    marks.mkdir()
+    marks, paced_env = paced(slurm_cluster, tmp_path, "0.5")
     budget = [*TINY, "trainer.max_epochs=2", "pruner=none", *PACED]
     script = swapped(
         array_job_script(),
@@ -389,11 +388,8 @@ def test_the_docs_array_job_shares_one_postgresql_study_and_survives_a_cancelled
     )  # fmt: skip
     (tmp_path / "study.sh").write_text(script.replace("${seed}", "\\${seed}"))
     venv_bin = str(Path(sys.executable).parent)  # tlab-train
-    env = {
-        **os.environ, **slurm_cluster.env(), "WANDB_MODE": "offline", "TLAB_ROOT": str(tmp_path),
-        "PGPASSWORD": "tlab-test-secret", "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": "0.5",
-        "PYTHONPATH": TESTS_ON_PATH,
-    }  # fmt: skip
+    env = {**os.environ, **paced_env, "WANDB_MODE": "offline", "TLAB_ROOT": str(tmp_path),
+           "PGPASSWORD": postgres.PASSWORD}  # fmt: skip
     env["PATH"] = os.pathsep.join([venv_bin, env["PATH"]])
     submitted = subprocess.run(
         ["sbatch", "--parsable", "-c", "1", "--mem=1G", "-o", str(tmp_path / "worker-%a.out"),
@@ -407,16 +403,13 @@ def test_the_docs_array_job_shares_one_postgresql_study_and_survives_a_cancelled
         found = sorted(marks.glob("task-*"), key=lambda p: p.stat().st_mtime)
         return found[0].name.split("-")[1] if found else None
 
-    deadline = time.monotonic() + 180
-    while first_training() is None:
-        assert time.monotonic() < deadline, slurm_cluster.states()
-        time.sleep(0.5)
+    wait_for(lambda: first_training() is not None, 180, "a worker to train")
     cancelled = f"{array}_{first_training()}"
     slurm_cluster.run("scancel", cancelled)
-    deadline = time.monotonic() + 300
-    while not all(slurm_cluster.states().get(w) in ENDED_STATES for w in workers):
-        assert time.monotonic() < deadline, slurm_cluster.states()
-        time.sleep(1)
+    wait_for(
+        lambda: all(slurm_cluster.states().get(w) in ENDED for w in workers), 300,
+        "every worker to end",
+    )  # fmt: skip
     states = slurm_cluster.states()
     logs = {w: (tmp_path / f"worker-{w.split('_')[1]}.out").read_text() for w in workers}
     assert states[cancelled] == "CANCELLED"
