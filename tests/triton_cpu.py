@@ -2,13 +2,15 @@
 tests' own support, so that CI, which has no GPU, holds each fla backend equal to our loop.
 
 Importing this module sets ``TRITON_INTERPRET=1`` (Triton reads it when a kernel is
-decorated, so before fla's ops are imported) and makes three changes to Triton's
+decorated, so before fla's ops are imported) and makes four changes to Triton's
 interpreter that fla's kernels need, and nothing else:
 
 - an autotuner of several configs takes its first: the interpreter has no driver to time
   them with (on a GPU every config is compiled and timed);
 - ``range`` inside a kernel yields Triton tensors, as compiled code does, not Python ints:
   fla writes ``(i * BT).to(tl.int64)`` of a loop index;
+- a Triton builtin that a kernel calls by a name of its own (fla's DPLR kernels import
+  ``gather``, which is ``tl.gather``) is interpreted, as the interpreter's ``tl.*`` are;
 - a Triton function decorated before the interpreter was on (Triton's own library, where
   an earlier test had torch import Triton) is interpreted where a kernel calls it.
 
@@ -41,7 +43,18 @@ def _tensor_range(*args):
         yield tl.tensor(TensorHandle(np.array([i], dtype=np.int32), tl.int32), tl.int32)
 
 
+def _interpreted_builtin(builtin, semantic):
+    """A Triton builtin called by a name of its own, as the interpreter calls ``tl.*``'s."""
+
+    def call(*args, **kwargs):
+        kwargs.pop("_semantic", None)
+        return builtin(*args, **kwargs, _semantic=semantic)
+
+    return call
+
+
 def _patch() -> None:
+    from triton.language import core as tl_core
     from triton.runtime import autotuner, interpreter
 
     if getattr(interpreter, "_tlab_patched", False):
@@ -58,6 +71,9 @@ def _patch() -> None:
         for key, value in vars(interpreter).items():
             fn_globals.setdefault(key, value)
         fn_globals["range"] = _tensor_range
+        for key, value in fn_globals.items():  # a builtin imported by name (fla's gather)
+            if tl_core.is_builtin(value):
+                fn_globals[key] = _interpreted_builtin(value, interpreter.interpreter_semantic)
         local_namespace = {**self.kwargs}
         exec(compiled, fn_globals, local_namespace)
         return local_namespace[self.fn.__name__]

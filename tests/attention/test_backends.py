@@ -30,7 +30,7 @@ def test_the_kernels_each_fused_kernel_covers():
         **dict.fromkeys(["linear", "performer", "cosformer"], ("fla",)),
         **dict.fromkeys(["based", "fastmax"], ("fla", "flex")),
         **dict.fromkeys(["retnet", "gla", "simple_gla", "deltanet", "gated_deltanet"], ("fla",)),
-        **dict.fromkeys(["kda", "fox", "gated_deltaproduct"], ("fla",)),
+        **dict.fromkeys(["kda", "fox", "gated_deltaproduct", "rwkv7"], ("fla",)),
         "sliding_window": ("flex",),
     }
     for name in COVERED:  # every option of a covered kernel says auto, and keeps it

@@ -17,6 +17,8 @@ causal self-attention, what our loops compute:
 | the delta rule, decay a key channel (KDA)    | ``chunk_kda``                             |
 | n_h delta-rule steps a token, decay a head   | ``chunk_gated_delta_product``             |
 | (Gated DeltaProduct)                         |                                           |
+| the DPLR transition, decay a key channel     | ``chunk_dplr_delta_rule`` (the op under   |
+| (RWKV-7)                                     | ``chunk_rwkv7``)                          |
 | softmax with a forget gate (FoX)             | ``parallel_forgetting_attn``              |
 
 Each op takes our features (scale folded into the queries), log decay and rate in fla's
@@ -185,6 +187,34 @@ def fla_polynomial(qs: Tensor, ks: Tensor, v: Tensor, p: int, keep: Tensor | Non
         fla_layout(even(qs)), fla_layout(even(ks)), fla_layout(even(v)), scale=1.0,
         normalize=True,
     )  # fmt: skip
+    return o.transpose(1, 2)[..., :dv]
+
+
+def fla_dplr(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_decay: Tensor,
+    alpha: Tensor,
+    beta: Tensor,
+    *,
+    scale: float,
+    lower_bound: float | None = None,
+) -> Tensor:
+    """``gated.dplr.chunked_dplr``'s output o (B, H, N, Dv), from zero state, by fla's
+    ``chunk_dplr_delta_rule`` (its ``a`` our alpha, ``b`` our beta, ``gk`` our log decay
+    a key channel), in q's dtype. ``lower_bound``: a bound below every log decay, which
+    lets fla take its tensor-core scheme in chunks of 64 where the bound allows it (a
+    relative error of some 5e-5 in float32 against 2e-7 without)."""
+    check_device(q)
+    ops = importlib.import_module("fla.ops")
+    dv = v.shape[-1]
+    # even widths (fla's 16-bit backward); a zero key channel decays, reads and writes nothing
+    q, k, v, alpha, beta = (fla_layout(even(t)) for t in (q, k, v, alpha, beta))
+    gk = fla_layout(even(log_decay).float())
+    o, _ = ops.generalized_delta_rule.chunk_dplr_delta_rule(
+        q, k, v, a=alpha, b=beta, gk=gk, scale=scale, lower_bound=lower_bound
+    )
     return o.transpose(1, 2)[..., :dv]
 
 

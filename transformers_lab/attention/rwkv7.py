@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformers_lab.attention.backends import choose, compute_dtype
 from transformers_lab.attention.base import GateInput
+from transformers_lab.attention.fla_ops import fla_dplr
 from transformers_lab.attention.gated.dplr import chunked_dplr, naive_dplr
 from transformers_lab.attention.gated.kernel import GatedKernel, at_least_float32
 from transformers_lab.errors import must_be
@@ -44,13 +46,13 @@ class RWKV7Attention(GatedKernel):
     Args:
         gate_rank: the width of the gate inputs' bottlenecks (32: fla's floor).
         chunk_size: tokens of a chunk of the chunked path.
-        backend: ``auto`` or ``loop``: our chunked DPLR loop (fla's ``chunk_rwkv7`` is
-            not wired as a backend yet).
+        backend: ``auto`` (fla's DPLR kernel on CUDA where installed, else our loop),
+            ``loop`` (our chunked DPLR loop) or ``fla`` (``fla_ops.fla_dplr``: the op
+            under fla's ``chunk_rwkv7``, with RWKV-7's bound on the decay).
     """
 
     name = "rwkv7"
     formula = "S ← Diag(w)S − κ̂a(κ̂ᵀS) + k′vᵀ, o = (Sᵀr + (r·k′r_k)v)/√d, w, a per channel, causal"
-    fused_backends = ()
 
     def __init__(
         self,
@@ -130,15 +132,23 @@ class RWKV7Attention(GatedKernel):
         **gates: Tensor,
     ) -> Tensor:
         self.check_inputs(q, k, v, key_padding_mask)
+        fla = choose(self.backend, self.fused_backends, q.device) == "fla"
+        fused_dtype = compute_dtype(v)  # autocast's (bf16-mixed) or the inputs' own
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
             q, k, v, gates = in_float32(q, k, v, gates)
             q, k, v, log_w, alpha, beta, bonus, skip = self.dplr_inputs(
                 q, k, v, causal, key_padding_mask, gates
             )
-            out, _ = chunked_dplr(
-                q, k, v, log_w, alpha, beta, scale=self.scale, chunk_size=self.chunk_size
-            )
+            if fla:
+                fq, fk, fv, fa, fb = (t.to(fused_dtype) for t in (q, k, v, alpha, beta))
+                out = fla_dplr(
+                    fq, fk, fv, log_w, fa, fb, scale=self.scale, lower_bound=-DECAY_FLOOR
+                ).to(v.dtype)
+            else:
+                out, _ = chunked_dplr(
+                    q, k, v, log_w, alpha, beta, scale=self.scale, chunk_size=self.chunk_size
+                )
             out = out + bonus[..., None] * v
         return out[:, :, skip:].to(dtype)
 
