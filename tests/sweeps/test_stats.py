@@ -486,6 +486,25 @@ def test_runs_group_by_what_they_ran_not_by_their_command_lines(tmp_path):
     assert sorted(groups["attention=fastmax optimizer.lr=0.001"]["values"]) == [0.4, 0.5]
 
 
+def test_two_sweeps_that_differ_only_in_what_they_show_are_one_table(tmp_path):
+    """A sweep run without its progress bar, joined with one run with it: the bar changes
+    nothing a run computes, so softmax's runs of both are one group, named as before."""
+    runs = [
+        ("a", ["attention=softmax", "seed=0", "trainer.enable_progress_bar=false"], False, 0.9),
+        ("a", ["attention=dot", "seed=0", "trainer.enable_progress_bar=false"], False, 0.5),
+        ("b", ["attention=softmax", "seed=1"], True, 0.8),
+        ("b", ["attention=dot", "seed=1"], True, 0.4),
+    ]
+    for n, (sweep, overrides, bar, acc) in enumerate(runs):
+        config = {"seed": n // 2, "attention": {"_target_": overrides[0]},
+                  "trainer": {"enable_progress_bar": bar, "max_steps": 10}}  # fmt: skip
+        choices = {"attention": overrides[0].split("=")[1], "trainer": "cpu"}
+        hydra_run(tmp_path / sweep / str(n), overrides, config, choices, acc)
+    summary = summarize([tmp_path / "a", tmp_path / "b"], best_over=[])
+    groups = {g["choice"]: sorted(g["values"]) for g in summary["groups"]}
+    assert groups == {"attention=softmax": [0.8, 0.9], "attention=dot": [0.4, 0.5]}
+
+
 def test_runs_scored_at_other_lengths_get_a_table_and_a_figure_by_length(tmp_path):
     """eval_lengths' metrics (val/acc@L) of each choice at its best rate, over seeds."""
     sweep, n = tmp_path / "lengths", 0
