@@ -129,6 +129,21 @@ def test_best_over_lr_then_the_mean_over_seeds_and_the_test(tmp_path):
     assert "(paired t)" in line and "0.5 ± 0.02 [0.45, 0.55] (n=3)" in line  # t(2) = 4.30
 
 
+def test_the_best_rate_spans_the_dirs_given_unless_kept_apart(tmp_path):
+    """The grid's runs given one dir each (or split over sweeps): one best rate a choice
+    over all of them, the rate whose mean over seeds is best; with by_source, each dir's."""
+    sweep = grid(tmp_path)
+    dirs = sorted(sweep.iterdir(), key=lambda d: int(d.name))
+    summary = summarize(dirs, best_over=["optimizer.lr"], out=tmp_path / "out")
+    groups = {g["choice"]: g for g in summary["groups"]}
+    assert groups["attention=softmax"]["seeds"] == {"0": 0.99, "1": 0.98, "2": 0.70}
+    assert groups["attention=fastmax"]["seeds"] == {"0": 0.52, "1": 0.50, "2": 0.48}
+    assert groups["attention=softmax"]["runs"] == "3/3"
+    # kept apart, each single run is its own cell: all twelve stand
+    apart = summarize(dirs, best_over=["optimizer.lr"], out=tmp_path / "o2", by_source=True)
+    assert sum(r["best of cell"] == "yes" for r in apart["jobs"]) == 12
+
+
 def test_a_sweep_over_rates_keeps_each_choice_at_its_best_rate_by_default(tmp_path, capsys):
     """Without best_over, a sweep that varies the rate and the kernel keeps each kernel at
     its best rate, and the grouped table (file and print) names the rate that won;

@@ -118,7 +118,7 @@ def summarize(
     rows = job_rows(runs, metric)
     grouped = runs
     if over:
-        chosen = best_in_cells(runs, metric, mode, over)
+        chosen = best_in_cells(runs, metric, mode, over, by_source)
         grouped = [r for r in runs if r.job in chosen]
         for row in rows:
             row["best of cell"] = "yes" if row["job"] in chosen and row["status"] == "ok" else ""

@@ -137,12 +137,14 @@ def seed_of(run: Run) -> str:
 
 
 def by_seed(runs: Sequence[Run]) -> dict[str, Run]:
-    """The runs keyed by their seed: the key a paired test matches runs by. Runs from
-    several dirs (a sweep and its repeat, both with seeds 0 and 1) are keyed by dir and
-    seed; where a key still repeats (the same choice and seed run twice in one dir, as an
-    Optuna study may), by job: every value counts, and no pairing is made."""
-    several = len({r.source for r in runs}) > 1
-    keys = [f"{r.source}:{seed_of(r)}" if several else seed_of(r) for r in runs]
+    """The runs keyed by their seed: the key a paired test matches runs by, whichever
+    dirs they came from (a grid given in parts, or one dir a run). Where a seed repeats
+    (a sweep and its repeat, both with seeds 0 and 1), by dir and seed; where that still
+    repeats (the same choice and seed run twice in one dir, as an Optuna study may), by
+    job: every value counts, and no pairing is made."""
+    keys = [seed_of(r) for r in runs]
+    if len(set(keys)) < len(keys):
+        keys = [f"{r.source}:{seed_of(r)}" for r in runs]
     if len(set(keys)) < len(keys):
         keys = [f"{r.source}:{r.job}" for r in runs]
     return dict(zip(keys, runs, strict=True))

@@ -15,17 +15,22 @@ from transformers_lab.sweeps.report.stats import best_of, compare, interval, met
 from transformers_lab.sweeps.report.tables import natural
 
 
-def best_in_cells(runs: Sequence[Run], metric: str, mode: str, over: Sequence[str]) -> set[str]:
+def best_in_cells(
+    runs: Sequence[Run], metric: str, mode: str, over: Sequence[str], by_source: bool = False
+) -> set[str]:
     """The jobs that stand for their cell: runs that differ only in the ``over`` keys (a
     learning-rate grid) and their seeds form a cell, and the setting of the ``over`` keys
     whose finished runs have the best mean stands for it, with all its runs (a seed that
     failed there too). A cell with no finished run stands as it is. (The best rate of each
-    seed apart would pick each seed's luckiest rate, and overstate the cell.)"""
+    seed apart would pick each seed's luckiest rate, and overstate the cell.) The cells
+    span the dirs given (a grid run in parts, or single runs' dirs), each dir's own with
+    ``by_source``, as the groups do."""
     cells: dict[tuple, dict[tuple, list[Run]]] = {}
     for run in runs:
         cell = run.same_as(ignore=over)
         setting = tuple(run.values.get(k) for k in over)
-        cells.setdefault((run.source, cell), {}).setdefault(setting, []).append(run)
+        source = run.source if by_source else ""
+        cells.setdefault((source, cell), {}).setdefault(setting, []).append(run)
     chosen = set()
     for settings in cells.values():
         finished = {
