@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers_lab.errors import UnknownChoice
 from transformers_lab.run.overrides import SEED_KEYS, override_map
-from transformers_lab.sweeps.report.collect import Run, by_seed, choice_of, choice_values
+from transformers_lab.sweeps.report.collect import Run, by_seed, choice_of, choice_values, seed_of
 from transformers_lab.sweeps.report.stats import best_of, compare, interval, metric_range
 from transformers_lab.sweeps.report.tables import natural
 
@@ -22,9 +22,11 @@ def best_in_cells(
     learning-rate grid) and their seeds form a cell, and the setting of the ``over`` keys
     whose finished runs have the best mean stands for it, with all its runs (a seed that
     failed there too). A cell with no finished run stands as it is. (The best rate of each
-    seed apart would pick each seed's luckiest rate, and overstate the cell.) The cells
-    span the dirs given (a grid run in parts, or single runs' dirs), each dir's own with
-    ``by_source``, as the groups do."""
+    seed apart would pick each seed's luckiest rate, and overstate the cell.) The means
+    are over the seeds that every setting of the cell finished, where there are any: a
+    seed added later at the winning rate joins its runs and leaves the choice as it was.
+    The cells span the dirs given (a grid run in parts, or single runs' dirs), each dir's
+    own with ``by_source``, as the groups do."""
     cells: dict[tuple, dict[tuple, list[Run]]] = {}
     for run in runs:
         cell = run.same_as(ignore=over)
@@ -38,7 +40,14 @@ def best_in_cells(
             for setting, members in settings.items()
         }
         finished = {k: v for k, v in finished.items() if v}
-        means = [statistics.fmean(r.record.metrics[metric] for r in v) for v in finished.values()]
+        seeds = [{seed_of(r) for r in v} for v in finished.values()]
+        common = set.intersection(*seeds) if seeds else set()
+        means = [
+            statistics.fmean(r.record.metrics[metric] for r in v if seed_of(r) in common)
+            if common
+            else statistics.fmean(r.record.metrics[metric] for r in v)
+            for v in finished.values()
+        ]
         index = best_of(means, mode)
         best = [settings[list(finished)[index]]] if index is not None else settings.values()
         chosen |= {r.job for members in best for r in members}
