@@ -48,7 +48,7 @@ class RWKV7Attention(GatedKernel):
         chunk_size: tokens of a chunk of the chunked path.
         backend: ``auto`` (fla's DPLR kernel on CUDA where installed, else our loop),
             ``loop`` (our chunked DPLR loop) or ``fla`` (``fla_ops.fla_dplr``: the op
-            under fla's ``chunk_rwkv7``, with RWKV-7's bound on the decay).
+            under fla's ``chunk_rwkv7``).
     """
 
     name = "rwkv7"
@@ -142,9 +142,7 @@ class RWKV7Attention(GatedKernel):
             )
             if fla:
                 fq, fk, fv, fa, fb = (t.to(fused_dtype) for t in (q, k, v, alpha, beta))
-                out = fla_dplr(
-                    fq, fk, fv, log_w, fa, fb, scale=self.scale, lower_bound=-DECAY_FLOOR
-                ).to(v.dtype)
+                out = fla_dplr(fq, fk, fv, log_w, fa, fb, scale=self.scale).to(v.dtype)
             else:
                 out, _ = chunked_dplr(
                     q, k, v, log_w, alpha, beta, scale=self.scale, chunk_size=self.chunk_size
