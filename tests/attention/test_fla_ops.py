@@ -160,7 +160,25 @@ def test_auto_takes_our_loop_where_fla_refuses_the_dtype(interpreter, monkeypatc
         fla(*qkv, causal=True, **gates)
 
 
-@pytest.mark.parametrize("name", ["gla", "deltanet", "fastmax_p1", "linear"])
+def test_rwkv7_under_auto_takes_our_loop_in_float32(interpreter, monkeypatch):
+    """fla warns that its DPLR op may be wrong in float32 on some GPUs: ``auto`` runs our
+    loop there (on CUDA too), bit for bit; ``fla`` named runs fla's op."""
+    loop, fla = kernels("rwkv7")
+    auto = kernels("rwkv7")[0]
+    auto.backend = "auto"
+
+    def as_on_cuda(backend, *_):
+        return None if backend == "loop" else "fla"
+
+    monkeypatch.setattr("transformers_lab.attention.rwkv7.choose", as_on_cuda)
+    qkv, gates, _, _ = inputs(loop, 20, padded=False)
+    want = loop(*qkv, causal=True, **gates)
+    assert torch.equal(auto(*qkv, causal=True, **gates), want)
+    got = fla(*qkv, causal=True, **gates)
+    assert not torch.equal(got, want) and rel(got, want) < TOL  # fla's op, to rounding
+
+
+@pytest.mark.parametrize("name", ["gla", "deltanet", "fastmax_p1", "linear", "rwkv7"])
 def test_an_odd_head_width_goes_to_fla_padded_even(interpreter, name):
     """fla's 16-bit backward takes even widths only: an odd one gets a zero channel, which
     changes nothing (fastmax p=1's [1, q] is odd at every even head width)."""

@@ -202,8 +202,8 @@ def fla_dplr(
 ) -> Tensor:
     """``gated.dplr.chunked_dplr``'s output o (B, H, N, Dv), from zero state, by fla's
     ``chunk_dplr_delta_rule`` (its ``a`` our alpha, ``b`` our beta, ``gk`` our log decay
-    a key channel), in q's dtype. As fla's RWKV-7 layer calls it: no ``lower_bound`` (a
-    bound on the decay would license fla's faster tensor-core scheme, factored about each
+    a key channel), in q's dtype. Without a bound on the decay (``lower_bound`` or
+    ``safe_gate``, which license fla's faster tensor-core scheme, factored about each
     chunk's middle row: 5e-5 from our loop in float32 where this is 2e-7)."""
     check_device(q)
     ops = importlib.import_module("fla.ops")

@@ -46,7 +46,8 @@ class RWKV7Attention(GatedKernel):
     Args:
         gate_rank: the width of the gate inputs' bottlenecks (32: fla's floor).
         chunk_size: tokens of a chunk of the chunked path.
-        backend: ``auto`` (fla's DPLR kernel on CUDA where installed, else our loop),
+        backend: ``auto`` (fla's DPLR kernel on CUDA where installed, in bf16 or fp16: fla
+            warns its float32 may be wrong on some GPUs, so float32 takes our loop),
             ``loop`` (our chunked DPLR loop) or ``fla`` (``fla_ops.fla_dplr``: the op
             under fla's ``chunk_rwkv7``).
     """
@@ -134,6 +135,8 @@ class RWKV7Attention(GatedKernel):
         self.check_inputs(q, k, v, key_padding_mask)
         fla = choose(self.backend, self.fused_backends, q.device) == "fla"
         fused_dtype = compute_dtype(v)  # autocast's (bf16-mixed) or the inputs' own
+        if fla and self.backend == "auto" and fused_dtype == torch.float32:
+            fla = False  # fla warns its DPLR op may be wrong in float32 on some GPUs
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
             q, k, v, gates = in_float32(q, k, v, gates)
