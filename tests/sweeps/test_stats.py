@@ -146,6 +146,21 @@ def test_the_best_rate_spans_the_dirs_given_unless_kept_apart(tmp_path):
     more = summarize([*dirs, tmp_path / "seed3"], best_over=["optimizer.lr"], out=tmp_path / "o3")
     softmax = next(g for g in more["groups"] if g["choice"] == "attention=softmax")
     assert softmax["seeds"] == {"0": 0.99, "1": 0.98, "2": 0.70, "3": 0.25}
+    # a rate that failed on most seeds does not win on the one it finished
+    failing = tmp_path / "failing"
+    accs = {"1e-2": (0.80, None, None), "1e-3": (0.75, 0.95, 0.95)}  # None: failed
+    for n, (lr, seed) in enumerate((lr, seed) for lr in accs for seed in range(3)):
+        acc = accs[lr][seed]
+        overrides = ["attention=dot", f"seed={seed}", f"optimizer.lr={lr}"]
+        job(failing / str(n), overrides, acc, status="failed" if acc is None else "ok")
+    dot = summarize(failing, best_over=["optimizer.lr"])["groups"][0]
+    assert dot["seeds"] == {"0": 0.75, "1": 0.95, "2": 0.95}
+    # a repeat of seed 0 in another dir, at the winning rate: it joins, the choice stays
+    repeat = tmp_path / "repeat"
+    job(repeat / "0", ["attention=softmax", "seed=0", "optimizer.lr=1e-3"], 0.05)
+    with_repeat = summarize([sweep, repeat], best_over=["optimizer.lr"], out=tmp_path / "o4")
+    softmax = next(g for g in with_repeat["groups"] if g["choice"] == "attention=softmax")
+    assert softmax["runs"] == "4/4" and sorted(softmax["values"])[0] == 0.05
     # kept apart, each single run is its own cell: all twelve stand
     apart = summarize(dirs, best_over=["optimizer.lr"], out=tmp_path / "o2", by_source=True)
     assert sum(r["best of cell"] == "yes" for r in apart["jobs"]) == 12

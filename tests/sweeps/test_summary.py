@@ -164,9 +164,10 @@ def test_bookkeeping_keys_never_split_a_group(tmp_path):
     make_run(sweep / "1", ["attention=dot", "seed=1", "skip_finished=true"], val_loss=2.4)
     make_run(sweep / "2", ["attention=dot", "seed=2", "+fail_fast=true"], val_loss=2.2)
     make_run(sweep / "3", ["attention=softmax", "seed=0", "trial=3"], val_loss=1.0)
+    make_run(sweep / "4", ["attention=softmax", "seed=1", "trainer.enable_progress_bar=false"])
     assert set(BOOKKEEPING_KEYS) == {"skip_finished", "fail_fast", "summary", "trial"}
     groups = {g["choice"]: g["runs"] for g in summarize(sweep)["groups"]}
-    assert groups == {"attention=dot": "3/3", "attention=softmax": "1/1"}
+    assert groups == {"attention=dot": "3/3", "attention=softmax": "2/2"}
 
 
 def test_running_and_interrupted_records_are_counted_with_their_last_metrics(tmp_path):

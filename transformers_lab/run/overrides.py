@@ -16,6 +16,8 @@ SEED_KEYS = ("seed",)  # overrides that repeat a run rather than change it
 # overrides that do not change what runs (summary.* only says how the sweep is summarised;
 # trial is the Optuna trial number a study sweeper gives its job)
 BOOKKEEPING_KEYS = ("skip_finished", "fail_fast", "summary", "trial")
+# settings that change how a run shows itself, not what it computes
+DISPLAY_KEYS = ("trainer.enable_progress_bar", "trainer.enable_model_summary")
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ def parse(text: str) -> Override:
 
 def bookkeeping(key: str) -> bool:
     """Whether an override of ``key`` leaves what a job runs as it is."""
-    return key.split(".", 1)[0] in BOOKKEEPING_KEYS
+    return key.split(".", 1)[0] in BOOKKEEPING_KEYS or key in DISPLAY_KEYS
 
 
 def override_key(text: str) -> str:

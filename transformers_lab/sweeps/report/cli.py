@@ -89,7 +89,8 @@ def summarize(
     """Write ``summary.csv`` (one row per job), ``summary.md`` (that table and the
     grouped view) and ``summary.png`` for the runs of ``dirs`` (sweep or run dirs) into
     ``out`` (default: the one dir given, else ``logs/summaries/<time>``); return the
-    tables. ``by_source`` keeps each dir's jobs in groups of their own.
+    tables. ``by_source`` keeps each dir's jobs in groups of their own (and its own best
+    rate of each cell).
 
     Each group gets its mean over seeds with a 95% t-interval. ``baseline`` (a choice's
     label, such as ``attention=softmax``) compares every other choice with it: a paired
@@ -279,7 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--by-source",
         action="store_true",
-        help="keep each DIR's runs in groups of their own (compare two sweeps of one grid)",
+        help="keep each DIR's runs in groups of their own, each with its own best rate "
+        "(compare two sweeps of one grid)",
     )
     parser.add_argument(
         "--baseline",

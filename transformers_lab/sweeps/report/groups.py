@@ -21,12 +21,14 @@ def best_in_cells(
     """The jobs that stand for their cell: runs that differ only in the ``over`` keys (a
     learning-rate grid) and their seeds form a cell, and the setting of the ``over`` keys
     whose finished runs have the best mean stands for it, with all its runs (a seed that
-    failed there too). A cell with no finished run stands as it is. (The best rate of each
-    seed apart would pick each seed's luckiest rate, and overstate the cell.) The means
-    are over the seeds that every setting of the cell finished, where there are any: a
-    seed added later at the winning rate joins its runs and leaves the choice as it was.
-    The cells span the dirs given (a grid run in parts, or single runs' dirs), each dir's
-    own with ``by_source``, as the groups do."""
+    failed there too). (The best rate of each seed apart would pick each seed's luckiest
+    rate, and overstate the cell.) The means are over the seeds that every setting of the
+    cell ran, and a setting that did not finish all of them stands behind those that did:
+    a seed added later at the winning rate joins its runs and leaves the choice as it was,
+    and a rate that failed on most seeds does not win on the one it finished. Without
+    such seeds, the mean of each setting's finished runs decides. A cell with no finished
+    run stands as it is. The cells span the dirs given (a grid run in parts, or single
+    runs' dirs), each dir's own with ``by_source``, as the groups do."""
     cells: dict[tuple, dict[tuple, list[Run]]] = {}
     for run in runs:
         cell = run.same_as(ignore=over)
@@ -35,23 +37,40 @@ def best_in_cells(
         cells.setdefault((source, cell), {}).setdefault(setting, []).append(run)
     chosen = set()
     for settings in cells.values():
+        key = cell_seed_keys(settings)
+        common = set.intersection(*({key[r.job] for r in m} for m in settings.values()))
         finished = {
             setting: [r for r in members if metric in r.record.metrics and r.record.status == "ok"]
             for setting, members in settings.items()
         }
         finished = {k: v for k, v in finished.items() if v}
-        seeds = [{seed_of(r) for r in v} for v in finished.values()]
-        common = set.intersection(*seeds) if seeds else set()
-        means = [
-            statistics.fmean(r.record.metrics[metric] for r in v if seed_of(r) in common)
-            if common
-            else statistics.fmean(r.record.metrics[metric] for r in v)
-            for v in finished.values()
-        ]
+        complete = {s: v for s, v in finished.items() if common <= {key[r.job] for r in v}}
+        if common and complete:
+            scored = {s: [r for r in v if key[r.job] in common] for s, v in complete.items()}
+        else:
+            scored = finished
+        means = [statistics.fmean(r.record.metrics[metric] for r in v) for v in scored.values()]
         index = best_of(means, mode)
-        best = [settings[list(finished)[index]]] if index is not None else settings.values()
+        best = [settings[list(scored)[index]]] if index is not None else settings.values()
         chosen |= {r.job for members in best for r in members}
     return chosen
+
+
+def cell_seed_keys(settings: dict[tuple, list[Run]]) -> dict[str, str]:
+    """Job -> the key its seed is matched by across a cell's settings: the seed, or, where
+    a seed repeats within a setting (a sweep and its repeat), its dir and seed, or its
+    job (the same seed twice in one dir: nothing is matched)."""
+
+    def dir_and_seed(r: Run) -> str:
+        return f"{r.source}:{seed_of(r)}"
+
+    def job(r: Run) -> str:
+        return f"{r.source}:{r.job}"
+
+    for key_of in (seed_of, dir_and_seed, job):
+        if all(len({key_of(r) for r in m}) == len(m) for m in settings.values()):
+            break
+    return {r.job: key_of(r) for m in settings.values() for r in m}
 
 
 def group_rows(

@@ -102,8 +102,8 @@ def grouping_notes(
         notes.append("The interval is Student's t over seeds (95%).")
     if over:
         notes.append(
-            f"Each cell is the setting of {', '.join(over)} with the best mean over seeds, "
-            "all its seeds kept"
+            f"Each cell is the setting of {', '.join(over)} with the best mean over seeds "
+            "(the seeds every setting of the cell ran), all its seeds kept"
             + (
                 " (the default for a sweep over rates: summary.best_over=[], or "
                 "tlab-summarize --best-over alone, shows every rate)."
