@@ -27,6 +27,7 @@ from transformers_lab.attention.gated.dplr import chunked_dplr, naive_dplr
 from transformers_lab.attention.gated.kernel import GatedKernel, at_least_float32
 from transformers_lab.errors import must_be
 
+HALF = (torch.bfloat16, torch.float16)  # what ``auto`` hands fla's DPLR op
 DECAY_FLOOR = math.exp(-0.5)  # log w = -e^{-1/2} sigmoid(.): RWKV-7's bound, w >= e^-0.61
 
 
@@ -135,7 +136,7 @@ class RWKV7Attention(GatedKernel):
         self.check_inputs(q, k, v, key_padding_mask)
         fla = choose(self.backend, self.fused_backends, q.device) == "fla"
         fused_dtype = compute_dtype(v)  # autocast's (bf16-mixed) or the inputs' own
-        if fla and self.backend == "auto" and fused_dtype == torch.float32:
+        if fla and self.backend == "auto" and fused_dtype not in HALF:
             fla = False  # fla warns its DPLR op may be wrong in float32 on some GPUs
         with torch.autocast(q.device.type, enabled=False):
             dtype = v.dtype
