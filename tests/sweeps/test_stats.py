@@ -135,6 +135,9 @@ def test_the_best_rate_spans_the_dirs_given_unless_kept_apart(tmp_path):
     sweep = grid(tmp_path)
     dirs = sorted(sweep.iterdir(), key=lambda d: int(d.name))
     summary = summarize(dirs, best_over=["optimizer.lr"], out=tmp_path / "out")
+    assert (
+        "# Sweep summary: 0, 1, 2 and 9 more dirs" in (tmp_path / "out" / "summary.md").read_text()
+    )
     groups = {g["choice"]: g for g in summary["groups"]}
     assert groups["attention=softmax"]["seeds"] == {"0": 0.99, "1": 0.98, "2": 0.70}
     assert groups["attention=fastmax"]["seeds"] == {"0": 0.52, "1": 0.50, "2": 0.48}

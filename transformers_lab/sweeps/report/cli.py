@@ -157,7 +157,7 @@ def summarize(
     counts = {s: sum(r["status"] == s for r in rows) for s in statuses}
     status = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     better = "higher" if mode == "max" else "lower"
-    name = ", ".join(d.name for d in dirs)
+    name = dirs_name(dirs)
     md = [
         f"# Sweep summary: {name}",
         "",
@@ -202,6 +202,15 @@ def summarize(
 
 # what a summary keeps the best value of by default: each choice at its best learning rate
 BEST_OVER_DEFAULT = ("optimizer.lr",)
+
+
+def dirs_name(dirs: Sequence[Path], most: int = 4) -> str:
+    """The summary's title: the dirs' names, the first few of many (a sweep and the run
+    dirs given beside it)."""
+    names = [d.name for d in dirs]
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{', '.join(names[: most - 1])} and {len(names) - most + 1} more dirs"
 
 
 def default_best_over(runs: Sequence[Any], shown: Sequence[str] = ()) -> list[str]:
