@@ -169,6 +169,27 @@ def test_the_best_rate_spans_the_dirs_given_unless_kept_apart(tmp_path):
     assert sum(r["best of cell"] == "yes" for r in apart["jobs"]) == 12
 
 
+def test_run_dirs_of_two_sweeps_with_the_same_names_stay_apart(tmp_path):
+    """Job 3 of one sweep and job 3 of another, given as run dirs: two jobs, each in its
+    own kernel's cell (one name for both had the one's best rate take the other's run)."""
+    dirs = []
+    for sweep, kernel, accs in (("a", "softmax", (0.9, 0.5)), ("b", "dot", (0.4, 0.8))):
+        for n, (seed, lr) in enumerate((s, lr) for s in range(3) for lr in ("1e-3", "1e-2")):
+            acc = accs[lr == "1e-2"] + seed / 100
+            job(
+                tmp_path / sweep / str(n),
+                [f"attention={kernel}", f"seed={seed}", f"optimizer.lr={lr}"],
+                acc,
+            )
+            dirs.append(tmp_path / sweep / str(n))
+    summary = summarize(dirs, best_over=["optimizer.lr"], out=tmp_path / "out")
+    assert [r["job"] for r in summary["jobs"]][:2] == ["a/0", "a/1"]
+    groups = {g["choice"]: g for g in summary["groups"]}
+    assert groups["attention=softmax"]["runs"] == groups["attention=dot"]["runs"] == "3/3"
+    assert groups["attention=softmax"]["mean"] == pytest.approx(0.91)
+    assert groups["attention=dot"]["mean"] == pytest.approx(0.81)
+
+
 def test_a_sweep_over_rates_keeps_each_choice_at_its_best_rate_by_default(tmp_path, capsys):
     """Without best_over, a sweep that varies the rate and the kernel keeps each kernel at
     its best rate, and the grouped table (file and print) names the rate that won;

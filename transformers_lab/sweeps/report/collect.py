@@ -102,9 +102,21 @@ def collect(*dirs: str | Path) -> list[Run]:
             job = f"{source.name}/{run_dir.name}" if several else run_dir.name
             runs.append(Run(job, source.name, record))
             found.append((record.overrides, run_dir))
+    unique_jobs(runs, [d for _, d in found])
     for run, (values, identity) in zip(runs, labelled_values(found), strict=True):
         run.values, run.identity = values, identity
     return runs
+
+
+def unique_jobs(runs: Sequence[Run], run_dirs: Sequence[Path]) -> None:
+    """Name each job once: run dirs given one by one from two sweeps (``a/3`` and ``b/3``)
+    are ``a/3`` and ``b/3``, not ``3`` twice (a job's name is what the best of a grid's
+    cell is chosen by)."""
+    for fallback in (lambda d: f"{d.parent.name}/{d.name}", str):
+        names = [r.job for r in runs]
+        for run, run_dir in zip(runs, run_dirs, strict=True):
+            if names.count(run.job) > 1:
+                run.job = fallback(run_dir)
 
 
 def varying_keys(runs: Sequence[Run]) -> list[str]:
