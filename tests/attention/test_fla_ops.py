@@ -142,18 +142,25 @@ def test_the_fla_backend_equals_our_loop_outputs_and_gradients(interpreter, name
     assert max(errors) < TOL, errors
 
 
-def test_auto_takes_our_loop_where_fla_refuses_the_dtype(interpreter, monkeypatch):
-    """fla's delta rule takes no float32: ``auto`` runs our loop there (on CUDA too),
-    ``fla`` says so in one line."""
-    monkeypatch.setattr(fla_ops, "DELTA_RULE_HALF_ONLY", True)
-    loop, fla = kernels("deltanet")
-    auto = kernels("deltanet")[0]
+def on_cuda(name: str, module: str, monkeypatch):
+    """The kernel on our loop, on fla and on ``auto``, with ``module``'s ``choose`` acting
+    as on a CUDA device (fla for ``auto``)."""
+    loop, fla = kernels(name)
+    auto = kernels(name)[0]
     auto.backend = "auto"
 
     def as_on_cuda(backend, *_):
         return None if backend == "loop" else "fla"
 
-    monkeypatch.setattr("transformers_lab.attention.gated.kernel.choose", as_on_cuda)
+    monkeypatch.setattr(f"{module}.choose", as_on_cuda)
+    return loop, fla, auto
+
+
+def test_auto_takes_our_loop_where_fla_refuses_the_dtype(interpreter, monkeypatch):
+    """fla's delta rule takes no float32: ``auto`` runs our loop there (on CUDA too),
+    ``fla`` says so in one line."""
+    monkeypatch.setattr(fla_ops, "DELTA_RULE_HALF_ONLY", True)
+    loop, fla, auto = on_cuda("deltanet", "transformers_lab.attention.gated.kernel", monkeypatch)
     qkv, gates, _, _ = inputs(loop, 20, padded=False)
     assert torch.equal(auto(*qkv, causal=True, **gates), loop(*qkv, causal=True, **gates))
     with pytest.raises(ValueError, match="fla's delta rule runs in bf16 or fp16 only"):
@@ -163,14 +170,7 @@ def test_auto_takes_our_loop_where_fla_refuses_the_dtype(interpreter, monkeypatc
 def test_rwkv7_under_auto_takes_our_loop_in_float32(interpreter, monkeypatch):
     """fla warns that its DPLR op may be wrong in float32 on some GPUs: ``auto`` runs our
     loop there (on CUDA too), bit for bit; ``fla`` named runs fla's op."""
-    loop, fla = kernels("rwkv7")
-    auto = kernels("rwkv7")[0]
-    auto.backend = "auto"
-
-    def as_on_cuda(backend, *_):
-        return None if backend == "loop" else "fla"
-
-    monkeypatch.setattr("transformers_lab.attention.rwkv7.choose", as_on_cuda)
+    loop, fla, auto = on_cuda("rwkv7", "transformers_lab.attention.rwkv7", monkeypatch)
     qkv, gates, _, _ = inputs(loop, 20, padded=False)
     want = loop(*qkv, causal=True, **gates)
     assert torch.equal(auto(*qkv, causal=True, **gates), want)

@@ -25,9 +25,9 @@ from transformers_lab.attention.base import GateInput
 from transformers_lab.attention.fla_ops import fla_dplr
 from transformers_lab.attention.gated.dplr import chunked_dplr, naive_dplr
 from transformers_lab.attention.gated.kernel import GatedKernel, at_least_float32
+from transformers_lab.attention.gated.recurrence import HALF  # what ``auto`` hands fla's op
 from transformers_lab.errors import must_be
 
-HALF = (torch.bfloat16, torch.float16)  # what ``auto`` hands fla's DPLR op
 DECAY_FLOOR = math.exp(-0.5)  # log w = -e^{-1/2} sigmoid(.): RWKV-7's bound, w >= e^-0.61
 
 

@@ -149,17 +149,28 @@ def seed_of(run: Run) -> str:
 
 
 def by_seed(runs: Sequence[Run]) -> dict[str, Run]:
-    """The runs keyed by their seed: the key a paired test matches runs by, whichever
-    dirs they came from (a grid given in parts, or one dir a run). Where a seed repeats
-    (a sweep and its repeat, both with seeds 0 and 1), by dir and seed; where that still
-    repeats (the same choice and seed run twice in one dir, as an Optuna study may), by
-    job: every value counts, and no pairing is made."""
-    keys = [seed_of(r) for r in runs]
-    if len(set(keys)) < len(keys):
-        keys = [f"{r.source}:{seed_of(r)}" for r in runs]
-    if len(set(keys)) < len(keys):
-        keys = [f"{r.source}:{r.job}" for r in runs]
-    return dict(zip(keys, runs, strict=True))
+    """The runs keyed by their seed (``seed_keys``): the key a paired test matches runs by."""
+    keys = seed_keys([runs])
+    return {keys[r.job]: r for r in runs}
+
+
+def seed_keys(groups: Sequence[Sequence[Run]]) -> dict[str, str]:
+    """Job -> the key its seed is matched by, one kind of key for every group, unique
+    within each: the seed, whichever dirs the runs came from (a grid given in parts, or one
+    dir a run); where a seed repeats in a group (a sweep and its repeat, both with seeds 0
+    and 1), dir and seed; where that still repeats (the same choice and seed run twice in
+    one dir, as an Optuna study may), the job: every value counts, and nothing pairs."""
+
+    def dir_and_seed(r: Run) -> str:
+        return f"{r.source}:{seed_of(r)}"
+
+    def dir_and_job(r: Run) -> str:
+        return f"{r.source}:{r.job}"
+
+    for key_of in (seed_of, dir_and_seed, dir_and_job):
+        if all(len({key_of(r) for r in g}) == len(g) for g in groups):
+            break
+    return {r.job: key_of(r) for g in groups for r in g}
 
 
 def logged_metrics(runs: Sequence[Run]) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers_lab.errors import UnknownChoice
 from transformers_lab.run.overrides import SEED_KEYS, override_map
-from transformers_lab.sweeps.report.collect import Run, by_seed, choice_of, choice_values, seed_of
+from transformers_lab.sweeps.report.collect import Run, by_seed, choice_of, choice_values, seed_keys
 from transformers_lab.sweeps.report.stats import best_of, compare, interval, metric_range
 from transformers_lab.sweeps.report.tables import natural
 
@@ -37,7 +37,7 @@ def best_in_cells(
         cells.setdefault((source, cell), {}).setdefault(setting, []).append(run)
     chosen = set()
     for settings in cells.values():
-        key = cell_seed_keys(settings)
+        key = seed_keys(list(settings.values()))
         common = set.intersection(*({key[r.job] for r in m} for m in settings.values()))
         finished = {
             setting: [r for r in members if metric in r.record.metrics and r.record.status == "ok"]
@@ -54,23 +54,6 @@ def best_in_cells(
         best = [settings[list(scored)[index]]] if index is not None else settings.values()
         chosen |= {r.job for members in best for r in members}
     return chosen
-
-
-def cell_seed_keys(settings: dict[tuple, list[Run]]) -> dict[str, str]:
-    """Job -> the key its seed is matched by across a cell's settings: the seed, or, where
-    a seed repeats within a setting (a sweep and its repeat), its dir and seed, or its
-    job (the same seed twice in one dir: nothing is matched)."""
-
-    def dir_and_seed(r: Run) -> str:
-        return f"{r.source}:{seed_of(r)}"
-
-    def job(r: Run) -> str:
-        return f"{r.source}:{r.job}"
-
-    for key_of in (seed_of, dir_and_seed, job):
-        if all(len({key_of(r) for r in m}) == len(m) for m in settings.values()):
-            break
-    return {r.job: key_of(r) for m in settings.values() for r in m}
 
 
 def group_rows(
