@@ -21,6 +21,7 @@ from transformers_lab.config import compose_config
 from transformers_lab.errors import NonFiniteError
 from transformers_lab.run.callbacks.safety import random_states, set_random_states
 from transformers_lab.run.checkpoints import AtomicCheckpointIO, Checkpoint, differences
+from transformers_lab.run.curves import history
 from transformers_lab.run.fit import Interrupted, fit_and_test, train
 from transformers_lab.train import main
 
@@ -391,7 +392,9 @@ def test_the_command_line_prints_a_resume_command_that_works(
     tmp_path, uninterrupted, monkeypatch, capsys
 ):
     """The printed command keeps the run's overrides: with the defaults instead, the
-    resumed run would be another model (refused) or train to another length."""
+    resumed run would be another model (refused) or train to another length. Run in the
+    stopped run's own dir, it keeps that run's metrics (Lightning's CSV logger would
+    delete them), and the joined curve is the one resumed in a new dir."""
     argv = [*RUN, *with_callback("signal", SignalAt, step=14, signum=int(signal.SIGTERM))]
     monkeypatch.setattr(sys, "argv", ["tlab-train", *argv, f"hydra.run.dir={tmp_path}/stopped"])
     with pytest.raises(SystemExit) as exit_:
@@ -407,6 +410,14 @@ def test_the_command_line_prints_a_resume_command_that_works(
     main()  # returns: Hydra's main exits only on an error
     got, expected = weights(tmp_path / "resumed" / "checkpoints" / "last.ckpt"), uninterrupted[1]
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    elsewhere = history(tmp_path / "resumed")
+    monkeypatch.setattr(sys, "argv", [*command, f"hydra.run.dir={tmp_path}/stopped"])
+    main()
+    assert (tmp_path / "stopped" / "csv.1" / "metrics.csv").is_file()
+    rows, resumes = history(tmp_path / "stopped")
+    assert resumes == elsewhere[1] == [14]
+    assert min(r["step"] for r in rows) < 14  # the first part's rows too
+    assert rows == elsewhere[0]
 
 
 class SignalInTest(L.Callback):

@@ -48,7 +48,9 @@ def run_job(cfg: DictConfig, fit: Callable[[DictConfig], Outcome]) -> float | No
             return math.nan if earlier.objective is None else earlier.objective
         elif earlier.status in ("running", "interrupted") and not cfg.get("ckpt_path"):
             resume_own_checkpoint(cfg)
-    if not cfg.get("ckpt_path") and rank_zero_only.rank == 0 and (old := retire(out)):
+    if cfg.get("ckpt_path"):  # a resume in a dir that holds metrics keeps them, set aside
+        set_aside_metrics(out, Path(cfg.ckpt_path))
+    elif rank_zero_only.rank == 0 and (old := retire(out)):
         log.warning("%s held an earlier attempt's metrics: moved to %s", out, old.name)
     record = JobRecord(
         overrides=identity(overrides),
@@ -108,13 +110,14 @@ def resume_own_checkpoint(cfg: DictConfig) -> None:
         say(f"resuming from {last} ({why}: this job was stopped before it ended)")
         with open_dict(cfg):
             cfg.ckpt_path = str(last)
-        set_aside_metrics(Path(cfg.paths.output_dir), last)
 
 
 def set_aside_metrics(out: Path, checkpoint: Path) -> None:
     """Move the stopped part's ``csv/`` to ``csv.<k>/`` before the job resumes in its own
     dir (Lightning's CSV logger would delete its metrics.csv), noting the step the next
-    part starts at, so that ``tlab-summarize --curves`` joins the parts."""
+    part starts at, so that ``tlab-summarize --curves`` joins the parts. Whether the
+    resume was ``skip_finished=true``'s, SLURM's or a ``ckpt_path=`` given with the run's
+    own ``hydra.run.dir``."""
     folder = out / "csv"
     if rank_zero_only.rank != 0 or not folder.is_dir():
         return
