@@ -260,6 +260,30 @@ def test_parts_set_aside_in_a_jobs_own_dir_are_joined_in_order(tmp_path):
     assert [train[s] - (3.0 - 0.1 * s) for s in (4, 5, 8, 9)] == pytest.approx([0, 1, 1, 2])
 
 
+def test_a_run_resumed_in_a_new_dir_then_in_its_own_goes_back_to_the_first(tmp_path):
+    """B started from A's step-6 checkpoint; stopped, B resumed in its own dir from its
+    step-9 one, so its saved config names B's own checkpoint: the chain still reaches A
+    through what B's first part logged."""
+    a = make_run(tmp_path / "a", [])
+    write_csv(a / "csv", loss_rows(range(12)))
+    first = save_checkpoint(a / "checkpoints" / "last.ckpt", 6)
+    own = save_checkpoint(tmp_path / "b" / "checkpoints" / "last.ckpt", 9)
+    b = make_run(tmp_path / "b", [], ckpt_path=str(own))
+    write_csv(b / "csv.1", loss_rows(range(6, 11), offset=0.5))
+    OmegaConf.save(OmegaConf.create({"ckpt_path": str(first)}), b / "csv.1" / "hparams.yaml")
+    (b / "csv.1" / RESUMED_AT).write_text(json.dumps({"step": 9}))
+    write_csv(b / "csv", loss_rows(range(9, 15), offset=1.0))
+    assert [d for d, _ in resume_chain(b)] == [a, b]
+    rows, resumes = history(b)
+    assert resumes == [6, 9]
+    train = {int(r["step"]): r["train/loss"] for r in rows if "train/loss" in r}
+    assert sorted(train) == list(range(15))
+    assert [train[s] - (3.0 - 0.1 * s) for s in (5, 6, 8, 9)] == pytest.approx([0, 0.5, 0.5, 1])
+    # a job of a sweep resumed in its own dir: its first part started afresh, from nothing
+    OmegaConf.save(OmegaConf.create({"ckpt_path": None}), b / "csv.1" / "hparams.yaml")
+    assert [d for d, _ in resume_chain(b)] == [b]
+
+
 def test_retire_moves_an_earlier_attempts_parts_out_of_the_curves(tmp_path):
     job = make_run(tmp_path / "0", [])
     assert retire(job) is None  # nothing to move

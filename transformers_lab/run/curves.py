@@ -1,8 +1,9 @@
 """Learning curves of runs from their ``metrics.csv``, following resumes.
 
 A run resumed with ``ckpt_path=<run A>/checkpoints/last.ckpt`` writes its metrics into a
-new run dir B; a sweep job resumed by ``skip_finished=true`` writes them into its own dir,
-where the earlier part is kept as ``csv.1/`` (``csv.2/``, ...) beside ``csv/``. The curve
+new run dir B; a sweep job resumed by ``skip_finished=true`` (or a run given its own
+``hydra.run.dir``) writes them into its own dir, where the earlier part is kept as
+``csv.1/`` (``csv.2/``, ...) beside ``csv/``. The curve
 of B is A's rows up to the step the checkpoint was saved at, then B's: what the model
 that ends in B actually went through. Rows that A logged after that checkpoint (it ran on
 after the checkpoint, or was killed between two) are left out; so are the metrics of an
@@ -46,11 +47,17 @@ def read_rows(path: Path) -> list[dict[str, float]]:
 
 def resumed_from(run_dir: Path) -> Path | None:
     """The checkpoint this run was started from (its saved ``ckpt_path``), as a path that
-    exists from here when it can: a relative one is taken from the run's own cwd."""
+    exists from here when it can: a relative one is taken from the run's own cwd. A run
+    resumed in its own dir has its config saved again, naming its own checkpoint; its
+    first part's ``ckpt_path`` is the one its set-aside metrics logged (``hparams.yaml``)."""
     config = run_dir / ".hydra" / "config.yaml"
-    if not config.is_file():
+    first = [hp for part in set_aside(run_dir)[:1] if (hp := part / "hparams.yaml").is_file()]
+    if first and "ckpt_path" in (logged := OmegaConf.load(first[0])):
+        ckpt = logged.get("ckpt_path")
+    elif config.is_file():
+        ckpt = OmegaConf.load(config).get("ckpt_path")
+    else:
         return None
-    ckpt = OmegaConf.load(config).get("ckpt_path")
     if not ckpt:
         return None
     path = Path(str(ckpt))
