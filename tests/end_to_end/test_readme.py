@@ -93,7 +93,7 @@ BUDGET = [
     ),
     # the FAST paper's preset: 63 jobs a task, 2 here; LRA's tasks drawn small
     (
-        "tlab-train sweep=fast_paper_",  # the paper's ViT and GPT tables: 108 and 180 jobs
+        "tlab-train sweep=fast_paper_",  # the paper's ViT and GPT tables: 108 and 198 jobs
         [*TINY, "attention=softmax,fastmax_p2", "optimizer.lr=1e-3", "seed=0"],
     ),
     (
