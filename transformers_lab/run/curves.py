@@ -51,9 +51,11 @@ def resumed_from(run_dir: Path) -> Path | None:
     resumed in its own dir has its config saved again, naming its own checkpoint; its
     first part's ``ckpt_path`` is the one its set-aside metrics logged (``hparams.yaml``)."""
     config = run_dir / ".hydra" / "config.yaml"
-    first = [hp for part in set_aside(run_dir)[:1] if (hp := part / "hparams.yaml").is_file()]
-    if first and "ckpt_path" in (logged := OmegaConf.load(first[0])):
-        ckpt = logged.get("ckpt_path")
+    aside = set_aside(run_dir)
+    hparams = aside[0] / "hparams.yaml" if aside else None
+    logged = OmegaConf.load(hparams) if hparams is not None and hparams.is_file() else {}
+    if "ckpt_path" in logged:
+        ckpt = logged["ckpt_path"]
     elif config.is_file():
         ckpt = OmegaConf.load(config).get("ckpt_path")
     else:
