@@ -153,7 +153,12 @@ def test_launcher_slurm_without_sbatch_says_so_and_names_the_fix(tmp_path):
         ("hydra.launcher.timeout_min=4h", "error: hydra.launcher.timeout_min='4h' is no time "
          "limit: give minutes"),
         ("hydra.launcher.signal_delay_s=0", "error: hydra.launcher.signal_delay_s=0 must be a "
-         "number of seconds above 0 and below the time limit (240 min)"),
+         "number of seconds above 0 and at most the time limit (240 min) less a minute, "
+         "14340 s"),
+        # SLURM may warn up to 60 s early: a warning due 30 s after the start is refused
+        ("hydra.launcher.timeout_min=1 hydra.launcher.signal_delay_s=30", "error: "
+         "hydra.launcher.signal_delay_s=30 must be a number of seconds above 0 and at most "
+         "the time limit (1 min) less a minute, 0 s"),
         ("hydra.launcher.gpus_per_node=1", "error: launcher=slurm: sbatch refused the sweep's "
          "jobs: sbatch: error: Invalid generic resource (gres) specification (check "),
         ("+hydra.launcher.nodes_list=x", "error: hydra.launcher: Unknown argument 'nodes_list' "
@@ -164,7 +169,7 @@ def test_what_the_cluster_cannot_take_is_refused_in_one_line(
     slurm_cluster, override, said, tmp_path
 ):
     proc = tlab_train(
-        "-m", *ON_THE_TEST_CLUSTER, override, "seed=0,1", *TINY, cwd=tmp_path,
+        "-m", *ON_THE_TEST_CLUSTER, *override.split(), "seed=0,1", *TINY, cwd=tmp_path,
         env=slurm_cluster.env(),
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -276,15 +281,15 @@ def test_a_sweep_comes_through_a_cancel_and_a_preemption_with_every_job_finished
 
 @pytest.mark.slow
 def test_a_job_out_of_time_saves_and_a_second_submission_resumes_it(slurm_cluster, tmp_path):
-    """A one-minute limit with SIGUSR2 30 s before it (SLURM looks at its jobs' times every
-    30 s or so: it comes 30 to 60 s after the start), and a job of 24 batches at 5 s each:
-    at the warning, well after its start, it saves last.ckpt and records itself
-    interrupted, before the limit. The
-    launcher reports it; the same sweep submitted again with a longer limit and
-    skip_finished=true resumes it to the end."""
+    """A two-minute limit with SIGUSR2 20 s before it (SLURM looks at its jobs' times every
+    30 s or so and may send it up to 60 s early: it comes 40 to 100 s after the start), and
+    a job of 24 batches at 5 s each: at the warning, well after its start, it saves
+    last.ckpt and records itself interrupted, before the limit. The launcher reports it;
+    the same sweep submitted again with a longer limit and skip_finished=true resumes it
+    to the end."""
     marks, env = paced(slurm_cluster, tmp_path, "5")
     sweep_args = ["-m", *ON_THE_TEST_CLUSTER, "seed=0", *TINY, "trainer.max_epochs=6", *PACED]
-    limited = ["hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=30"]
+    limited = ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=20"]
     first = tlab_train(*sweep_args, *limited, cwd=tmp_path, env=env)
     said = first.stdout + first.stderr
     sweep = sweep_dir_of(tmp_path)

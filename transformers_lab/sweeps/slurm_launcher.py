@@ -5,8 +5,8 @@ jobs: cancels, preemptions, requeues and time limits.
 Before it submits, it checks what would otherwise fail as a traceback or a job that never
 starts, and says each in one line: ``sbatch`` and ``squeue`` must be found and answer, the
 partition must be the cluster's, the time limit must be minutes or SLURM's own form
-(``4:00:00``) and longer than ``signal_delay_s``; what sbatch itself refuses is said in
-its words.
+(``4:00:00``) and a minute or more longer than ``signal_delay_s``; what sbatch itself
+refuses is said in its words.
 
 In a job:
 
@@ -71,6 +71,7 @@ SQUEUE_SILENT_POLLS = 12  # squeue failing this many times in a row is said
 # SLURM's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 TIME_FORMS = "minutes (240) or SLURM's form: M:S, H:M:S, D-H, D-H:M or D-H:M:S (4:00:00)"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # and SIGINT, Python's KeyboardInterrupt
+EARLY_S = 60  # SLURM sends --signal's warning up to this long before it is due
 
 
 def say(*lines: str, file: Any = None) -> None:
@@ -104,12 +105,16 @@ def time_limit_minutes(value: Any) -> int:
 
 
 def check_signal_delay(delay_s: Any, minutes: int) -> None:
-    """SIGUSR2 must come after the job's start: the delay below the time limit."""
-    if not isinstance(delay_s, int) or isinstance(delay_s, bool) or not 0 < delay_s < minutes * 60:
+    """SIGUSR2 must come after the job's start. SLURM looks at its jobs' times every 30 s
+    or so and may send it up to 60 s before it is due, so it must be due a minute or more
+    after the start: a warning sent earlier finds no job step to take it and is lost."""
+    most = minutes * 60 - EARLY_S
+    if not isinstance(delay_s, int) or isinstance(delay_s, bool) or not 0 < delay_s <= most:
         raise ConfigError(
             f"hydra.launcher.signal_delay_s={delay_s!r} must be a number of seconds above 0 "
-            f"and below the time limit ({minutes} min): the job saves and stops that long "
-            "before its limit"
+            f"and at most the time limit ({minutes} min) less a minute, {most} s: the job "
+            f"saves and stops that long before its limit, and SLURM may warn it up to "
+            f"{EARLY_S} s earlier"
         )
 
 
