@@ -158,7 +158,8 @@ def test_launcher_slurm_without_sbatch_says_so_and_names_the_fix(tmp_path):
         # SLURM may warn up to 60 s early: a warning due 30 s after the start is refused
         ("hydra.launcher.timeout_min=1 hydra.launcher.signal_delay_s=30", "error: "
          "hydra.launcher.signal_delay_s=30 must be a number of seconds above 0 and at most "
-         "the time limit (1 min) less a minute, 0 s"),
+         "the time limit (1 min) less a minute, 0 s (SLURM may send the warning up to 60 s "
+         "early): lower it or raise hydra.launcher.timeout_min"),
         ("hydra.launcher.gpus_per_node=1", "error: launcher=slurm: sbatch refused the sweep's "
          "jobs: sbatch: error: Invalid generic resource (gres) specification (check "),
         ("+hydra.launcher.nodes_list=x", "error: hydra.launcher: Unknown argument 'nodes_list' "

@@ -109,12 +109,13 @@ def check_signal_delay(delay_s: Any, minutes: int) -> None:
     or so and may send it up to 60 s before it is due, so it must be due a minute or more
     after the start: a warning sent earlier finds no job step to take it and is lost."""
     most = minutes * 60 - EARLY_S
-    if not isinstance(delay_s, int) or isinstance(delay_s, bool) or not 0 < delay_s <= most:
+    whole = isinstance(delay_s, int) and not isinstance(delay_s, bool)
+    if not whole or not 0 < delay_s <= most:
+        fix = ": lower it or raise hydra.launcher.timeout_min" if whole and delay_s > 0 else ""
         raise ConfigError(
             f"hydra.launcher.signal_delay_s={delay_s!r} must be a number of seconds above 0 "
-            f"and at most the time limit ({minutes} min) less a minute, {most} s: the job "
-            f"saves and stops that long before its limit, and SLURM may warn it up to "
-            f"{EARLY_S} s earlier"
+            f"and at most the time limit ({minutes} min) less a minute, {most} s (SLURM may "
+            f"send the warning up to {EARLY_S} s early){fix}"
         )
 
 
