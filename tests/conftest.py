@@ -1,9 +1,12 @@
-"""Shared test set-up: offline logging, deterministic seeds."""
+"""Shared test set-up: offline logging, deterministic seeds, glibc's own malloc settings in
+the tests' processes."""
 
 import os
 
 import pytest
 import torch
+
+from transformers_lab.run import memory
 
 os.environ.setdefault("WANDB_MODE", "offline")
 
@@ -11,6 +14,15 @@ os.environ.setdefault("WANDB_MODE", "offline")
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _glibc_malloc(monkeypatch) -> None:
+    """A run trained in the test's own process leaves its malloc as glibc set it: what
+    ``keep_freed_memory`` sets lasts for the process (a pytest worker runs hundreds of
+    tests). Runs in a process of their own (``tlab-train``) and tests/run/test_memory.py
+    set it."""
+    monkeypatch.setattr(memory, "libc_mallopt", lambda: None)
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.build import build_loggers, call, use_cpu_threads
+from transformers_lab.run.build import build_loggers, call, use_cpu
 from transformers_lab.run.checkpoints import check_split, restore
 from transformers_lab.run.fit import metrics_dict, print_metrics
 from transformers_lab.run.lengths import (
@@ -52,7 +52,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg)
     if cfg.split not in SPLITS:
         raise ConfigError(f"split={cfg.split} is not one of {', '.join(SPLITS)}")
-    use_cpu_threads(cfg)
+    use_cpu(cfg)
     L.seed_everything(cfg.seed, workers=True)
     if any(cfg.get(key) is not None for key in LENGTH_KEYS):
         return evaluate_at_lengths(cfg)

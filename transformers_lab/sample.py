@@ -24,7 +24,7 @@ from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError, at_least
 from transformers_lab.models import GPT
 from transformers_lab.models.common import check_sampling
-from transformers_lab.run.build import use_cpu_threads
+from transformers_lab.run.build import use_cpu
 from transformers_lab.run.checkpoints import restore
 from transformers_lab.run.preflight import check_config, typed_options
 
@@ -132,7 +132,7 @@ def sample(cfg: DictConfig) -> list[str]:
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
     check_config(cfg)
     opts = typed_options(SampleOptions, cfg)
-    use_cpu_threads(cfg)
+    use_cpu(cfg)
     L.seed_everything(cfg.seed)
     model, datamodule = load_generator(cfg)
     model.to(cfg.device)

@@ -26,7 +26,7 @@ from transformers_lab.config import CONF_DIR
 from transformers_lab.errors import ConfigError, at_least
 from transformers_lab.models import GPT, Transformer
 from transformers_lab.models.transformer import check_beam
-from transformers_lab.run.build import use_cpu_threads
+from transformers_lab.run.build import use_cpu
 from transformers_lab.run.checkpoints import WrongModel, restore
 from transformers_lab.run.preflight import check_config, typed_options
 
@@ -157,7 +157,7 @@ def translate(cfg: DictConfig) -> list[str]:
     if cfg.text is not None and cfg.input_file is not None:
         raise ConfigError("give text=... or input_file=..., not both")
     sentences = given_sentences(cfg)
-    use_cpu_threads(cfg)
+    use_cpu(cfg)
     L.seed_everything(cfg.seed)
     model, datamodule = load_translator(cfg)
     model.to(cfg.device)

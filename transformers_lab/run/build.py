@@ -39,6 +39,7 @@ from transformers_lab.config import (
 )
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
+from transformers_lab.run.memory import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -567,11 +568,15 @@ class NoProfiler(PassThroughProfiler):
         return self._NOTHING
 
 
-def use_cpu_threads(cfg: DictConfig) -> None:
+def use_cpu(cfg: DictConfig) -> None:
     """Give torch the run's ``cpu_threads`` (null: torch's default), so that runs that share
-    a machine do not each take all of its cores."""
+    a machine do not each take all of its cores; and with ``keep_freed_memory`` (true
+    unless set false), have malloc reuse freed tensors' memory rather than fault in fresh
+    pages for each large one (``run.memory``)."""
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
+    if cfg.get("keep_freed_memory", True):
+        keep_freed_memory()
 
 
 def build_callbacks(

@@ -31,7 +31,7 @@ from transformers_lab.run.build import (
     build_task,
     build_trainer,
     compile_model,
-    use_cpu_threads,
+    use_cpu,
 )
 from transformers_lab.run.callbacks.safety import StopOnSignal
 from transformers_lab.run.checkpoints import (
@@ -71,7 +71,7 @@ def fit_and_test(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Outco
         checkpoint = load_checkpoint(cfg.ckpt_path)
         may_change = cfg.get("resume_may_change") or ()
         changed = check_resume(checkpoint, run_config, cfg.ckpt_path, may_change)
-    use_cpu_threads(cfg)
+    use_cpu(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = build_datamodule(cfg.data)
     model = build_model(cfg.model, datamodule)

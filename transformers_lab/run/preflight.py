@@ -93,6 +93,7 @@ RULES: dict[str, Expect] = {
     # the entry points
     "seed": COUNT,
     "cpu_threads": NULL | POSITIVE_INT,
+    "keep_freed_memory": BOOL,
     "compile": BOOL,
     "monitor.mode": one_of("min", "max"),
     "optimizer.lr": POSITIVE,

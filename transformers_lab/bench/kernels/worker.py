@@ -31,7 +31,6 @@ same for every variant.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import re
@@ -50,10 +49,10 @@ from torch import Tensor
 from transformers_lab.attention import AttentionKernel, call_with_heads
 from transformers_lab.bench.kernels.specs import DTYPES, FUSED_VARIANTS, Row, Spec
 from transformers_lab.nn.parts import LayerParts, ShortConvolution, split_layer_parts
+from transformers_lab.run.memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, set_malloc
 
 WARMUP_N = 64
 RATE_SIZE = 2048  # the square matrices of the matmul rate
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 MIB = 2**20
 
 
@@ -229,14 +228,7 @@ def reuse_freed_memory() -> bool:
     Sets the thresholds that glibc's own adaptive ones reach after freeing large buffers
     (mmap above 32 MiB, trim above 64 MiB). False where there is no glibc ``mallopt``.
     """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mmap_ok = mallopt(M_MMAP_THRESHOLD, 32 * MIB)
-    trim_ok = mallopt(M_TRIM_THRESHOLD, 64 * MIB)
-    return bool(mmap_ok and trim_ok)
+    return set_malloc((M_MMAP_THRESHOLD, 32 * MIB), (M_TRIM_THRESHOLD, 64 * MIB))
 
 
 def prepare(spec: Spec) -> Callable[[], None]:

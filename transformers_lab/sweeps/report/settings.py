@@ -28,7 +28,16 @@ from transformers_lab.run.overrides import SEED_KEYS, bookkeeping, override_map
 
 # settings that say where and how a run is logged or launched, not what it computes
 # (and ``bookkeeping``'s: the progress bar, what the summary does)
-IGNORED_SETTINGS = ("paths.", "logger.", "hydra.", "tags", "task_name", "run_name", "cpu_threads")
+IGNORED_SETTINGS = (
+    "paths.",
+    "logger.",
+    "hydra.",
+    "tags",
+    "task_name",
+    "run_name",
+    "cpu_threads",
+    "keep_freed_memory",
+)
 # config groups that place or launch a run, or are presets whose settings speak for them
 IGNORED_GROUPS = ("hydra", "paths", "logger", "launcher", "sweep")
 
