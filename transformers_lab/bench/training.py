@@ -9,7 +9,8 @@ Usage::
     python -m transformers_lab.bench.training --against nanogpt --nanogpt ~/nanoGPT --repeats 3
 
 Both sides get the model, the data module and the optimizer settings of the composed
-experiment, and the same seed: the bare loop is nanoGPT's (AdamW with the same
+experiment, the same seed and the same malloc setting (``keep_freed_memory``, which
+``train()`` sets for the process): the bare loop is nanoGPT's (AdamW with the same
 weight-decay groups, warm-up + cosine by hand, gradient clipping, a full validation pass
 every ``val_check_interval`` steps and at the end). The framework side is ``train()`` as
 ``tlab-train`` runs it, with the CSV logger, checkpoints, the learning-rate monitor and
@@ -58,6 +59,7 @@ from hydra.utils import instantiate
 from transformers_lab.config import compose_config
 from transformers_lab.nn import weight_decay_groups
 from transformers_lab.run.build import build_datamodule, build_model
+from transformers_lab.run.memory import keep_freed_memory
 from transformers_lab.tasks import warmup_cosine
 
 
@@ -305,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sides: list[tuple[str, Callable[[Path, Path], tuple[float, float, float, str]]]]
         if args.against == "bare":
             other, name = "bare", "tlab"
+            # train() sets malloc's keep_freed_memory for the process: set it before either
+            # side runs, so that both run under it, the bare loop's first run too
+            keep_freed_memory()
 
             def timed(run, overrides):
                 def side(workdir: Path, log: Path) -> tuple[float, float, float, str]:
