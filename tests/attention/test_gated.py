@@ -105,15 +105,16 @@ def test_gradcheck(case):
     assert torch.autograd.gradcheck(f, leaves)
 
 
+@pytest.mark.parametrize("chunk", [16, 64])  # 16: KDA's preset, two blocks of 8 a chunk
 @pytest.mark.parametrize("case", ["scalar decay", "channel decay", "gated delta", "channel delta"])
-def test_a_strong_decay_does_not_overflow_in_float32(case):
+def test_a_strong_decay_does_not_overflow_in_float32(case, chunk):
     """Log decays of -30 a token: the cumulative decay over a chunk of 64 is e^-1920, whose
     inverse overflows float32 (and float64) in the naive factorisation q e^b, k e^-b."""
     n = 128
     q, k, v, log_decay, beta = inputs(n, **CASES[case], strength=30.0)
     want, _ = naive_recurrence(q, k, v, log_decay, beta)
     got, _ = chunked_recurrence(
-        *(None if t is None else t.float() for t in (q, k, v, log_decay, beta)), chunk_size=64
+        *(None if t is None else t.float() for t in (q, k, v, log_decay, beta)), chunk_size=chunk
     )
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
@@ -157,8 +158,8 @@ def test_a_channel_decay_past_safe_span_still_folds_about_the_chunks_middle(monk
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
     got64, _ = chunked_recurrence(q, k, v, log_decay, chunk_size=32)
     torch.testing.assert_close(got64, want)
-    # a span past CHANNEL_SPAN takes the blocks, each block of 16 one product about its
-    # middle (16 x 3 = 48 <= CHANNEL_SPAN): the recurrence still, in float32 too
+    # a span past CHANNEL_SPAN takes the blocks, each block of SUB_CHUNK (8) one product
+    # about its middle (8 x 3 = 24 <= CHANNEL_SPAN): the recurrence still, in float32 too
     strong = torch.full_like(log_decay, -3.0)
     want, _ = naive_recurrence(q, k, v, strong)
     got, _ = chunked_recurrence(q.float(), k.float(), v.float(), strong.float(), chunk_size=32)

@@ -28,9 +28,9 @@ Two paths, equal to rounding:
   the call, sends the whole call to the second form, where every factor exponentiates a
   difference that is <= 0, so nothing overflows whatever the decay: a decay per head and
   token through the (C x C) factor exp(b_t - b_s); a decay per key channel, which has no
-  such factor, block by block (sub-chunks of 16), between blocks through a reference
-  point that keeps both factors <= 1, inside a diagonal block as the explicit
-  (16 x 16 x Dk) sum.
+  such factor, block by block (sub-chunks of 8), between blocks through a reference
+  point that keeps both factors <= 1, inside a diagonal block as one product about the
+  block's middle where it spans e^-80 or less, else as the explicit (8 x 8 x Dk) sum.
   The delta rule is chunked through the WY representation: the pseudo-values U of a
   chunk solve (I + A) U = diag(beta) (V - diag(exp(b)) K S0), with A the strictly lower
   beta_t exp(b_t - b_s) (k_t . k_s) (per key channel: beta_t k_t . (k_s exp(b_t - b_s)),
@@ -54,7 +54,10 @@ from torch import Tensor
 
 HALF = (torch.float16, torch.bfloat16)  # no triangular solve in these: it runs in float32
 WIDE = (torch.float32, torch.float64)  # the one-product scores' e^+-60 factors: not in half
-SUB_CHUNK = 16  # the blocks of a per-channel decay's scores inside a chunk
+# the blocks of a per-channel decay's scores inside a chunk that spans more than
+# e^-CHANNEL_SPAN: 8 took the least time of 4 to 64 in chunks of 16, 32 and 64 (forward and
+# backward on the CPU, Dk 8: 101, 144 and 263 ms, where blocks of 16 took 194, 259, 319)
+SUB_CHUNK = 8
 # a decay per head and token whose chunks all decay by at most e^-SAFE_SPAN takes the
 # one-product path: q exp(b) and k exp(-b) stay inside [e^-60, e^60], far from float32's limits
 SAFE_SPAN = 60.0
