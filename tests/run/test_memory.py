@@ -12,8 +12,9 @@ from omegaconf import OmegaConf
 
 from transformers_lab.run import build, memory
 
+# read at collection, before conftest's fixture stands in for it
 pytestmark = pytest.mark.skipif(
-    memory.libc_mallopt.__wrapped__() is None, reason="no glibc mallopt (not Linux with glibc)"
+    memory.libc_mallopt() is None, reason="no glibc mallopt (not Linux with glibc)"
 )
 
 # tensors of 48 MiB (above the 32 MiB that glibc's mmap threshold can reach) made and freed

@@ -18,6 +18,9 @@ SEED_KEYS = ("seed",)  # overrides that repeat a run rather than change it
 BOOKKEEPING_KEYS = ("skip_finished", "fail_fast", "summary", "trial")
 # settings that change how a run shows itself, not what it computes
 DISPLAY_KEYS = ("trainer.enable_progress_bar", "trainer.enable_model_summary")
+# settings of how a run uses the machine (its threads, its malloc), not what it computes:
+# a sweep's summary and an Optuna study's question leave them out
+MACHINE_KEYS = ("cpu_threads", "keep_freed_memory")
 
 
 @dataclass(frozen=True)

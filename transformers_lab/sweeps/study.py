@@ -33,7 +33,7 @@ from optuna.distributions import (
 from optuna.trial import FrozenTrial, TrialState
 
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.overrides import bookkeeping, override_key
+from transformers_lab.run.overrides import MACHINE_KEYS, bookkeeping, override_key
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ SPACE = "tlab:search_space"  # the study's: {key: distribution as JSON}
 SETTINGS = "tlab:settings"  # the study's: the overrides every trial is given, sorted
 # overrides that do not change the question a study answers (how it is logged, pruned or
 # run), besides the sweeps' bookkeeping keys
-NOT_THE_QUESTION = ("pruner", "logger", "callbacks", "paths", "cpu_threads", "keep_freed_memory")
+NOT_THE_QUESTION = ("pruner", "logger", "callbacks", "paths", *MACHINE_KEYS)
 
 # values of a job record that can be objectives besides its logged metrics
 RECORD_VALUES = ("params", "time_s", "state_size")

@@ -24,20 +24,11 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from transformers_lab.config import flatten
-from transformers_lab.run.overrides import SEED_KEYS, bookkeeping, override_map
+from transformers_lab.run.overrides import MACHINE_KEYS, SEED_KEYS, bookkeeping, override_map
 
 # settings that say where and how a run is logged or launched, not what it computes
 # (and ``bookkeeping``'s: the progress bar, what the summary does)
-IGNORED_SETTINGS = (
-    "paths.",
-    "logger.",
-    "hydra.",
-    "tags",
-    "task_name",
-    "run_name",
-    "cpu_threads",
-    "keep_freed_memory",
-)
+IGNORED_SETTINGS = ("paths.", "logger.", "hydra.", "tags", "task_name", "run_name", *MACHINE_KEYS)
 # config groups that place or launch a run, or are presets whose settings speak for them
 IGNORED_GROUPS = ("hydra", "paths", "logger", "launcher", "sweep")
 
