@@ -1,7 +1,8 @@
-"""Shared test set-up: offline logging, deterministic seeds, glibc's own malloc settings in
-the tests' processes."""
+"""Shared test set-up: offline logging, a scratch folder for prepared corpora,
+deterministic seeds, glibc's own malloc settings in the tests' processes."""
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +10,9 @@ import torch
 from transformers_lab.run import memory
 
 os.environ.setdefault("WANDB_MODE", "offline")
+# corpora the tests prepare (Tiny Shakespeare's among them) go to a scratch folder, not to
+# ~/.cache; the runs the tests start in processes of their own inherit it
+os.environ.setdefault("TLAB_CORPUS_DIR", tempfile.mkdtemp(prefix="tlab-corpora-"))
 
 
 @pytest.fixture(autouse=True)

@@ -323,7 +323,7 @@ CASES = [
         "train",
         ["data=shakespeare_bpe", "data.encoding=nonsense"],
         "data=shakespeare_bpe (ShakespeareBPEDataModule) refuses data.encoding='nonsense': "
-        "unknown tiktoken encoding 'nonsense'; known ones: gpt2, ",
+        "unknown tiktoken encoding 'nonsense'; known ones: ",
     ),
     case(
         "train",
@@ -352,6 +352,18 @@ CASES = [
             not (REAL / "shakespeare" / "input.txt").is_file(),
             reason=f"needs the real Tiny Shakespeare under TLAB_DATA_DIR={REAL}",
         ),
+    ),
+    # a corpus of the user's: no sources, a glob that matches nothing, a file of no format
+    case("train", ["model=gpt", "data=corpus"], "data=corpus needs data.sources (files, globs"),
+    case(
+        "train",
+        ["model=gpt", "data=corpus", "data.sources=[{tmp}/none*.txt]", "data.tokenizer=char"],
+        "data.sources: '{tmp}/none*.txt' matches no file; give an existing file, folder or glob",
+    ),
+    case(
+        "train",
+        ["model=gpt", "data=corpus", "data.sources=[{file}]", "data.tokenizer=char"],
+        "data.sources: cannot tell the format of {file} from its suffix; name it .txt",
     ),
     case(
         "train",
@@ -578,5 +590,5 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert exit_.value.code == 2, err
-    assert len(errors) == 1 and message.format(**files) in errors[0], err
+    assert len(errors) == 1 and message.format(**files, tmp=tmp_path) in errors[0], err
     assert "Traceback" not in err

@@ -33,7 +33,7 @@ FLOORS: list[set[str]] = [
     {"run"},
     {"sweeps"},
     {"cli"},
-    {"bench", "train", "eval", "sample", "translate"},
+    {"bench", "train", "eval", "sample", "translate", "prepare"},
 ]
 FLOOR = {name: i for i, floor in enumerate(FLOORS) for name in floor}
 

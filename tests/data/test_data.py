@@ -9,6 +9,7 @@ import http.client
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ from transformers_lab.data import (
     mqar,
 )
 from transformers_lab.data import translation as translation_module
-from transformers_lab.data.text import Windows
+from transformers_lab.data.corpus.windows import TokenStream, TokenWindows
 from transformers_lab.data.tokenizers import GPT2_PATTERN, split_pieces
 from transformers_lab.data.translation import BucketBatchSampler, read_iwslt_train, read_iwslt_xml
 from transformers_lab.errors import DataFileError
@@ -231,46 +232,56 @@ def test_unknown_tiktoken_encoding_lists_known_ones():
 # ---------------------------------------------------------------- windows and text
 
 
+def windows_of(data: torch.Tensor, block_size: int, stride: int = 1) -> TokenWindows:
+    path = Path(tempfile.mkdtemp()) / "tokens.bin"
+    data.numpy().astype(np.uint16).tofile(path)
+    return TokenWindows(TokenStream([path], [len(data)], "uint16"), block_size, stride)
+
+
 def test_windows_shift_targets_and_respect_the_stride():
     data = torch.arange(50)
-    every = Windows(data, 8)
-    assert len(every) == 42  # offsets 0..41: the last window needs 9 tokens, 41..49
-    x, y = every[41]
-    assert torch.equal(y, x + 1) and len(x) == 8 and y[-1] == 49
-    windows = Windows(data, 8, stride=8)
+    every = windows_of(data, 8)
+    assert len(every) == 42
+    x, y = every[3]
+    assert torch.equal(x, data[3:11]) and torch.equal(y, data[4:12])
+    windows = windows_of(data, 8, stride=8)
     assert [windows[i][0][0].item() for i in range(len(windows))] == [0, 8, 16, 24, 32, 40]
-    strided = Windows(data, 8, stride=4)
+    strided = windows_of(data, 8, stride=4)
     assert [strided[i][0][0].item() for i in range(3)] == [0, 4, 8]
     with pytest.raises(IndexError):
         windows[6]
     with pytest.raises(ValueError, match="too few"):
-        Windows(torch.arange(5), 8)
+        windows_of(torch.arange(5), 8)
 
 
 def test_shakespeare_char_module_on_a_few_lines(tmp_path, monkeypatch):
     root = write_text_root(tmp_path, monkeypatch)
-    dm = ShakespeareCharDataModule(root=str(root), block_size=16, batch_size=4, train_samples=8)
+    dm = ShakespeareCharDataModule(
+        root=str(root), block_size=16, batch_size=4, train_samples=8, prepared_dir=str(tmp_path)
+    )
     dm.prepare_data()  # as the Trainer does, on one process
     dm.setup()
     split = int(len(TEXT) * 0.9)
-    assert len(dm.train_data) == split and len(dm.val_data) == len(TEXT) - split
-    assert dm.tokenizer.decode(dm.val_data.tolist()) == TEXT[split:]
+    train, val = dm.streams["train"], dm.streams["val"]
+    assert len(train) == split and len(val) == len(TEXT) - split
+    assert dm.tokenizer.decode(val.read(0, len(val)).tolist()) == TEXT[split:]
     assert dm.model_kwargs() == {"vocab_size": len(set(TEXT)), "block_size": 16}
-    assert (root / "shakespeare" / "vocab.json").exists()  # saved beside the data
+    assert (dm.folder / "tokenizer.json").exists()  # saved with the prepared tokens
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == y.shape == (4, 16)
     assert torch.equal(x[:, 1:], y[:, :-1])
-    assert len(list(dm.val_dataloader())) == -(-len(Windows(dm.val_data, 16, stride=16)) // 4)
+    assert len(list(dm.val_dataloader())) == -(-((len(val) - 17) // 16 + 1) // 4)
     # training windows start anywhere, drawn afresh each epoch by the sampler
     windows = {tuple(row.tolist()) for _ in range(3) for x, _ in dm.train_dataloader() for row in x}
     assert len(windows) > 4
-    # the vocabulary travels in checkpoints, and a restored one re-encodes the text
-    restored = ShakespeareCharDataModule(root=str(root), block_size=16)
-    restored.load_state_dict(dm.state_dict())
-    assert restored.tokenizer.itos == dm.tokenizer.itos
+    # the vocabulary travels in checkpoints (the in-memory module's state too)
+    state = {"tokenizer": {"kind": "char", "chars": dm.tokenizer.chars.chars, "specials": []}}
+    restored = ShakespeareCharDataModule(root=str(root), block_size=16, prepared_dir=str(tmp_path))
+    restored.load_state_dict(state)
     restored.setup()
-    assert torch.equal(restored.train_data, dm.train_data)
-    other = ShakespeareCharDataModule(root=str(root), block_size=16)
+    assert restored.folder == dm.folder  # the same characters: the same prepared tokens
+    assert restored.vocab_size == dm.vocab_size
+    other = ShakespeareCharDataModule(root=str(root), block_size=16, prepared_dir=str(tmp_path))
     other.setup()
     other.load_state_dict({"tokenizer": {"kind": "char", "chars": list("ABC"), "specials": []}})
     with pytest.raises(ValueError, match="not in the vocabulary"):
@@ -281,12 +292,18 @@ def test_shakespeare_bpe_module_with_a_local_encoding(tmp_path, monkeypatch):
     root = write_text_root(tmp_path, monkeypatch)
     write_ranks(tiny_ranks(), tmp_path / "tiny.tiktoken")
     dm = ShakespeareBPEDataModule(
-        encoding="tiny", bpe_file=str(tmp_path / "tiny.tiktoken"), root=str(root), block_size=8
+        encoding="tiny",
+        bpe_file=str(tmp_path / "tiny.tiktoken"),
+        root=str(root),
+        block_size=8,
+        prepared_dir=str(tmp_path),
     )
     dm.setup()
     assert dm.vocab_size == 256 + 7
     split = int(len(TEXT) * 0.9)
-    assert dm.tokenizer.decode(dm.train_data.tolist()) == TEXT[:split]
+    train = dm.streams["train"]
+    assert dm.tokenizer.decode(train.read(0, len(train)).tolist()) == TEXT[:split]
+    assert train.read(0, len(train)).tolist() == tiny_encoding().encode_ordinary(TEXT[:split])
     with pytest.raises(ValueError, match="trained with the tiktoken encoding 'gpt2'"):
         dm.load_state_dict({"tokenizer": {"kind": "tiktoken", "encoding": "gpt2", "specials": []}})
 
@@ -521,7 +538,10 @@ def test_synthetic_module_and_configs():
 @pytest.mark.parametrize("path", sorted((CONF / "data").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_data_config_instantiates(path, tmp_path, monkeypatch):
     monkeypatch.setenv("TLAB_DATA_DIR", str(tmp_path))
-    dm = instantiate(OmegaConf.load(path))
+    config = OmegaConf.load(path)
+    if path.stem == "corpus":  # the user's text, and the run's seed
+        config.merge_with({"sources": [str(path)], "order_seed": 0})
+    dm = instantiate(config)
     assert hasattr(dm, "model_kwargs") and hasattr(dm, "train_dataloader")
     if hasattr(dm, "root"):
         assert dm.root == tmp_path
@@ -538,13 +558,13 @@ def need(*files: str) -> None:
 
 def test_real_shakespeare_split(tmp_path):
     need("shakespeare/input.txt")
-    # a scratch root: the module writes vocab.json beside the text
-    shutil.copytree(REAL / "shakespeare", tmp_path / "shakespeare")
-    dm = ShakespeareCharDataModule(root=str(tmp_path), download=False)
+    dm = ShakespeareCharDataModule(root=str(REAL), download=False, prepared_dir=str(tmp_path))
     dm.setup()
-    assert (len(dm.train_data), len(dm.val_data), dm.vocab_size) == (1_003_854, 111_540, 65)
+    train, val = dm.streams["train"], dm.streams["val"]
+    assert (len(train), len(val), dm.vocab_size) == (1_003_854, 111_540, 65)
     text = (REAL / "shakespeare" / "input.txt").read_text()
-    assert dm.tokenizer.decode(torch.cat([dm.train_data, dm.val_data]).tolist()) == text
+    tokens = np.concatenate([train.read(0, len(train)), val.read(0, len(val))])
+    assert dm.tokenizer.decode(tokens.tolist()) == text
 
 
 def unpacked(folder: str, names: list[str]) -> list[str]:

@@ -149,23 +149,51 @@ def test_a_signal_to_every_process_stops_ddp_together_with_a_checkpoint(tmp_path
     assert torch.load(last, weights_only=True)["global_step"] == 5
 
 
-def test_ddp_splits_a_text_epoch_of_train_samples_windows_between_the_processes(tmp_path):
-    """Random windows with replacement: 2 processes share one epoch of ``train_samples``
-    windows (Lightning would have swapped a RandomSampler for a DistributedSampler over
-    every window of the text: an epoch 80 times longer)."""
-    text = Path(os.environ.get("TLAB_DATA_DIR", "/nonexistent")) / "shakespeare" / "input.txt"
-    if not text.is_file():
-        pytest.skip(f"needs the real Tiny Shakespeare at {text} (TLAB_DATA_DIR)")
+class RecordBatches(L.Callback):
+    """Save the inputs of every training batch this process took, to ``<dir>/rank<r>.pt``."""
+
+    def __init__(self, dir: str) -> None:
+        self.dir, self.batches = Path(dir), []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches.append(batch[0].clone())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        torch.save(torch.cat(self.batches), self.dir / f"rank{trainer.global_rank}.pt")
+
+
+def test_ddp_with_loader_workers_reads_disjoint_windows_that_the_seed_decides(tmp_path):
+    """A corpus on 2 processes with 2 loader workers each: the processes share one epoch
+    of ``train_samples`` windows, rank r taking positions r, r + 2, ... of the order the
+    seed gives (Lightning would have swapped a RandomSampler for a DistributedSampler over
+    every window: an epoch as long as the corpus)."""
+    from transformers_lab.data.corpus import CorpusDataModule
+    from transformers_lab.data.corpus.windows import WindowOrder
+
+    words = ["sea", "king", "rose", "night", "fair", "crown", "war", "love"]
+    docs = [" ".join(words[(i * j + j // 3) % 8] for j in range(40)) for i in range(100)]
+    (tmp_path / "docs.txt").write_text("\n\n".join(docs))
+    data = {"sources": [str(tmp_path / "docs.txt")], "tokenizer": "char", "block_size": 16,
+            "documents": "paragraphs", "val_fraction": 0.1, "train_samples": 48,
+            "prepared_dir": str(tmp_path / "prepared"), "order_seed": 5}  # fmt: skip
     run_dir = tmp_path / "run"
     command = [
         sys.executable, "-m", "transformers_lab.train", "trainer=ddp_cpu", "model=gpt",
-        "data=shakespeare_char", "data.block_size=16", "data.batch_size=4",
-        "data.train_samples=48", "model.d_model=16", "model.n_layer=1", "model.n_head=2",
+        "data=corpus", *(f"data.{k}={v}" for k, v in data.items()), "data.batch_size=4",
+        "data.num_workers=2", "model.d_model=16", "model.n_layer=1", "model.n_head=2",
         "trainer.max_epochs=1", "trainer.limit_val_batches=2", "test=false", "logger=csv",
         "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}",
+        f"+callbacks.record._target_={__name__}.RecordBatches", f"+callbacks.record.dir={tmp_path}",
     ]  # fmt: skip
-    env = {**os.environ, "WANDB_MODE": "offline"}
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": HERE}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 48 // (2 * 4)
+    dm = CorpusDataModule(**data)
+    dm.setup()
+    windows = dm.train_dataloader().dataset
+    for rank in (0, 1):
+        order = WindowOrder(len(windows), 48, seed=5, num_replicas=2, rank=rank)
+        expected = torch.stack([windows[i][0] for i in order])
+        assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), expected)

@@ -43,10 +43,13 @@ SKIPPED = {
     "tlab-train sweep=lr_optuna experiment=mqar trainer=gpu": "needs GPUs and a PostgreSQL "
     "server (workers sharing a study: test_optuna_sweeps.py)",
     "optuna-dashboard": "a server that runs until stopped",
+    "tlab-train model=gpt data=corpus 'data.sources=[hf:": "needs the Hugging Face hub (a saved "
+    "data set's folder is a source that tests/data/test_corpus.py reads)",
 }
 
 QUIET = ["trainer.enable_progress_bar=false", "logger=csv"]  # wandb: tested in test_train.py
 TINY = ["debug=limit", *QUIET]  # 3 epochs of 3 training and 2 validation batches
+SMALL_GPT = ["model.n_layer=1", "model.d_model=32", "model.n_head=2"]
 LRA_SMALL = ["data.train_examples=64", "data.val_examples=16", "data.test_examples=16"]
 # extra overrides by the start of a command line (the first that matches)
 BUDGET = [
@@ -111,6 +114,8 @@ BUDGET = [
     ),
     ("tlab-train experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
     ("tlab-train -m experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
+    ("tlab-train model=gpt data=corpus", [*TINY, *SMALL_GPT, "data.block_size=32"]),
+    ("tlab-prepare", []),
     ("tlab-train", TINY),
     ("tlab-sample", ["max_new_tokens=20"]),
     ("tlab-eval", []),
@@ -255,7 +260,34 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     )
     (root / "user_kernels").symlink_to(user / "user_kernels")
     (root / "tests").symlink_to(ROOT / "tests")  # PYTHONPATH=tests/user, as from a checkout
+    made["prepared"] = write_corpus(root)
     return made
+
+
+def write_corpus(root: Path) -> Path:
+    """The user's corpus of docs/training.md: a folder of text files, a JSONL file and a
+    Hugging Face tokenizer.json; prepared once as its tlab-prepare line does. Returns the
+    prepared folder (its ``<key>``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    words = ["the", "sea", "king", "rose", "night", "fair", "crown", "war", "love", "shore"]
+    docs = [" ".join(words[(i * j) % 10] for j in range(120)) for i in range(400)]
+    (root / "my_texts").mkdir()
+    for i, doc in enumerate(docs):
+        (root / "my_texts" / f"{i:03d}.txt").write_text(doc)
+    (root / "corpus.jsonl").write_text("".join(f'{{"text": "{d}"}}\n' for d in docs))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"])
+    tokenizer.train_from_iterator(docs, trainer)
+    tokenizer.save(str(root / "tokenizer.json"))
+    proc = tlab(
+        "tlab-prepare", "data.sources=[corpus.jsonl]", "data.tokenizer=tokenizer.json",
+        "data.prepared_dir=corpora", cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Path(proc.stdout.split("prepared: ")[1].split()[0])
 
 
 def fill_in(command: str, runs: dict[str, Path]) -> str:
@@ -272,6 +304,7 @@ def fill_in(command: str, runs: dict[str, Path]) -> str:
         ("<sweep B>", runs["sweep_b"]),
         ("<run dir>", runs["vit"]),
         ("$PWD", runs["root"]),
+        ("corpora/corpus-<key>", runs["prepared"]),
         (".../", f"{ckpts}/"),
         ("ckpt_path=... ", f"ckpt_path={ckpts}/last.ckpt "),
     ):

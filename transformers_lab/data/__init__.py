@@ -2,6 +2,7 @@
 tokenizers, verified atomic downloads (``download``), and what they share (``base``: the
 IGNORE label, the ``TextData`` protocol, the resumable training loader)."""
 
+from transformers_lab.data.corpus import CorpusDataModule
 from transformers_lab.data.download import data_root, ensure_file
 from transformers_lab.data.lra import ListOpsDataModule, PathfinderDataModule
 from transformers_lab.data.mad import MAD_PROBLEMS, MADDataModule
@@ -20,6 +21,7 @@ from transformers_lab.errors import DataFileError
 
 __all__ = [
     "CharTokenizer",
+    "CorpusDataModule",
     "DataFileError",
     "DigitsDataModule",
     "FashionMNISTDataModule",

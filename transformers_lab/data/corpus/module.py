@@ -1,0 +1,324 @@
+"""Language modelling on any corpus: ``data=corpus``.
+
+Its sources are tokenized once into token shards (``prepare``), which every rank maps and
+reads windows of (``windows``); the tokenizer is saved with the shards and in every
+checkpoint, so a checkpoint decodes with nothing beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from transformers_lab.data.base import DataModule
+from transformers_lab.data.corpus import stream
+from transformers_lab.data.corpus.prepare import (
+    Settings,
+    corpus_key,
+    load_tokenizer,
+    prepare,
+    read_json,
+)
+from transformers_lab.data.corpus.sources import SourceFile, resolve_sources
+from transformers_lab.data.corpus.tokenizer import (
+    CorpusTokenizer,
+    build_tokenizer,
+    tokenizer_from_state,
+)
+from transformers_lab.data.corpus.windows import (
+    TokenStream,
+    TokenWindows,
+    WindowLoader,
+    WindowOrder,
+)
+from transformers_lab.errors import ConfigError, at_least
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("mmap", "litdata")
+
+
+def corpora_dir(folder: str | None = None) -> Path:
+    """Where prepared corpora go: ``folder``, else ``$TLAB_CORPUS_DIR``, else
+    ``~/.cache/transformers_lab/corpora``."""
+    if folder is not None:
+        return Path(folder).expanduser()
+    default = Path("~/.cache/transformers_lab/corpora").expanduser()
+    return Path(os.environ.get("TLAB_CORPUS_DIR", default)).expanduser()
+
+
+class CorpusDataModule(DataModule):
+    """Next-token prediction on the text of ``sources``, prepared once into token shards.
+
+    Training batches are windows at random offsets of the training split
+    (``train_samples`` an epoch, in an order set by ``order_seed``, split between DDP
+    ranks); validation batches are contiguous windows of the first ``val_tokens`` tokens
+    of the validation split (all of it where null).
+
+    Args:
+        sources: text files, globs or folders, ``.jsonl``/``.json``/``.parquet`` files,
+            ``hf:<name>`` or a saved data set's folder; or mappings ``{path: ..., field:
+            ..., documents: ..., format: ...}``.
+        tokenizer: ``char``, a tiktoken encoding (``gpt2``), a Hugging Face
+            ``tokenizer.json`` or a sentencepiece ``.model``; null with ``prepared``: the
+            prepared corpus's.
+        bpe_file: a local ``.tiktoken`` ranks file for a tiktoken encoding (offline).
+        eot: end each document with an end-of-text token.
+        text_field: the field of JSON, the column of Parquet and data sets, with the text.
+        documents: a text file is one document (``file``) or one a blank-line block
+            (``paragraphs``).
+        split, val_fraction, split_seed: how documents go to validation (``Settings``).
+        val_tokens: the validation budget in tokens (null: the whole split).
+        prepared: a prepared corpus's folder, read as it is (no sources needed).
+        prepared_dir: where preparations go (``corpora_dir``).
+        block_size: tokens per window (the model's context).
+        batch_size: windows per batch.
+        train_samples: training windows an epoch.
+        order_seed: the seed of the training order; null draws each epoch's seed from the
+            run's seeded random state.
+        num_workers: DataLoader workers.
+        prepare_workers: processes that tokenize (null: the CPU count, at most 8).
+        chunk_bytes, shard_bytes: the text of a task and of a shard.
+        backend: ``mmap`` (the shards mapped into memory) or ``litdata`` (the tokens
+            streamed as litdata chunks from ``stream_dir``: ``corpus.stream``).
+        stream_dir: the litdata chunks' folder, local or ``s3://...`` (null: ``litdata``
+            in the prepared folder, written there once).
+        download: fetch a source that has a url and is missing.
+    """
+
+    def __init__(
+        self,
+        sources: Any = None,
+        tokenizer: str | None = "gpt2",
+        bpe_file: str | None = None,
+        eot: bool = True,
+        text_field: str = "text",
+        documents: str = "file",
+        split: str = "documents",
+        val_fraction: float = 0.01,
+        split_seed: int = 0,
+        val_tokens: int | None = None,
+        prepared: str | None = None,
+        prepared_dir: str | None = None,
+        block_size: int = 256,
+        batch_size: int = 12,
+        train_samples: int = 12_000,
+        order_seed: int | None = None,
+        num_workers: int = 0,
+        prepare_workers: int | None = None,
+        chunk_bytes: int = 4 << 20,
+        shard_bytes: int = 256 << 20,
+        backend: str = "mmap",
+        stream_dir: str | None = None,
+        download: bool = True,
+    ) -> None:
+        super().__init__()
+        at_least(1, block_size=block_size, batch_size=batch_size, train_samples=train_samples)
+        at_least(0, num_workers=num_workers)
+        if val_tokens is not None:
+            at_least(1, val_tokens=val_tokens)
+        if prepare_workers is not None:
+            at_least(1, prepare_workers=prepare_workers)
+        if not sources and prepared is None:
+            raise ConfigError(
+                "data=corpus needs data.sources (files, globs, folders or hf:<name>), e.g. "
+                "data.sources=[my_texts/*.txt], or data.prepared=<a prepared corpus's folder>"
+            )
+        if backend not in BACKENDS:
+            raise ConfigError(f"data.backend must be one of {BACKENDS}, got {backend!r}")
+        if tokenizer is None and prepared is None:
+            raise ConfigError("data.tokenizer is null: name one (char, gpt2, a tokenizer.json)")
+        self.settings = Settings(split, val_fraction, split_seed, chunk_bytes, shard_bytes)
+        self.sources, self.tokenizer_name = sources, tokenizer
+        self.bpe_file, self.eot = bpe_file, eot
+        self.text_field, self.documents, self.download = text_field, documents, download
+        self.prepared, self.prepared_dir, self.val_tokens = prepared, prepared_dir, val_tokens
+        self.block_size, self.batch_size, self.train_samples = block_size, batch_size, train_samples
+        self.order_seed, self.num_workers = order_seed, num_workers
+        self.backend, self.stream_dir = backend, stream_dir
+        self.prepare_workers = prepare_workers or min(8, os.cpu_count() or 1)
+        self.tokenizer: CorpusTokenizer | None = None  # a checkpoint's, or the prepared one's
+        self.folder: Path | None = None
+        self.manifest: dict[str, Any] | None = None
+        self.streams: dict[str, TokenStream] = {}
+
+    # ----- preparation -----
+
+    def files(self) -> list[SourceFile]:
+        return resolve_sources(self.sources, self.text_field, self.documents, self.download)
+
+    def wanted_tokenizer(self) -> CorpusTokenizer | None:
+        """The tokenizer to prepare with: a checkpoint's, or the config's (None: characters
+        of the corpus, found while preparing)."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        if self.tokenizer_name == "char" or self.tokenizer_name is None:
+            return None
+        return build_tokenizer(self.tokenizer_name, bpe_file=self.bpe_file, eot=self.eot)
+
+    def prepare_data(self) -> None:
+        self.ensure_prepared()
+
+    def ensure_prepared(self) -> dict[str, Any]:
+        """The manifest of this corpus, prepared first where it is not (every process may
+        call it: one prepares, the others wait for its lock and find the shards)."""
+        if self.manifest is not None:
+            return self.manifest
+        if self.prepared is not None:
+            folder = Path(self.prepared).expanduser()
+            manifest = read_json(folder / "manifest.json")
+            if manifest is None:
+                raise ConfigError(
+                    f"data.prepared={self.prepared} holds no prepared corpus (no manifest.json); "
+                    "prepare one first with data.sources=[...], or give the folder that "
+                    "tlab-train printed"
+                )
+            self.check_tokenizer(manifest, folder)
+        else:
+            files = self.files()
+            tokenizer = self.wanted_tokenizer()
+            folder = self.folder_for(files, tokenizer)
+            if tokenizer is not None and self.tokenizer_name == "char":
+                # a checkpoint's characters: the corpus's own preparation where they agree
+                own = self.folder_for(files, None)
+                made = read_json(own / "manifest.json")
+                if made and made["tokenizer"]["fingerprint"] == tokenizer.fingerprint():
+                    folder = own
+            manifest = prepare(
+                files, tokenizer, self.settings, folder, self.prepare_workers, self.eot
+            )
+        self.folder, self.manifest = folder, manifest
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(folder)
+        return manifest
+
+    def folder_for(self, files: list[SourceFile], tokenizer: CorpusTokenizer | None) -> Path:
+        """The folder of this corpus prepared with ``tokenizer`` (None: the characters of
+        the corpus, whatever they are)."""
+        identity = tokenizer.fingerprint() if tokenizer else f"char:eot={self.eot}"
+        key = corpus_key(files, identity, self.settings)
+        name = Path(files[0].path).stem.replace(" ", "_")[:40] or "corpus"
+        return corpora_dir(self.prepared_dir) / f"{name}-{key}"
+
+    def check_tokenizer(self, manifest: dict[str, Any], folder: Path) -> None:
+        """Refuse a prepared corpus made with another tokenizer than the one asked for (the
+        config's, or the checkpoint's)."""
+        wanted = self.tokenizer
+        if wanted is None and self.tokenizer_name not in (None, "char"):
+            wanted = build_tokenizer(self.tokenizer_name, bpe_file=self.bpe_file, eot=self.eot)
+        made = manifest["tokenizer"]
+        if wanted is not None and wanted.fingerprint() != made["fingerprint"]:
+            raise ConfigError(
+                f"data.prepared={folder} was prepared with the tokenizer {made['name']} "
+                f"({made['vocab_size']} ids), not {wanted.describe()} ({wanted.vocab_size} ids) "
+                "as asked; prepare the corpus again with this tokenizer (data.sources=...), or "
+                "set data.tokenizer=null to use the prepared one"
+            )
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.streams:
+            return
+        manifest = self.ensure_prepared()
+        assert self.folder is not None
+        for split in ("train", "val"):
+            shards = manifest["shards"]
+            paths = [self.folder / s[split]["file"] for s in shards]
+            sizes = [s[split]["tokens"] for s in shards]
+            limit = self.val_tokens if split == "val" else None
+            self.streams[split] = TokenStream(paths, sizes, manifest["dtype"], limit)
+            if len(self.streams[split]) <= self.block_size:
+                raise ConfigError(self.too_short(split, manifest))
+
+    def too_short(self, split: str, manifest: dict[str, Any]) -> str:
+        """Why a split holds no window, and what to change."""
+        name = "validation" if split == "val" else "training"
+        fix = "lower data.block_size or give more text"
+        docs = manifest["documents"][split]
+        if not sum(manifest["tokens"].values()):
+            return f"data.sources hold no text ({self.sources}): every document is empty"
+        if split == "val":
+            fix = "lower data.block_size, or raise data.val_fraction or data.val_tokens"
+            if self.settings.split == "documents" and docs < 10:
+                fix += (
+                    f" (the split holds {docs} of {sum(manifest['documents'].values())} "
+                    "documents: each goes whole to one split; data.split=tail keeps the end "
+                    "of each document instead)"
+                )
+        return (
+            f"data: the {name} split of {self.folder} has {len(self.streams[split])} tokens, "
+            f"too few for one window of block_size={self.block_size} (+1 target); {fix}"
+        )
+
+    # ----- what a model and the entry points need -----
+
+    @property
+    def vocab_size(self) -> int:
+        if self.tokenizer is None or self.manifest is None:
+            self.setup()
+        return self.tokenizer.vocab_size
+
+    def model_kwargs(self) -> dict[str, int]:
+        """What a language model needs from this data."""
+        return {"vocab_size": self.vocab_size, "block_size": self.block_size}
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text -> token ids, with this data's tokenizer."""
+        if self.tokenizer is None:
+            self.setup()
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Token ids -> text, with this data's tokenizer."""
+        if self.tokenizer is None:
+            self.setup()
+        return self.tokenizer.decode(ids)
+
+    def streamed(self, split: str) -> DataLoader:
+        """litdata's loader of ``split`` (its chunks written first where they are not)."""
+        folder = self.stream_dir or str(self.folder / "litdata")
+        stream.ensure_chunks(self.streams, folder)
+        train = split == "train"
+        seed = self.order_seed if self.order_seed is not None else 0
+        return stream.streaming_loader(
+            folder, split, self.block_size, self.batch_size, self.num_workers, seed, train
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        if self.backend == "litdata":
+            return self.streamed("train")
+        windows = TokenWindows(self.streams["train"], self.block_size, split="training")
+        order = WindowOrder(len(windows), self.train_samples, self.order_seed)
+        return WindowLoader(
+            windows, batch_size=self.batch_size, sampler=order, num_workers=self.num_workers
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup()
+        if self.backend == "litdata":
+            return self.streamed("val")
+        windows = TokenWindows(
+            self.streams["val"], self.block_size, stride=self.block_size, split="validation"
+        )
+        return DataLoader(windows, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    # ----- the checkpoint's part -----
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokenizer": self.tokenizer.state_dict()} if self.tokenizer else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's tokenizer: the corpus is read (prepared where needed) with it."""
+        saved = state.get("tokenizer")
+        if not saved:
+            return
+        if saved["kind"] == "tiktoken" and saved.get("ranks") is None and self.bpe_file:
+            # saved by name (the in-memory text module's), read offline from the ranks file
+            saved = {**saved, "ranks": Path(self.bpe_file).expanduser().read_bytes()}
+        self.tokenizer = tokenizer_from_state(saved)
+        self.manifest, self.streams = None, {}
