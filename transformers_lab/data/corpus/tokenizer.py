@@ -121,9 +121,6 @@ class Tiktoken(CorpusTokenizer):
     def _encode(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.encoding.encode_ordinary_batch(list(texts), num_threads=1)
-
     def _decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)
 

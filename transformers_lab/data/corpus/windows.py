@@ -121,6 +121,14 @@ class WindowOrder(DistributedSampler):
         rank = self.this_rank if self.this_rank is not None else (dist.get_rank() if grouped else 0)
         return rank, replicas
 
+    @property
+    def num_replicas(self) -> int:  # DistributedSampler's names, for those who read them
+        return self.world()[1]
+
+    @property
+    def rank(self) -> int:
+        return self.world()[0]
+
     def __len__(self) -> int:
         return math.ceil(self.total / self.world()[1])
 
