@@ -1,6 +1,6 @@
 """tlab-prepare: a corpus tokenized once into token shards, with the data config a run
-will use, so that the runs (and every node of them) find it prepared. It loads no torch:
-a login node prepares as fast as a training node.
+will use, so that the runs (and every node of them) find it prepared. For ``data=corpus``
+it loads no torch: a login node prepares as fast as a training node.
 
 tlab-prepare 'data.sources=[my_texts/*.txt]' data.tokenizer=gpt2
 tlab-prepare 'data.sources=[corpus.jsonl]' data.tokenizer=tokenizer.json data.prepare_workers=16
@@ -9,13 +9,14 @@ tlab-prepare 'data.sources=[corpus.jsonl]' data.tokenizer=tokenizer.json data.pr
 from __future__ import annotations
 
 import hydra
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
 from transformers_lab.data.corpus import Corpus
-from transformers_lab.errors import ConfigError
+from transformers_lab.errors import ConfigError, DataFileError
 
 CORPUS = "transformers_lab.data.CorpusDataModule"
 
@@ -27,10 +28,15 @@ def corpus_of(data: DictConfig) -> Corpus:
     try:
         if config.get("_target_") == CORPUS:
             return Corpus.from_config(config)
-        built = instantiate(data)
-    except ConfigError:
-        raise
+        built = instantiate(data)  # a preset's module (this loads torch)
+    except InstantiationException as exc:  # Hydra's wrapping of the constructor's refusal
+        cause = exc.__cause__ or exc
+        if isinstance(cause, ConfigError | DataFileError):
+            raise cause from None
+        raise ConfigError(f"data: {str(cause).splitlines()[0]}") from None
     except (ValueError, TypeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
         raise ConfigError(f"data: {exc}") from None
     if not isinstance(getattr(built, "corpus", None), Corpus):
         raise ConfigError(
@@ -46,7 +52,7 @@ def prepare(cfg: DictConfig) -> Corpus:
     tokens, docs, tokenizer = manifest["tokens"], manifest["documents"], manifest["tokenizer"]
     print(f"prepared: {corpus.folder}")
     print(
-        f"  {docs['train'] + docs['val']:,} documents, {tokens['train']:,} training and "
+        f"  {docs['total']:,} documents, {tokens['train']:,} training and "
         f"{tokens['val']:,} validation tokens ({manifest['dtype']}, "
         f"{len(manifest['shards'])} shards), tokenizer {tokenizer['name']} "
         f"({tokenizer['vocab_size']:,} ids)"

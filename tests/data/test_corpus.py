@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from transformers_lab.data.corpus import CorpusDataModule
 from transformers_lab.data.corpus import prepare as prepare_module
@@ -85,6 +87,7 @@ def module(tmp_path: Path, sources, **kwargs) -> CorpusDataModule:
         "prepare_workers": 1,
         **kwargs,
     }
+    sources = OmegaConf.create(sources)  # as Hydra gives it: a ListConfig of DictConfigs
     dm = CorpusDataModule(sources=sources, prepared_dir=str(tmp_path / "prepared"), **kwargs)
     dm.prepare_data()
     dm.setup()
@@ -137,7 +140,8 @@ def test_every_source_round_trips_through_the_shards(tmp_path):
         expected = [d.strip("\n") for d in docs] if "paragraphs" in name else docs
         assert sorted(got) == sorted(expected), name
         manifest = dm.manifest
-        assert sum(manifest["documents"].values()) == len(docs), name
+        assert manifest["documents"]["total"] == len(docs), name
+        assert manifest["documents"]["train"] + manifest["documents"]["val"] == len(docs), name
         assert manifest["tokens"]["val"] > 0 and manifest["tokens"]["train"] > 0, name
 
 
@@ -206,6 +210,8 @@ def test_the_split_and_the_order_are_functions_of_their_seeds(tmp_path):
     assert len(manifest["shards"]) > 1
     other, _, _ = split(1, 1, 2048)
     assert not np.array_equal(val, other)
+    cut_otherwise, _, _ = split(1, 0, 8192)  # a document's key is where it lies, not its task
+    assert np.array_equal(val, cut_otherwise)
     assert 0.1 < manifest["documents"]["val"] / len(docs) < 0.32  # val_fraction 0.2
 
 
@@ -294,6 +300,9 @@ def test_a_prepared_corpus_is_found_again_and_a_changed_source_prepared_again(tm
     made = manifest_file.stat().st_mtime_ns
     again = module(tmp_path, [str(tmp_path / "a.txt")], split="tail")
     assert again.folder == dm.folder and manifest_file.stat().st_mtime_ns == made
+    os.utime(tmp_path / "a.txt", ns=(1, 1))  # touched, not changed: the same corpus
+    module(tmp_path, [str(tmp_path / "a.txt")], split="tail")
+    assert json.loads(manifest_file.read_text())["sources"][0]["mtime_ns"] == 1  # a stat next
     (tmp_path / "a.txt").write_text("goodbye moon\n" * 50)
     with caplog.at_level("WARNING"):
         changed = module(tmp_path, [str(tmp_path / "a.txt")], split="tail")
@@ -309,6 +318,10 @@ def test_a_corpus_can_be_read_from_its_prepared_folder_alone(tmp_path):
     assert alone.vocab_size == dm.vocab_size
     x, y = next(iter(alone.val_dataloader()))
     assert x.shape[1] == 8
+    bpe = module(tmp_path / "bpe", [str(tmp_path / "a.txt")], split="tail",
+                 tokenizer=str(write_ranks(tmp_path / "tiny.tiktoken")))  # fmt: skip
+    with pytest.raises(ConfigError, match="not by characters as data.tokenizer=char asks"):
+        CorpusDataModule(prepared=str(bpe.folder), tokenizer="char", block_size=8).setup()
     with pytest.raises(ConfigError, match="was prepared with the tokenizer char"):
         CorpusDataModule(
             prepared=str(dm.folder),
@@ -404,3 +417,20 @@ def test_the_litdata_backend_streams_the_same_tokens_and_resumes(tmp_path):
     resumed.load_state_dict(state)
     again = [torch.cat(b) for b in resumed]
     assert len(again) == len(rest) and all(map(torch.equal, again, rest))
+
+
+def test_a_tail_split_of_a_text_larger_than_a_task_ends_each_part_once(tmp_path):
+    lines = [" ".join(random.Random(i).choices(WORDS, k=12)) for i in range(600)]
+    text = "\n".join(lines) + "\n"
+    (tmp_path / "book.txt").write_text(text)
+    dm = module(tmp_path, [str(tmp_path / "book.txt")], split="tail", val_fraction=0.1,
+                chunk_bytes=1024, eot=True)  # fmt: skip
+    assert len(read_json(dm.folder / "plan.json")["tasks"]) > 10
+    train, val = (dm.streams[s].read(0, len(dm.streams[s])) for s in ("train", "val"))
+    eot = dm.tokenizer.eot_id
+    assert list(np.flatnonzero(train == eot)) == [len(train) - 1]  # the head ends once
+    assert list(np.flatnonzero(val == eot)) == [len(val) - 1]  # and the tail at the end
+    assert dm.detokenize(train.tolist()) + dm.detokenize(val.tolist()) == text
+    assert dm.manifest["documents"] == {"train": 1, "val": 1, "total": 1}
+    cut = len(dm.detokenize(train.tolist()).encode())
+    assert abs(cut - 0.9 * len(text.encode())) < 1024  # the cut, near 90% of the bytes

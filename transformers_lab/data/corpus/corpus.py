@@ -134,6 +134,12 @@ class Corpus:
         if wanted is None and self.tokenizer_name not in (None, "char"):
             wanted = build_tokenizer(self.tokenizer_name, bpe_file=self.bpe_file, eot=self.eot)
         made = manifest["tokenizer"]
+        if wanted is None and self.tokenizer_name == "char" and made["kind"] != "char":
+            raise ConfigError(
+                f"data.prepared={folder} was prepared with the tokenizer {made['name']}, not "
+                "by characters as data.tokenizer=char asks; set data.tokenizer=null to use "
+                "the prepared one"
+            )
         if wanted is not None and wanted.fingerprint() != made["fingerprint"]:
             raise ConfigError(
                 f"data.prepared={folder} was prepared with the tokenizer {made['name']} "

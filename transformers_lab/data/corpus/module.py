@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from transformers_lab.data.base import DataModule
@@ -101,6 +102,8 @@ class CorpusDataModule(DataModule):
             at_least(1, val_tokens=val_tokens)
         if backend not in BACKENDS:
             raise ConfigError(f"data.backend must be one of {BACKENDS}, got {backend!r}")
+        if isinstance(sources, ListConfig | DictConfig):  # as Hydra gives it: plain lists, dicts
+            sources = OmegaConf.to_container(sources, resolve=True)
         self.corpus = Corpus(
             sources=sources,
             tokenizer_name=tokenizer,
@@ -149,33 +152,33 @@ class CorpusDataModule(DataModule):
             return
         manifest = self.ensure_prepared()
         assert self.folder is not None
+        streams = {}
         for split in ("train", "val"):
             shards = manifest["shards"]
             paths = [self.folder / s[split]["file"] for s in shards]
             sizes = [s[split]["tokens"] for s in shards]
             limit = self.val_tokens if split == "val" else None
-            self.streams[split] = TokenStream(paths, sizes, manifest["dtype"], limit)
-            if len(self.streams[split]) <= self.block_size:
-                raise ConfigError(self.too_short(split, manifest))
+            streams[split] = TokenStream(paths, sizes, manifest["dtype"], limit)
+            if len(streams[split]) <= self.block_size:
+                raise ConfigError(self.too_short(split, len(streams[split]), manifest))
+        self.streams = streams
 
-    def too_short(self, split: str, manifest: dict[str, Any]) -> str:
-        """Why a split holds no window, and what to change."""
-        name = "validation" if split == "val" else "training"
-        fix = "lower data.block_size or give more text"
-        docs = manifest["documents"][split]
+    def too_short(self, split: str, tokens: int, manifest: dict[str, Any]) -> str:
+        """Why a split of ``tokens`` holds no window, and what to change."""
         if not sum(manifest["tokens"].values()):
             return f"data.sources hold no text ({self.corpus.sources}): every document is empty"
+        name, docs = ("validation" if split == "val" else "training"), manifest["documents"]
+        fix = "lower data.block_size or give more text"
         if split == "val":
             fix = "lower data.block_size, or raise data.val_fraction or data.val_tokens"
-            if self.corpus.settings.split == "documents" and docs < 10:
-                fix += (
-                    f" (the split holds {docs} of {sum(manifest['documents'].values())} "
-                    "documents: each goes whole to one split; data.split=tail keeps the end "
-                    "of each document instead)"
-                )
+        if self.corpus.settings.split == "documents" and docs[split] < 10:
+            fix += (
+                f" (the split holds {docs[split]} of {docs['total']} documents: each goes "
+                "whole to one split; data.split=tail splits each document instead)"
+            )
         return (
-            f"data: the {name} split of {self.folder} has {len(self.streams[split])} tokens, "
-            f"too few for one window of block_size={self.block_size} (+1 target); {fix}"
+            f"data: the {name} split of {self.folder} has {tokens} tokens, too few for one "
+            f"window of block_size={self.block_size} (+1 target); {fix}"
         )
 
     # ----- what a model and the entry points need -----
@@ -207,7 +210,7 @@ class CorpusDataModule(DataModule):
         folder = self.stream_dir or str(self.folder / "litdata")
         stream.ensure_chunks(self.streams, folder)
         train = split == "train"
-        seed = self.order_seed if self.order_seed is not None else 0
+        seed = self.order_seed if self.order_seed is not None else 0  # litdata's own: a number
         return stream.streaming_loader(
             folder, split, self.block_size, self.batch_size, self.num_workers, seed, train
         )

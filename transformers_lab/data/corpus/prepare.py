@@ -55,7 +55,7 @@ from transformers_lab.files import atomic_write, move_into_place
 
 log = logging.getLogger(__name__)
 
-VERSION = 1  # of the folder's layout; a new one prepares again
+VERSION = 2  # of the folder's layout; a new one prepares again
 SPLITS = ("documents", "tail")
 
 
@@ -129,17 +129,22 @@ def prepare(
     with locked(folder.with_name(folder.name + ".lock")):
         manifest = read_json(folder / "manifest.json")
         if manifest is not None:
+            before = json.dumps(manifest["sources"])
             if sources_unchanged(files, manifest["sources"], folder):
+                if json.dumps(manifest["sources"]) != before:  # touched, not changed
+                    atomic_write(folder / "manifest.json", json.dumps(manifest, indent=1))
                 return manifest
             shutil.rmtree(folder)
         return _prepare(files, tokenizer, settings, folder, max(1, workers), eot)
 
 
 def sources_unchanged(files: list[SourceFile], recorded: list[dict], folder: Path) -> bool:
-    """Whether every source still holds what it held when ``folder`` was prepared; a
-    changed one is said, once."""
-    for file, before in zip(files, recorded, strict=True):
-        if not unchanged(file, before):
+    """Whether every source still holds what it held when ``folder`` was prepared (a
+    changed one is said, once). ``recorded`` takes the sizes and times of sources touched
+    but not changed, so that the next look is a stat again."""
+    for i, (file, before) in enumerate(zip(files, recorded, strict=True)):
+        now = unchanged(file, before)
+        if now is None:
             log.warning(
                 "data: %s changed since it was prepared into %s (sha256 %s...); preparing "
                 "the corpus again",
@@ -148,13 +153,16 @@ def sources_unchanged(files: list[SourceFile], recorded: list[dict], folder: Pat
                 before.get("sha256", "?")[:12],
             )
             return False
+        recorded[i] = now
     return True
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON file of the preparation, or None where it is missing or cut short (a file
+    a crash left empty is one to write again)."""
     try:
         return json.loads(path.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, json.JSONDecodeError):
         return None
 
 
@@ -174,8 +182,9 @@ def _prepare(
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         plan = make_plan(files, tokenizer, settings, workers, eot)
-        atomic_write(folder / "plan.json", json.dumps(plan, default=_bytes_json))
-        atomic_write(folder / "tokenizer.json", json.dumps(plan["tokenizer"], default=_bytes_json))
+        state = json.dumps(plan["tokenizer"], default=_bytes_json)
+        atomic_write(folder / "tokenizer.json", state, sync=True)  # before the plan that needs it
+        atomic_write(folder / "plan.json", json.dumps(plan, default=_bytes_json), sync=True)
     else:
         log.info("data: resuming the preparation in %s", folder)
     tokenizer = tokenizer_from_state(_json_bytes(plan["tokenizer"]))
@@ -209,15 +218,17 @@ def _prepare(
         },
         "dtype": np.dtype(dtype).name,
         "settings": asdict(settings),
-        "documents": {s: sum(sh["documents"][s] for sh in shards) for s in ("train", "val")},
+        "documents": {  # the documents, and the parts of them each split holds
+            s: sum(sh["documents"][s] for sh in shards) for s in ("train", "val", "total")
+        },
         "tokens": {s: sum(sh[s]["tokens"] for sh in shards) for s in ("train", "val")},
         "shards": shards,
     }
-    atomic_write(folder / "manifest.json", json.dumps(manifest, indent=1))
+    atomic_write(folder / "manifest.json", json.dumps(manifest, indent=1), sync=True)
     log.info(
         "data: prepared %s: %d documents, %d training and %d validation tokens (%s) in %.1f s",
         folder,
-        sum(manifest["documents"].values()),
+        manifest["documents"]["total"],
         manifest["tokens"]["train"],
         manifest["tokens"]["val"],
         manifest["dtype"],
@@ -280,7 +291,8 @@ def write_shard(
 ) -> dict[str, Any]:
     """Shard ``index`` from its tasks' results: both splits' files through temporary files,
     then their ``.json``."""
-    shard: dict[str, Any] = {"index": index, "documents": {"train": 0, "val": 0}, "chars": 0}
+    shard: dict[str, Any] = {"index": index, "chars": 0}
+    shard["documents"] = {"train": 0, "val": 0, "total": 0}
     names = {split: f"{split}-{index:05d}.bin" for split in ("train", "val")}
     parts = {split: folder / f".{name}.part" for split, name in names.items()}
     digests = {split: hashlib.sha256() for split in names}
@@ -290,6 +302,7 @@ def write_shard(
             outs = {split: stack.enter_context(open(p, "wb")) for split, p in parts.items()}
             for result in results:
                 shard["chars"] += result["chars"]
+                shard["documents"]["total"] += result["documents"]["total"]
                 for split, out in outs.items():
                     data = result[split].tobytes()
                     out.write(data)
@@ -319,11 +332,15 @@ _CONTEXT: dict[str, Any] = {}
 
 
 def _start_worker(files: Any, tokenizer: Any, settings: Settings, dtype: str) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread a worker
     _CONTEXT.clear()
     _CONTEXT.update(files=files, settings=settings, dtype=dtype)
     if tokenizer is not None:
         _CONTEXT["tokenizer"] = tokenizer_from_state(_json_bytes(tokenizer))
+
+
+def _start_pool_worker(*context: Any) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a process a worker, one thread each
+    _start_worker(*context)
 
 
 def _do_task(task: Task) -> Any:
@@ -337,15 +354,16 @@ def _do_task(task: Task) -> Any:
     tokenizer: CorpusTokenizer = _CONTEXT["tokenizer"]
     parts: dict[str, list[str]] = {"train": [], "val": []}
     ends: dict[str, list[bool]] = {"train": [], "val": []}
-    chars = 0
+    chars, documents = 0, 0
     for key, text in read_task(file, task):
         chars += len(text)
         whole = file.format != "txt" or file.documents != "file" or task.last
-        for split, part in split_document(key, text, task, file, settings):
+        documents += whole
+        for split, part, end in split_document(key, text, task, file, settings, whole):
             if part:
                 parts[split].append(part)
-                ends[split].append(whole)
-    result: dict[str, Any] = {"chars": chars, "documents": {}}
+                ends[split].append(end)
+    result: dict[str, Any] = {"chars": chars, "documents": {"total": documents}}
     eot = tokenizer.eot_id
     for split in ("train", "val"):
         pieces: list[Sequence[int]] = []
@@ -360,25 +378,27 @@ def _do_task(task: Task) -> Any:
 
 
 def split_document(
-    key: tuple[int, ...], text: str, task: Task, file: SourceFile, settings: Settings
-) -> list[tuple[str, str]]:
-    """(split, text) of one document: all of it to the split its key hashes to, or, split
-    by ``tail``, its head to training and its tail to validation (a text file larger than
-    a task is cut by bytes, each task's piece on its side of the cut)."""
+    key: tuple[int, ...], text: str, task: Task, file: SourceFile, settings: Settings, last: bool
+) -> list[tuple[str, str, bool]]:
+    """(split, text, ends) of one document (or of this task's piece of it, ``last`` where
+    the document ends here): all of it to the split its key hashes to; or, split by
+    ``tail``, its head to training and its tail to validation (a text file larger than a
+    task cut by bytes, each task's piece on its side of the cut). ``ends``: the part ends
+    in its split, with an end-of-text token (a head ends where its tail begins)."""
     if settings.split == "documents":
         digest = hashlib.blake2b(repr((settings.split_seed, *key)).encode(), digest_size=8)
         to_val = int.from_bytes(digest.digest(), "big") < settings.val_fraction * 2**64
-        return [("val" if to_val else "train", text)]
+        return [("val" if to_val else "train", text, last)]
     if file.format == "txt" and file.documents == "file" and not (task.start == 0 and task.last):
         cut_byte = int(os.path.getsize(file.path) * (1 - settings.val_fraction))
         if task.end <= cut_byte:
-            return [("train", text)]
+            return [("train", text, task.end == cut_byte)]
         if task.start >= cut_byte:
-            return [("val", text)]
+            return [("val", text, last)]
         cut = len(text.encode("utf-8")[: cut_byte - task.start].decode("utf-8", "ignore"))
     else:
         cut = int(len(text) * (1 - settings.val_fraction))  # on characters, as nanoGPT
-    return [("train", text[:cut]), ("val", text[cut:])]
+    return [("train", text[:cut], True), ("val", text[cut:], last)]
 
 
 def run_tasks(
@@ -401,7 +421,7 @@ def run_tasks(
                     bar.update()
             return
         pool = ProcessPoolExecutor(
-            workers, multiprocessing.get_context("fork"), _start_worker, context
+            workers, multiprocessing.get_context("fork"), _start_pool_worker, context
         )
         try:
             yield from _in_order(pool.submit, _do_task, tasks, 2 * workers, bar)

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,9 @@ FORMATS = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl", ".jso
 FORMATS |= {".parquet": "parquet"}
 DOCUMENTS = ("file", "paragraphs")  # a text file is one document, or one a blank-line block
 PARAGRAPH_BREAK = re.compile(r"\n[ \t\r]*\n")
-LINE_WITH_TEXT = re.compile(rb"\n(?=\S)")  # a cut here keeps BPE's pieces as they were
+PARAGRAPH_BREAK_BYTES = re.compile(rb"\n[ \t\r]*\n")
+# a line break between text and text: a cut here keeps GPT-2-style pre-tokenization's pieces
+LINE_WITH_TEXT = re.compile(rb"(?<=\S)\n(?=\S)")
 OPTIONS = ("path", "hf", "format", "field", "documents", "split", "url", "sha256")
 
 
@@ -67,7 +69,7 @@ def resolve_sources(
 ) -> list[SourceFile]:
     """Every file that ``sources`` names, in order (a glob's matches sorted), or one line
     that says which source matched nothing."""
-    if isinstance(sources, str | os.PathLike | dict):
+    if isinstance(sources, str | os.PathLike | Mapping):
         sources = [sources]
     if not sources:
         raise ConfigError(
@@ -83,7 +85,7 @@ def resolve_sources(
 
 
 def _resolve_one(source: Any, field: str, documents: str, download: bool) -> list[SourceFile]:
-    spec = dict(source) if isinstance(source, dict) else {"path": str(source)}
+    spec = dict(source) if isinstance(source, Mapping) else {"path": str(source)}
     unknown = set(spec) - set(OPTIONS)
     if unknown:
         raise ConfigError(
@@ -101,7 +103,17 @@ def _resolve_one(source: Any, field: str, documents: str, download: bool) -> lis
         raise ConfigError(f"data.sources: a source needs a path (or hf: a data set), got {spec}")
     expanded = os.path.expanduser(path)
     if spec.get("url"):  # a file fetched once and verified: Tiny Shakespeare
+        if not spec.get("sha256"):
+            raise ConfigError(
+                f"data.sources: {path} has a url but no sha256; give the file's sha256 so the "
+                "download can be checked"
+            )
         ensure_file(Path(expanded), spec["url"], spec["sha256"], download=download)
+    if spec.get("format") and spec["format"] not in FORMATS.values():
+        raise ConfigError(
+            f"data.sources: unknown format {spec['format']!r} for {path}; one of "
+            f"{sorted(set(FORMATS.values()))}, or hf: for a Hugging Face data set"
+        )
     if (Path(expanded) / "dataset_info.json").exists():  # a data set saved with save_to_disk
         return [SourceFile(str(Path(expanded).resolve()), "hf", field, split=spec.get("split"))]
     matches = sorted(glob.glob(expanded, recursive=True))
@@ -131,32 +143,40 @@ def _resolve_one(source: Any, field: str, documents: str, download: bool) -> lis
 
 
 def fingerprint(file: SourceFile) -> dict[str, Any]:
-    """What tells a source apart from an edited copy: size, modification time, sha256 (of
-    a saved data set: of its files; of a data set by name: its cache fingerprint)."""
-    if file.format != "hf":
-        stat = os.stat(file.path)
-        return {
-            "size": stat.st_size,
-            "mtime_ns": stat.st_mtime_ns,
-            "sha256": file_digest(Path(file.path)),
-        }
-    if Path(file.path).is_dir():
-        digest = hashlib.sha256()
-        for p in sorted(Path(file.path).rglob("*")):
-            if p.is_file():
-                digest.update(f"{p.relative_to(file.path)}:{file_digest(p)}\n".encode())
-        return {"sha256": digest.hexdigest()}
-    return {"sha256": open_dataset(file)._fingerprint}
+    """What tells a source apart from an edited copy: its size and modification time (of a
+    saved data set: its files' total and latest), and its sha256 (of a data set by name:
+    its cache fingerprint)."""
+    if file.format == "hf" and not Path(file.path).is_dir():
+        return {"sha256": open_dataset(file)._fingerprint}
+    return {**stat_of(file), "sha256": content_digest(file)}
 
 
-def unchanged(file: SourceFile, recorded: dict[str, Any]) -> bool:
-    """Whether ``file`` still holds what ``recorded`` (its ``fingerprint`` then) says:
-    the same size and time, or failing that the same sha256."""
-    if file.format != "hf":
-        stat = os.stat(file.path)
-        if (stat.st_size, stat.st_mtime_ns) == (recorded.get("size"), recorded.get("mtime_ns")):
-            return True
-    return fingerprint(file)["sha256"] == recorded.get("sha256")
+def stat_of(file: SourceFile) -> dict[str, int]:
+    paths = sorted(p for p in Path(file.path).rglob("*") if p.is_file())
+    stats = [os.stat(p) for p in paths] if Path(file.path).is_dir() else [os.stat(file.path)]
+    return {"size": sum(s.st_size for s in stats), "mtime_ns": max(s.st_mtime_ns for s in stats)}
+
+
+def content_digest(file: SourceFile) -> str:
+    if not Path(file.path).is_dir():
+        return file_digest(Path(file.path))
+    digest = hashlib.sha256()
+    for p in sorted(Path(file.path).rglob("*")):
+        if p.is_file():
+            digest.update(f"{p.relative_to(file.path)}:{file_digest(p)}\n".encode())
+    return digest.hexdigest()
+
+
+def unchanged(file: SourceFile, recorded: dict[str, Any]) -> dict[str, Any] | None:
+    """``file``'s record if it still holds what ``recorded`` (its ``fingerprint`` then)
+    says, else None: the same size and time; or failing those, the same sha256 (the record
+    then given the new size and time, so that the next look is a stat again)."""
+    if "size" in recorded:
+        now = stat_of(file)
+        if now == {"size": recorded["size"], "mtime_ns": recorded["mtime_ns"]}:
+            return recorded
+        return {**recorded, **now} if content_digest(file) == recorded["sha256"] else None
+    return recorded if fingerprint(file)["sha256"] == recorded.get("sha256") else None
 
 
 @functools.lru_cache(maxsize=8)
@@ -228,22 +248,23 @@ def _ranges(file: SourceFile, chunk_bytes: int) -> Iterator[tuple[int, int, bool
 
 
 def _next_cut(f: Any, at: int, size: int, file: SourceFile) -> int:
-    """The first cut at or after ``at`` that splits no document (the end of a line; for
-    paragraphs, of a blank line; a text read whole is cut before a line with text)."""
+    """The first cut about ``at`` (from two bytes before it) that splits no document: the
+    end of a line (JSON lines), of a blank line (paragraphs), or a line break between text
+    and text (a text read whole)."""
     if at >= size:
         return size
     pattern = {"jsonl": re.compile(rb"\n"), "txt": LINE_WITH_TEXT}[file.format]
     if file.format == "txt" and file.documents == "paragraphs":
-        pattern = re.compile(rb"\n[ \t\r]*\n")
-    carry = b""
-    f.seek(at)
+        pattern = PARAGRAPH_BREAK_BYTES
+    base, carry = at - 2, b""  # the window starts at ``base``
+    f.seek(base)
     while block := f.read(1 << 16):
         window = carry + block
         found = pattern.search(window)
         if found:
-            return at - len(carry) + found.end()
+            return base + found.end()
         carry = window[-8:]
-        at += len(block)
+        base += len(window) - len(carry)
     return size
 
 
@@ -262,45 +283,49 @@ def _parquet_group_bytes(file: SourceFile) -> int:
 
 
 def read_task(file: SourceFile, task: Task) -> Iterator[tuple[tuple[int, ...], str]]:
-    """The documents of ``task``, each with a key that is the same whatever reads it (the
-    file, where its task starts and its place in the task): what the seeded split hashes.
-    A text file read as one document gives its piece under the key of its start."""
-    if file.format == "txt":
-        text = _read_text(file, task)
-        if file.documents == "file":
-            yield (task.file, 0), text
-            return
-        for i, paragraph in enumerate(PARAGRAPH_BREAK.split(text)):
-            if paragraph.strip():  # a block of lines, without the line breaks around it
-                yield (task.file, task.start, i), paragraph.strip("\r\n")
-    elif file.format == "jsonl":
-        for i, line in enumerate(_read_text(file, task).split("\n")):
-            if line.strip():
-                yield (task.file, task.start, i), _field(_json(line, file, task, i), file, task, i)
+    """The documents of ``task``, each with a key that is where it lies in its file (the
+    byte it starts at, or its row): what the seeded split hashes, the same whatever the
+    cutting into tasks. A text file read as one document gives each piece its start's key."""
+    if file.format == "txt" and file.documents == "file":
+        yield (task.file, 0), _decode(_read_bytes(file, task), file, task.start)
+    elif file.format in ("txt", "jsonl"):
+        data, at = _read_bytes(file, task), 0
+        breaks = PARAGRAPH_BREAK_BYTES if file.format == "txt" else re.compile(rb"\n")
+        for i, found in enumerate([*breaks.finditer(data), None]):
+            end = found.start() if found else len(data)
+            piece, key = data[at:end], (task.file, task.start + at)
+            if piece.strip() and file.format == "txt":  # a block of lines, without the
+                yield key, _decode(piece, file, task.start + at).strip("\r\n")  # breaks
+            elif piece.strip():
+                line = _decode(piece, file, task.start + at)
+                yield key, _field(_json(line, file, task, i), file, task, i)
+            at = found.end() if found else len(data)
     elif file.format == "json":
         for i, item in enumerate(_json_array(file)):
             yield (task.file, i), _field(item, file, task, i)
     elif file.format == "parquet":
+        meta = _parquet(file).metadata
+        first = sum(meta.row_group(g).num_rows for g in range(task.start))
         for i, text in enumerate(_parquet_column(file, task)):
-            yield (
-                (task.file, task.start, i),
-                _text(text, file, f"row {i} of row group {task.start}+"),
-            )
+            yield (task.file, first + i), _text(text, file, f"row {first + i}")
     else:
         rows = open_dataset(file).select_columns([file.field])[task.start : task.end][file.field]
         for i, text in enumerate(rows):
             yield (task.file, task.start + i), _text(text, file, f"row {task.start + i}")
 
 
-def _read_text(file: SourceFile, task: Task) -> str:
+def _read_bytes(file: SourceFile, task: Task) -> bytes:
     with open(file.path, "rb") as f:
         f.seek(task.start)
-        data = f.read(task.size)
+        return f.read(task.size)
+
+
+def _decode(data: bytes, file: SourceFile, at: int) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataFileError(
-            f"data.sources: {file.path} is not UTF-8 text (byte {task.start + exc.start}); "
+            f"data.sources: {file.path} is not UTF-8 text (byte {at + exc.start}); "
             "convert it to UTF-8"
         ) from None
 
@@ -343,14 +368,17 @@ def _json_array(file: SourceFile) -> list[Any]:
     with open(file.path, encoding="utf-8") as f:
         head = f.read(1 << 12).lstrip()
         f.seek(0)
-        if not head.startswith("["):  # JSON lines named .json
-            return [json.loads(line) for line in f if line.strip()]
         try:
+            if not head.startswith("["):  # JSON lines named .json
+                return [json.loads(line) for line in f if line.strip()]
             return json.load(f)
         except json.JSONDecodeError as exc:
             raise DataFileError(
-                f"data.sources: {file.path} is not JSON ({exc.msg}, line {exc.lineno})"
+                f"data.sources: {file.path} is not JSON ({exc.msg}, line {exc.lineno}); give a "
+                "JSON array of objects, or one object a line"
             ) from None
+        except UnicodeDecodeError:
+            raise DataFileError(f"data.sources: {file.path} is not UTF-8 text") from None
 
 
 def _parquet_column(file: SourceFile, task: Task) -> list[Any]:

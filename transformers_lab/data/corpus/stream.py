@@ -12,6 +12,7 @@ workers. The loader's state goes into every checkpoint and a resumed run takes i
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from transformers_lab.data.corpus.prepare import locked
 from transformers_lab.data.corpus.windows import TokenStream
 from transformers_lab.errors import ConfigError
 
@@ -63,14 +65,21 @@ def write_chunks(stream: TokenStream, out: str, chunk_bytes: str = "64MB") -> No
 
 def ensure_chunks(streams: dict[str, TokenStream], folder: str) -> None:
     """Write the splits' chunks into ``folder`` unless they are there (a remote folder is
-    taken as it is)."""
+    taken as it is). Every rank may call it: one writes each split into a temporary folder
+    and renames it into place, under a lock; the others wait and find it."""
     if is_remote(folder):
         return
     for split, stream in streams.items():
         out = Path(folder) / split
-        if not (out / "index.json").exists():
+        with locked(out.with_name(f".{split}.lock")):
+            if (out / "index.json").exists():
+                continue
             log.info("data: writing the %s split as litdata chunks in %s", split, out)
-            write_chunks(stream, str(out))
+            tmp = out.with_name(f".{split}.part")
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_chunks(stream, str(tmp))
+            shutil.rmtree(out, ignore_errors=True)  # a folder without its index: cut short
+            tmp.rename(out)
 
 
 def to_ids(window: Tensor) -> tuple[Tensor, Tensor]:

@@ -142,7 +142,8 @@ class HuggingFace(CorpusTokenizer):
 
         self.json_text = json_text
         self.tokenizer = Tokenizer.from_str(json_text)
-        self.base = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # ids run to the largest one, whatever gaps a vocabulary has
+        self.base = max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         found = (self.tokenizer.token_to_id(name) for name in HF_EOT_NAMES)
         self.own_eot = next((i for i in found if i is not None), None)
 

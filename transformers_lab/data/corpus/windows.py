@@ -87,7 +87,7 @@ class TokenWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-def epoch_seed(seed: int, epoch: int) -> int:
+def seed_of_epoch(seed: int, epoch: int) -> int:
     digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
 
@@ -96,9 +96,11 @@ class WindowOrder(DistributedSampler):
     """``num_samples`` window offsets an epoch, drawn uniformly with replacement, split
     between the ranks. A ``DistributedSampler``, so that Lightning leaves it as it is.
 
-    ``seed``: the epoch's seed is ``epoch_seed(seed, epoch)``; ``None`` draws it from
+    ``seed``: the epoch's seed is ``seed_of_epoch(seed, epoch)``; ``None`` draws it from
     torch's global random state each time an order starts, as ``RandomSampler`` does (the
-    runs of the in-memory text module had this order); either is kept for a resume.
+    runs of the in-memory text module had this order), or under DDP takes it from the
+    run's seed (``torch.initial_seed``) and the epoch, so that every rank has the same
+    order whatever each drew before; either is kept for a resume.
     ``num_replicas`` and ``rank`` default to the process group's.
     """
 
@@ -146,13 +148,15 @@ class WindowOrder(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         skip, self.skip = self.skip, 0
         resuming, self.resuming = self.resuming, False
+        rank, replicas = self.world()
         if resuming:
             pass
-        elif self.seed is None:  # RandomSampler's draw, at the same moment (the first one)
+        elif self.seed is not None:
+            self.epoch_seed = seed_of_epoch(self.seed, self.epoch)
+        elif replicas > 1:  # every rank the same order, whatever each drew before
+            self.epoch_seed = seed_of_epoch(torch.initial_seed(), self.epoch)
+        else:  # RandomSampler's draw, at the same moment (the first one)
             self.epoch_seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        else:
-            self.epoch_seed = epoch_seed(self.seed, self.epoch)
-        rank, replicas = self.world()
         mine = torch.arange(rank + skip * replicas, len(self) * replicas, replicas)
         yield from self.draws()[mine % self.total].tolist()
 
