@@ -198,9 +198,9 @@ def nanogpt_workdir(nanogpt: Path, cfg, workdir: Path) -> None:
     datamodule.setup("fit")
     data = workdir / "data" / "shakespeare_char"
     data.mkdir(parents=True, exist_ok=True)
-    for split, ids in (("train", datamodule.train_data), ("val", datamodule.val_data)):
-        ids.numpy().astype(np.uint16).tofile(data / f"{split}.bin")
-    itos = dict(enumerate(datamodule.tokenizer.itos))
+    for split, stream in datamodule.streams.items():  # the prepared shards, as one file
+        stream.read(0, len(stream)).astype(np.uint16).tofile(data / f"{split}.bin")
+    itos = dict(enumerate(datamodule.tokenizer.chars.itos))
     meta = {"vocab_size": len(itos), "itos": itos, "stoi": {c: i for i, c in itos.items()}}
     (data / "meta.pkl").write_bytes(pickle.dumps(meta))
 
