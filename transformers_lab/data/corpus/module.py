@@ -58,7 +58,8 @@ class CorpusDataModule(DataModule):
         batch_size: windows per batch.
         train_samples: training windows an epoch.
         order_seed: the seed of the training order; null draws each epoch's seed from the
-            run's seeded random state.
+            run's seeded random state (under DDP: from the run's seed, the same on every
+            rank), as the in-memory text module drew its order.
         num_workers: DataLoader workers.
         prepare_workers: processes that tokenize (null: the CPU count, at most 8).
         chunk_bytes, shard_bytes: the text of a task and of a shard.
@@ -118,11 +119,8 @@ class CorpusDataModule(DataModule):
             download=download,
         )
         self.val_tokens, self.block_size, self.batch_size = val_tokens, block_size, batch_size
-        self.train_samples, self.order_seed, self.num_workers = (
-            train_samples,
-            order_seed,
-            num_workers,
-        )
+        self.train_samples, self.order_seed = train_samples, order_seed
+        self.num_workers = num_workers
         self.backend, self.stream_dir = backend, stream_dir
         self.streams: dict[str, TokenStream] = {}
 
