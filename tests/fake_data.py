@@ -3,6 +3,7 @@ the pinned checksums patched to match (so the real verification code runs on the
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import struct
@@ -78,3 +79,35 @@ def fake_data_root(root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     write_multi30k(root, monkeypatch, repeat=20)
     monkeypatch.setenv("TLAB_DATA_DIR", str(root))
     return root
+
+
+def tiny_ranks() -> dict[bytes, int]:
+    """Byte-level BPE ranks with a few merges."""
+    ranks = {bytes([i]): i for i in range(256)}
+    for merge in (b"th", b"e ", b"the", b"sp", b"ea", b"spea", b"speak"):
+        ranks[merge] = len(ranks)
+    return ranks
+
+
+def write_ranks(ranks: dict[bytes, int], path: Path) -> Path:
+    """A .tiktoken ranks file: one base64 token and its rank per line."""
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    return path
+
+
+def write_hf_tokenizer(path: Path, texts: list[str]) -> Path:
+    """A byte-level BPE of 300 ids trained on ``texts``, with <|endoftext|>, saved as a
+    Hugging Face tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(path))
+    return path

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.data.test_data import tiny_ranks, write_ranks
 from transformers_lab.config import compose_config
 from transformers_lab.run.fit import train
 
-from fake_data import TEXT, write_multi30k, write_text_root
+from fake_data import TEXT, tiny_ranks, write_multi30k, write_ranks, write_text_root
 
 QUIET = [
     "logger=none",

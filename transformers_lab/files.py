@@ -1,12 +1,13 @@
 """Files written whole or not at all: through a temporary file in the target's folder,
 then a rename (atomic on one file system), so that a reader never sees half a file and a
-crash never leaves one."""
+crash never leaves one; and a lock file that processes take turns on."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,3 +44,26 @@ def atomic_write(
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+@contextlib.contextmanager
+def file_lock(path: str | Path) -> Iterator[OSError | None]:
+    """An exclusive lock on the file ``path`` (made, with its folder, where missing), held
+    for the block: processes of this machine, or of others on a shared file system, take
+    turns. Yields None once it is held, or the error of a file system without locks
+    (Lustre mounted without ``flock``): the block then runs unguarded, which the caller
+    says. POSIX only (``fcntl``)."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as exc:
+            yield exc
+            return
+        try:
+            yield None
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -5,7 +5,6 @@ is one line."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import random
@@ -22,6 +21,8 @@ from transformers_lab.data.corpus.prepare import read_json
 from transformers_lab.data.corpus.windows import WindowOrder
 from transformers_lab.errors import ConfigError, DataFileError
 
+from fake_data import tiny_ranks, write_hf_tokenizer, write_ranks
+
 WORDS = ["the", "speak", "sea", "shore", "king", "crown", "night", "day", "love", "war"]
 
 
@@ -34,30 +35,6 @@ def documents(n: int = 40, seed: int = 0) -> list[str]:
         )
         for _ in range(n)
     ]
-
-
-def write_ranks(path: Path) -> Path:
-    ranks = {bytes([i]): i for i in range(256)}
-    for merge in (b"th", b"e ", b"the", b"sp", b"ea", b"spea", b"speak"):
-        ranks[merge] = len(ranks)
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
-    return path
-
-
-def write_hf_tokenizer(path: Path, texts: list[str]) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.save(str(path))
-    return path
 
 
 def write_sentencepiece(path: Path, texts: list[str]) -> Path:
@@ -151,7 +128,7 @@ def test_every_tokenizer_round_trips_and_travels_in_the_state(tmp_path, kind):
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     spec = {
         "char": lambda: "char",
-        "tiktoken": lambda: write_ranks(tmp_path / "tiny.tiktoken"),
+        "tiktoken": lambda: write_ranks(tiny_ranks(), tmp_path / "tiny.tiktoken"),
         "huggingface": lambda: write_hf_tokenizer(tmp_path / "tokenizer.json", docs),
         "sentencepiece": lambda: write_sentencepiece(tmp_path / "sp.model", docs),
     }[kind]()
@@ -319,13 +296,13 @@ def test_a_corpus_can_be_read_from_its_prepared_folder_alone(tmp_path):
     x, y = next(iter(alone.val_dataloader()))
     assert x.shape[1] == 8
     bpe = module(tmp_path / "bpe", [str(tmp_path / "a.txt")], split="tail",
-                 tokenizer=str(write_ranks(tmp_path / "tiny.tiktoken")))  # fmt: skip
+                 tokenizer=str(write_ranks(tiny_ranks(), tmp_path / "tiny.tiktoken")))  # fmt: skip
     with pytest.raises(ConfigError, match="not by characters as data.tokenizer=char asks"):
         CorpusDataModule(prepared=str(bpe.folder), tokenizer="char", block_size=8).setup()
     with pytest.raises(ConfigError, match="was prepared with the tokenizer char"):
         CorpusDataModule(
             prepared=str(dm.folder),
-            tokenizer=str(write_ranks(tmp_path / "t.tiktoken")),
+            tokenizer=str(write_ranks(tiny_ranks(), tmp_path / "t.tiktoken")),
             block_size=8,
         ).setup()
 

@@ -3,7 +3,6 @@ and the real data sets when TLAB_DATA_DIR holds them."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import http.client
 import os
@@ -42,7 +41,16 @@ from transformers_lab.data.tokenizers import GPT2_PATTERN, split_pieces
 from transformers_lab.data.translation import BucketBatchSampler, read_iwslt_train, read_iwslt_xml
 from transformers_lab.errors import DataFileError
 
-from fake_data import PAIRS, TEXT, sha256, write_idx, write_multi30k, write_text_root
+from fake_data import (
+    PAIRS,
+    TEXT,
+    sha256,
+    tiny_ranks,
+    write_idx,
+    write_multi30k,
+    write_ranks,
+    write_text_root,
+)
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 REAL = Path(os.environ.get("TLAB_DATA_DIR", "/nonexistent"))
@@ -188,24 +196,11 @@ def test_word_tokenizer_keeps_frequent_words_and_spells_out_the_rest():
     assert restored.itos == tok.itos and meta["kind"] == "word"
 
 
-def tiny_ranks() -> dict[bytes, int]:
-    """Byte-level BPE ranks with a few merges."""
-    ranks = {bytes([i]): i for i in range(256)}
-    for merge in (b"th", b"e ", b"the", b"sp", b"ea", b"spea", b"speak"):
-        ranks[merge] = len(ranks)
-    return ranks
-
-
 def tiny_encoding() -> tiktoken.Encoding:
     """A tiktoken Encoding built from local ranks (no download)."""
     return tiktoken.Encoding(
         "tiny", pat_str=GPT2_PATTERN, mergeable_ranks=tiny_ranks(), special_tokens={}
     )
-
-
-def write_ranks(ranks: dict[bytes, int], path: Path) -> None:
-    """A .tiktoken ranks file: one base64 token and its rank per line."""
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
 
 
 def test_tiktoken_tokenizer_round_trip_and_specials(tmp_path):

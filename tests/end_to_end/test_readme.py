@@ -268,7 +268,7 @@ def write_corpus(root: Path) -> Path:
     """The user's corpus of docs/training.md: a folder of text files, a JSONL file and a
     Hugging Face tokenizer.json; prepared once as its tlab-prepare line does. Returns the
     prepared folder (its ``<key>``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from fake_data import write_hf_tokenizer
 
     words = ["the", "sea", "king", "rose", "night", "fair", "crown", "war", "love", "shore"]
     docs = [" ".join(words[(i * j) % 10] for j in range(120)) for i in range(400)]
@@ -276,12 +276,7 @@ def write_corpus(root: Path) -> Path:
     for i, doc in enumerate(docs):
         (root / "my_texts" / f"{i:03d}.txt").write_text(doc)
     (root / "corpus.jsonl").write_text("".join(f'{{"text": "{d}"}}\n' for d in docs))
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"])
-    tokenizer.train_from_iterator(docs, trainer)
-    tokenizer.save(str(root / "tokenizer.json"))
+    write_hf_tokenizer(root / "tokenizer.json", docs)
     proc = tlab(
         "tlab-prepare", "data.sources=[corpus.jsonl]", "data.tokenizer=tokenizer.json",
         "data.prepared_dir=corpora", cwd=root,

@@ -33,6 +33,7 @@ from optuna.distributions import (
 from optuna.trial import FrozenTrial, TrialState
 
 from transformers_lab.errors import ConfigError
+from transformers_lab.files import file_lock
 from transformers_lab.run.overrides import MACHINE_KEYS, bookkeeping, override_key
 
 log = logging.getLogger(__name__)
@@ -192,30 +193,18 @@ def setup_lock(url: str):
     loads or creates its study, so that workers started together take turns there; a
     database server needs none (``open_storage`` retries its schema race)."""
     path = storage_file(url)
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: the storage's own retry is all there is
-        path = None
-    if path is None:
-        yield
+    if path is None or importlib.util.find_spec("fcntl") is None:  # a server, or not POSIX:
+        yield  # the storage's own retry is all there is
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".setup.lock"), "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError as exc:  # a file system without flock (Lustre without -o flock, ...)
+    with file_lock(path.with_name(path.name + ".setup.lock")) as refused:
+        if refused is not None:  # a file system without flock (Lustre without -o flock, ...)
             log.warning(
                 "study storage %s: no file lock here (%s); workers set up the study without "
                 "taking turns",
                 shown(url),
-                exc,
+                refused,
             )
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 def shown(url: str) -> str:

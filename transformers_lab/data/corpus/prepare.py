@@ -21,8 +21,6 @@ finds the first's shards.
 
 from __future__ import annotations
 
-import base64
-import fcntl
 import hashlib
 import json
 import logging
@@ -49,9 +47,14 @@ from transformers_lab.data.corpus.sources import (
     read_task,
     unchanged,
 )
-from transformers_lab.data.corpus.tokenizer import Chars, CorpusTokenizer, tokenizer_from_state
+from transformers_lab.data.corpus.tokenizer import (
+    Chars,
+    CorpusTokenizer,
+    json_state,
+    tokenizer_from_state,
+)
 from transformers_lab.errors import ConfigError
-from transformers_lab.files import atomic_write, move_into_place
+from transformers_lab.files import atomic_write, file_lock, move_into_place
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +108,17 @@ def corpus_key(files: list[SourceFile], tokenizer: str, settings: Settings) -> s
 
 @contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (made if missing), held for the block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    """An exclusive lock on ``path`` for the block (``files.file_lock``); on a file system
+    without locks, the block runs unguarded after a warning."""
+    with file_lock(path) as refused:
+        if refused is not None:
+            log.warning(
+                "data: no file lock at %s (%s); processes that prepare this corpus at once "
+                "would not take turns: prepare it first with tlab-prepare",
+                path,
+                refused,
+            )
+        yield
 
 
 def prepare(
@@ -182,12 +188,12 @@ def _prepare(
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         plan = make_plan(files, tokenizer, settings, workers, eot)
-        state = json.dumps(plan["tokenizer"], default=_bytes_json)
+        state = json.dumps(plan["tokenizer"])
         atomic_write(folder / "tokenizer.json", state, sync=True)  # before the plan that needs it
-        atomic_write(folder / "plan.json", json.dumps(plan, default=_bytes_json), sync=True)
+        atomic_write(folder / "plan.json", json.dumps(plan), sync=True)
     else:
         log.info("data: resuming the preparation in %s", folder)
-    tokenizer = tokenizer_from_state(_json_bytes(plan["tokenizer"]))
+    tokenizer = tokenizer_from_state(plan["tokenizer"])
     tasks = [Task(*t) for t in plan["tasks"]]
     dtype = token_dtype(tokenizer.vocab_size)
     shards = []
@@ -262,7 +268,7 @@ def make_plan(
     return {
         "version": VERSION,
         "sources": [{**f.identity(), **fingerprint(f)} for f in files],
-        "tokenizer": tokenizer.state_dict(),
+        "tokenizer": json_state(tokenizer.state_dict()),
         "tasks": [list(asdict(t).values()) for t in tasks],
         "shards": shards,
     }
@@ -335,7 +341,7 @@ def _start_worker(files: Any, tokenizer: Any, settings: Settings, dtype: str) ->
     _CONTEXT.clear()
     _CONTEXT.update(files=files, settings=settings, dtype=dtype)
     if tokenizer is not None:
-        _CONTEXT["tokenizer"] = tokenizer_from_state(_json_bytes(tokenizer))
+        _CONTEXT["tokenizer"] = tokenizer_from_state(tokenizer)
 
 
 def _start_pool_worker(*context: Any) -> None:
@@ -451,20 +457,6 @@ def _in_order(
         yield result
 
 
-def _bytes_json(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return {"base64": base64.b64encode(value).decode()}
-    raise TypeError(type(value).__name__)
-
-
-def _json_bytes(state: dict[str, Any]) -> dict[str, Any]:
-    """A tokenizer state read back from JSON: its ``{"base64": ...}`` values as bytes."""
-    return {
-        k: base64.b64decode(v["base64"]) if isinstance(v, dict) and "base64" in v else v
-        for k, v in state.items()
-    }
-
-
 def load_tokenizer(folder: Path) -> CorpusTokenizer:
     """The tokenizer a prepared corpus was made with, from its ``tokenizer.json``."""
-    return tokenizer_from_state(_json_bytes(json.loads((folder / "tokenizer.json").read_text())))
+    return tokenizer_from_state(json.loads((folder / "tokenizer.json").read_text()))

@@ -233,8 +233,10 @@ def _ranges(file: SourceFile, chunk_bytes: int) -> Iterator[tuple[int, int, bool
                 yield start, end, end == size
                 start = end
     elif file.format == "parquet":
-        groups = _parquet(file).metadata.num_row_groups
-        step = max(1, int(chunk_bytes // max(1, _parquet_group_bytes(file))))
+        meta = _parquet(file).metadata
+        groups = meta.num_row_groups
+        group_bytes = meta.row_group(0).total_byte_size if groups else 1
+        step = max(1, int(chunk_bytes // max(1, group_bytes)))
         for a in range(0, groups, step):
             yield a, min(groups, a + step), a + step >= groups
     elif file.format == "hf":
@@ -277,11 +279,6 @@ def _parquet(file: SourceFile) -> Any:
         raise DataFileError(f"data.sources: {file.path} is not a Parquet file ({exc})") from None
 
 
-def _parquet_group_bytes(file: SourceFile) -> int:
-    meta = _parquet(file).metadata
-    return meta.row_group(0).total_byte_size if meta.num_row_groups else 1
-
-
 def read_task(file: SourceFile, task: Task) -> Iterator[tuple[tuple[int, ...], str]]:
     """The documents of ``task``, each with a key that is where it lies in its file (the
     byte it starts at, or its row): what the seeded split hashes, the same whatever the
@@ -304,9 +301,9 @@ def read_task(file: SourceFile, task: Task) -> Iterator[tuple[tuple[int, ...], s
         for i, item in enumerate(_json_array(file)):
             yield (task.file, i), _field(item, file, task, i)
     elif file.format == "parquet":
-        meta = _parquet(file).metadata
-        first = sum(meta.row_group(g).num_rows for g in range(task.start))
-        for i, text in enumerate(_parquet_column(file, task)):
+        parquet = _parquet(file)
+        first = sum(parquet.metadata.row_group(g).num_rows for g in range(task.start))
+        for i, text in enumerate(_parquet_column(parquet, file, task)):
             yield (task.file, first + i), _text(text, file, f"row {first + i}")
     else:
         rows = open_dataset(file).select_columns([file.field])[task.start : task.end][file.field]
@@ -381,8 +378,7 @@ def _json_array(file: SourceFile) -> list[Any]:
             raise DataFileError(f"data.sources: {file.path} is not UTF-8 text") from None
 
 
-def _parquet_column(file: SourceFile, task: Task) -> list[Any]:
-    parquet = _parquet(file)
+def _parquet_column(parquet: Any, file: SourceFile, task: Task) -> list[Any]:
     names = parquet.schema_arrow.names
     if file.field not in names:
         raise DataFileError(

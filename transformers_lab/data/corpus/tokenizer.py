@@ -8,6 +8,7 @@ documents. A tokenizer without one of its own gets one appended after its vocabu
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
@@ -62,7 +63,7 @@ class CorpusTokenizer:
 
     def fingerprint(self) -> str:
         """A short digest of everything that decides the ids: the cache key's half."""
-        text = json.dumps(self.state_dict(), sort_keys=True, default=_digest_bytes)
+        text = json.dumps(json_state(self.state_dict()), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
@@ -78,10 +79,13 @@ class CorpusTokenizer:
         raise NotImplementedError
 
 
-def _digest_bytes(value: Any) -> str:
-    if isinstance(value, bytes):
-        return hashlib.sha256(value).hexdigest()
-    raise TypeError(type(value).__name__)
+def json_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A tokenizer's state as JSON can hold it: its bytes (a model or ranks file) as
+    ``{"base64": ...}``; ``tokenizer_from_state`` takes either form."""
+    return {
+        k: {"base64": base64.b64encode(v).decode()} if isinstance(v, bytes) else v
+        for k, v in state.items()
+    }
 
 
 class Chars(CorpusTokenizer):
@@ -253,8 +257,13 @@ def _build(spec: str, chars: Iterable[str] | None, bpe_file: str | None) -> Corp
 
 
 def tokenizer_from_state(state: dict[str, Any]) -> CorpusTokenizer:
-    """The tokenizer a ``state_dict()`` describes (a checkpoint's, or a manifest's); a
-    state from before ``eot`` was saved (Tiny Shakespeare's) joins nothing."""
+    """The tokenizer a ``state_dict()`` describes (a checkpoint's, or ``json_state``'s of a
+    prepared corpus); a state from before ``eot`` was saved (Tiny Shakespeare's) joins
+    nothing."""
+    state = {
+        k: base64.b64decode(v["base64"]) if isinstance(v, dict) and "base64" in v else v
+        for k, v in state.items()
+    }
     kind = state.get("kind")
     if kind == "char":
         tokenizer: CorpusTokenizer = Chars(state["chars"])

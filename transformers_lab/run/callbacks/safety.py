@@ -27,7 +27,6 @@ import lightning as L
 import numpy as np
 import torch
 
-from transformers_lab.data.base import ResumableLoader
 from transformers_lab.errors import NonFiniteError
 from transformers_lab.tasks.clipping import CheckedNorm, TakesCheckedNorm
 
@@ -272,16 +271,12 @@ def set_random_states(states: dict[str, Any]) -> None:
 
 
 def train_loaders(trainer: L.Trainer) -> list[Any]:
-    """The trainer's training loaders that can resume mid-epoch: ours, and those with a
-    state of their own (litdata's ``StreamingDataLoader``)."""
+    """The trainer's training loaders that can resume mid-epoch: those with a state (ours,
+    ``data.base.ResumableLoader``'s kin, and litdata's ``StreamingDataLoader``; torch's own
+    ``DataLoader`` has none)."""
     loaders = trainer.train_dataloader
     loaders = loaders if isinstance(loaders, list | tuple) else [loaders]
-    return [
-        loader
-        for loader in loaders
-        if isinstance(loader, ResumableLoader)
-        or (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"))
-    ]
+    return [loader for loader in loaders if hasattr(loader, "load_state_dict")]
 
 
 class ExactResume(L.Callback):
