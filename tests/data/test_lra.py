@@ -20,7 +20,8 @@ from transformers_lab.data import (
     MNISTDataModule,
     PathfinderDataModule,
 )
-from transformers_lab.data.lra import LISTOPS_VOCAB, MARKER_LEVEL, listops
+from transformers_lab.data.listops import LISTOPS_VOCAB, listops
+from transformers_lab.data.pathfinder import MARKER_LEVEL
 from transformers_lab.models import EncoderClassifier
 
 BOTH_WAYS = sorted(name for name, kernel in KERNELS.items() if not kernel.causal_only)

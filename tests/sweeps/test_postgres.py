@@ -18,6 +18,7 @@ from optuna.trial import TrialState
 
 from transformers_lab.errors import ConfigError
 from transformers_lab.sweeps import study as st
+from transformers_lab.sweeps.storage import open_storage, with_driver
 
 from postgres import DATABASE, PASSWORD, USER, free_port
 
@@ -25,9 +26,9 @@ from postgres import DATABASE, PASSWORD, USER, free_port
 def test_a_plain_postgresql_url_holds_a_study(postgres_server):
     url = postgres_server.url()
     assert url.startswith("postgresql://")  # no driver named: the installed one is used
-    study = optuna.create_study(storage=st.open_storage(url), study_name="plain")
+    study = optuna.create_study(storage=open_storage(url), study_name="plain")
     study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=2)
-    again = optuna.load_study(storage=st.open_storage(url), study_name="plain")
+    again = optuna.load_study(storage=open_storage(url), study_name="plain")
     assert len(again.trials) == 2 and again.best_value == study.best_value
 
 
@@ -35,10 +36,10 @@ def test_a_plain_postgresql_url_holds_a_study(postgres_server):
     importlib.util.find_spec("psycopg2") is not None, reason="psycopg2 serves postgresql://"
 )
 def test_the_url_names_the_installed_driver():
-    assert st.with_driver("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
-    assert st.with_driver("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
-    assert st.with_driver("postgresql+psycopg2://u@h/db") == "postgresql+psycopg2://u@h/db"
-    assert st.with_driver("sqlite:///x.db") == "sqlite:///x.db"
+    assert with_driver("postgresql://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert with_driver("postgres://u@h/db") == "postgresql+psycopg://u@h/db"
+    assert with_driver("postgresql+psycopg2://u@h/db") == "postgresql+psycopg2://u@h/db"
+    assert with_driver("sqlite:///x.db") == "sqlite:///x.db"
 
 
 @pytest.mark.parametrize(
@@ -61,7 +62,7 @@ def test_a_server_that_cannot_be_used_is_one_line(postgres_server, case, said):
         "host": f"postgresql://{USER}:{PASSWORD}@nohost.invalid/{DATABASE}",
     }[case]
     with pytest.raises(ConfigError) as err:
-        st.open_storage(url)
+        open_storage(url)
     message = str(err.value)
     assert said.format(port=port) in message and "\n" not in message, message
     assert PASSWORD not in message and ":wrong@" not in message  # passwords hidden
@@ -70,13 +71,13 @@ def test_a_server_that_cannot_be_used_is_one_line(postgres_server, case, said):
 def test_the_dashboard_serves_a_study_of_the_server(postgres_server):
     """optuna-dashboard on the server's study, bound to 127.0.0.1, answers /api/studies."""
     url = postgres_server.url()
-    optuna.create_study(storage=st.open_storage(url), study_name="seen").optimize(
+    optuna.create_study(storage=open_storage(url), study_name="seen").optimize(
         lambda trial: trial.suggest_float("x", 0, 1), n_trials=1
     )
     port = free_port()
     dashboard = Path(sys.executable).parent / "optuna-dashboard"
     server = subprocess.Popen(
-        [str(dashboard), st.with_driver(url), "--host", "127.0.0.1", "--port", str(port)],
+        [str(dashboard), with_driver(url), "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -100,7 +101,7 @@ def test_a_worker_on_another_host_is_known_dead_by_its_heartbeat_alone(postgres_
     """Its pid says nothing here: the trial it left running is given up once its heartbeat
     is older than the grace period (4 intervals), and its slot is asked again; a trial of
     another host whose heartbeat goes on is kept."""
-    storage = st.open_storage(postgres_server.url(), heartbeat_interval=1)
+    storage = open_storage(postgres_server.url(), heartbeat_interval=1)
     study = optuna.create_study(storage=storage, study_name="far")
     dead, alive = study.ask(), study.ask()
     for trial in (dead, alive):

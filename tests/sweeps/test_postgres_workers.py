@@ -19,6 +19,7 @@ from optuna.trial import TrialState
 from tests.sweeps.test_optuna_sweeps import command, env_of
 from transformers_lab.run.record import RESULT_FILE, read_record
 from transformers_lab.sweeps import study as st
+from transformers_lab.sweeps.storage import open_storage
 
 WORKERS, TRIALS = 4, 8
 
@@ -62,7 +63,7 @@ def test_four_workers_one_killed_end_with_exactly_n_finished_trials(kind, reques
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and victim.poll() is None:  # the victim mid-trial
             try:
-                study = optuna.load_study(study_name=name, storage=st.open_storage(storage))
+                study = optuna.load_study(study_name=name, storage=open_storage(storage))
             except KeyError:  # not made yet
                 time.sleep(0.2)
                 continue
@@ -97,7 +98,7 @@ def test_four_workers_one_killed_end_with_exactly_n_finished_trials(kind, reques
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
 
-    study = optuna.load_study(study_name=name, storage=st.open_storage(storage))
+    study = optuna.load_study(study_name=name, storage=open_storage(storage))
     finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     assert len(finished) == TRIALS, [(t.number, t.state) for t in study.trials]
     assert study.trials[killed].state == TrialState.FAIL  # given up, its slot asked again

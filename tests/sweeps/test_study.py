@@ -19,6 +19,7 @@ from transformers_lab.run.record import JobRecord
 from transformers_lab.sweeps import study as st
 from transformers_lab.sweeps.optuna_sweeper import trials_csv
 from transformers_lab.sweeps.report.study import front_of, pareto_front, study_section
+from transformers_lab.sweeps.storage import open_storage, setup_lock
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -26,7 +27,7 @@ LR = {"optimizer.lr": FloatDistribution(1e-4, 1e-2, log=True)}
 
 
 def sqlite(tmp_path, name="study.db"):
-    return st.open_storage(f"sqlite:///{tmp_path / name}")
+    return open_storage(f"sqlite:///{tmp_path / name}")
 
 
 # ---------------------------------------------------------------------- search space
@@ -79,17 +80,17 @@ def test_a_sampled_value_becomes_an_override_hydra_reads_back(value, override):
 
 
 def test_a_sqlite_storage_creates_its_folder(tmp_path):
-    storage = st.open_storage(f"sqlite:///{tmp_path / 'a' / 'b' / 'study.db'}")
+    storage = open_storage(f"sqlite:///{tmp_path / 'a' / 'b' / 'study.db'}")
     optuna.create_study(storage=storage, study_name="s")
     assert (tmp_path / "a" / "b" / "study.db").is_file()
 
 
 def test_a_journal_storage_is_a_file(tmp_path):
-    storage = st.open_storage(f"journal:{tmp_path / 'j' / 'study.log'}")
+    storage = open_storage(f"journal:{tmp_path / 'j' / 'study.log'}")
     study = optuna.create_study(storage=storage, study_name="s")
     study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
     again = optuna.load_study(
-        study_name="s", storage=st.open_storage(f"journal:{tmp_path / 'j' / 'study.log'}")
+        study_name="s", storage=open_storage(f"journal:{tmp_path / 'j' / 'study.log'}")
     )
     assert len(again.trials) == 2
 
@@ -98,10 +99,10 @@ def open_at_once(url: str, locked: bool, barrier, errors) -> None:
     barrier.wait()  # both workers go at the same moment
     try:
         if locked:
-            with st.setup_lock(url):
-                st.load_or_create(st.open_storage(url, 60), "s", ["maximize"], {})
+            with setup_lock(url):
+                st.load_or_create(open_storage(url, 60), "s", ["maximize"], {})
         else:
-            st.open_storage(url, 60)
+            open_storage(url, 60)
     except Exception as exc:
         errors.put(str(exc))
 
@@ -126,7 +127,7 @@ def test_workers_that_start_together_on_a_new_sqlite_file_both_open_it(tmp_path,
         assert [p.exitcode for p in procs] == [0, 0]
         assert errors.empty(), errors.get()
     if locked:
-        assert len(optuna.get_all_study_summaries(st.open_storage(url))) == 1
+        assert len(optuna.get_all_study_summaries(open_storage(url))) == 1
 
 
 @pytest.mark.parametrize(
@@ -139,7 +140,7 @@ def test_workers_that_start_together_on_a_new_sqlite_file_both_open_it(tmp_path,
 )
 def test_a_storage_that_cannot_be_opened_is_one_line_with_the_fix(url, said):
     with pytest.raises(ConfigError) as err:
-        storage = st.open_storage(url)
+        storage = open_storage(url)
         optuna.create_study(storage=storage, study_name="s")
     message = str(err.value)
     assert said in message and "\n" not in message
@@ -476,6 +477,6 @@ def test_a_file_system_without_locks_sets_up_the_study_unguarded(tmp_path, monke
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
     url = f"journal:{tmp_path / 'study.log'}"
-    with caplog.at_level("WARNING", logger="transformers_lab.sweeps.study"), st.setup_lock(url):
-        st.load_or_create(st.open_storage(url), "s", ["maximize"], LR)
+    with caplog.at_level("WARNING", logger="transformers_lab.sweeps.storage"), setup_lock(url):
+        st.load_or_create(open_storage(url), "s", ["maximize"], LR)
     assert "no file lock here" in caplog.text and "Function not implemented" in caplog.text

@@ -46,6 +46,13 @@ from transformers_lab.files import atomic_write
 from transformers_lab.run.record import read_record
 from transformers_lab.sweeps import study as st
 from transformers_lab.sweeps.report.study import STUDY_FILE, TRIALS_FILE
+from transformers_lab.sweeps.storage import (
+    JOURNAL_PREFIX,
+    open_storage,
+    setup_lock,
+    shown,
+    with_driver,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +113,9 @@ class StudySweeper(Sweeper):
         sampler = self.sampler_cfg  # Hydra builds the sweeper's nodes with it
         if sampler is not None and not isinstance(sampler, optuna.samplers.BaseSampler):
             sampler = instantiate(sampler)
-        where = f" in {st.shown(self.storage_url)}"
-        with st.setup_lock(self.storage_url):  # workers started together take turns
-            storage = st.open_storage(self.storage_url, self.heartbeat_interval)
+        where = f" in {shown(self.storage_url)}"
+        with setup_lock(self.storage_url):  # workers started together take turns
+            storage = open_storage(self.storage_url, self.heartbeat_interval)
             study = st.load_or_create(
                 storage, self.study_name, self.directions, space, sampler, pruner, where, fixed
             )
@@ -130,8 +137,8 @@ class StudySweeper(Sweeper):
             heartbeat.stop()
             self.save_trials(study, sweep_dir)
         self.report(study)
-        if not self.storage_url.startswith(st.JOURNAL_PREFIX):
-            url = st.shown(st.with_driver(self.storage_url))  # as SQLAlchemy reads it
+        if not self.storage_url.startswith(JOURNAL_PREFIX):
+            url = shown(with_driver(self.storage_url))  # as SQLAlchemy reads it
             print(f"dashboard: optuna-dashboard {url}", flush=True)
 
     def check_settings(self) -> None:
@@ -220,8 +227,8 @@ class StudySweeper(Sweeper):
                 study.tell(trial, state=TrialState.FAIL)
             else:
                 study.tell(trial, values)
-            shown = values if isinstance(values, str) else ", ".join(f"{v:.4g}" for v in values)
-            print(f"trial {trial.number}: {shown} ({' '.join(record.overrides)})", flush=True)
+            said = values if isinstance(values, str) else ", ".join(f"{v:.4g}" for v in values)
+            print(f"trial {trial.number}: {said} ({' '.join(record.overrides)})", flush=True)
         elif status == "pruned":
             study.tell(trial, state=TrialState.PRUNED)
             print(f"trial {trial.number}: pruned", flush=True)
@@ -236,7 +243,7 @@ class StudySweeper(Sweeper):
     def save_study_file(self, sweep_dir: Path) -> None:
         info = {
             "study_name": self.study_name,
-            "storage": st.shown(self.storage_url),
+            "storage": shown(self.storage_url),
             "objectives": self.objectives,
             "directions": self.directions,
             "n_trials": self.n_trials,

@@ -91,7 +91,7 @@ def pruning_callback(cfg: DictConfig) -> TrialPruning | None:
     if number is None or not pruner_cfg:
         return None
     from transformers_lab.run.overrides import hydra_config
-    from transformers_lab.sweeps.study import open_storage
+    from transformers_lab.sweeps.storage import open_storage
 
     hydra_cfg = hydra_config()
     sweeper = hydra_cfg.sweeper if hydra_cfg is not None else None
