@@ -49,6 +49,20 @@ NEEDS_MNIST = pytest.mark.skipif(
 )
 
 
+# the refusal of a checkpoint whose unpickling would call a function of its own choosing
+PLANTED = "planted.ckpt asks to run exec as it loads (it holds more than tensors"
+
+
+class Planted:
+    """Pickled, a call of ``exec`` that writes ``path``: what a crafted checkpoint does."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.path)!r}, 'w').write('ran')",)
+
+
 def case(entry: str, args: list[str], message: str, **options) -> pytest.param:
     """``tlab-<entry> <args>`` must fail with ``message`` in its error line. ``{name}`` in
     an argument or the message is a file of the ``files`` fixture; ``$NAME=value`` sets an
@@ -204,6 +218,8 @@ CASES = [
     ),
     case("train", ["ckpt_path={tmp}/nope.ckpt"], "no checkpoint at"),
     case("train", ["ckpt_path={junk}"], "junk.ckpt is not a checkpoint"),
+    # a checkpoint whose pickle would run code (it writes the file {ran}): none runs
+    case("train", ["ckpt_path={planted}"], PLANTED),
     # where the run goes
     case("train", ["$TLAB_ROOT={file}"], "cannot create the run dir in"),
     case("train", ["hydra.run.dir={file}/run"], "(Not a directory)"),
@@ -494,6 +510,7 @@ CASES = [
     case("eval", [], "ckpt_path is required"),
     case("eval", ["ckpt_path={tmp}/nope.ckpt"], "no checkpoint at"),
     case("eval", ["ckpt_path={plain}"], "holds no tlab_config"),
+    case("eval", ["ckpt_path={planted}"], PLANTED),
     case("eval", ["ckpt_path={vit}", "split=train"], "split=train is not one of val, test"),
     case("eval", ["ckpt_path={vit}", "+data.batch_size=0"], "batch_size must be an integer >= 1"),
     case("eval", ["ckpt_path={vit}", "logger=nope"], "unknown logger 'nope'"),
@@ -529,6 +546,7 @@ CASES = [
     # tlab-sample
     case("sample", ["ckpt_path={vit}"], "(DigitsDataModule) has no text tokenizer"),
     case("sample", ["ckpt_path={junk}"], "is not a checkpoint"),
+    case("sample", ["ckpt_path={planted}"], PLANTED),
     case("sample", ["ckpt_path={vit}", "temperature=-1"], "temperature must be >= 0, got -1"),
     case("sample", ["ckpt_path={vit}", "top_p=1.5"], "top_p must be in (0, 1], got 1.5"),
     case("sample", ["ckpt_path={vit}", "num_samples=0"], "num_samples must be an integer >= 1"),
@@ -557,10 +575,11 @@ def files(tmp_path_factory) -> dict[str, str]:
     train(compose_config("train", [*SMALL, *one_batch, *passkey], root / "passkey"))
     (root / "junk.ckpt").write_text("not a checkpoint")
     torch.save({"state_dict": {}}, root / "plain.ckpt")
+    torch.save({"state_dict": {}, "x": Planted(root / "ran")}, root / "planted.ckpt")
     (root / "file").write_text("a file where a folder should be")
     (root / "empty").mkdir()
     (root / "locked").mkdir(mode=0o500)
-    names = ("junk.ckpt", "plain.ckpt", "file", "empty", "locked")
+    names = ("junk.ckpt", "plain.ckpt", "planted.ckpt", "ran", "file", "empty", "locked")
     paths = {name.split(".")[0]: str(root / name) for name in names}
     paths |= {run: str(root / run / "checkpoints" / "last.ckpt") for run in ("vit", "passkey")}
     return {"real": str(REAL), **paths}
@@ -592,3 +611,4 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
     assert exit_.value.code == 2, err
     assert len(errors) == 1 and message.format(**files, tmp=tmp_path) in errors[0], err
     assert "Traceback" not in err
+    assert not Path(files["ran"]).exists(), "a checkpoint's pickle ran code"

@@ -2,7 +2,7 @@
 instantiating a node with the error of its target rather than Hydra's wrapping of it.
 
 The resolvers are registered on import; every entry point imports this module (through
-``run.build``)."""
+``run.components``)."""
 
 from __future__ import annotations
 
@@ -84,25 +84,31 @@ def compose_config(name: str, overrides: list[str], output_dir: str | Path) -> D
     return cfg
 
 
+def compose_option(group: str, name: str, dirs: Sequence[Path] = (CONF_DIR,)) -> dict[str, Any]:
+    """The option ``name`` of ``group`` (``attention``, or ``mixer``) as ``<group>=<name>``
+    composes it with ``dirs`` on the search path (its defaults applied), a plain dict
+    with ``_target_`` and the layer's switches left at their defaults dropped; inside a
+    running Hydra app (a hybrid stack's layer, named while the run is built) too."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    override = f"attention={name}" if group == "attention" else f"+{group}={name}"
+    overrides = [override, *searchpath_override(dirs)]
+    if GlobalHydra.instance().is_initialized():
+        cfg = compose("train", overrides=overrides)
+    else:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=overrides)
+    return without_default_parts(OmegaConf.to_container(cfg[group], resolve=True))
+
+
 def attention_configs(
     dirs: Sequence[Path] = (CONF_DIR,), names: Sequence[str] | None = None
 ) -> dict[str, dict[str, Any]]:
     """The options ``names`` (default: every one) of the ``attention`` group in ``dirs``
-    (``conf/`` and the user's config dirs), each composed as ``attention=<name>`` composes
-    it with ``dirs`` on the search path (its defaults applied), as plain dicts with
-    ``_target_``, by name."""
-    from hydra import compose, initialize_config_dir
-
+    (``conf/`` and the user's config dirs), each composed (``compose_option``), by name."""
     names = group_options("attention", dirs) if names is None else names
-    searchpath = searchpath_override(dirs)
-    configs = {}
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        for name in names:
-            cfg = compose("train", overrides=[f"attention={name}", *searchpath])
-            configs[name] = without_default_parts(
-                OmegaConf.to_container(cfg.attention, resolve=True)
-            )
-    return configs
+    return {name: compose_option("attention", name, dirs) for name in names}
 
 
 def layer_part_defaults() -> dict[str, Any]:
@@ -197,3 +203,50 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     for key, value in config.items():
         out.update(flatten(value, f"{prefix}{key}."))
     return out
+
+
+def layer_config(name: str, dirs: Sequence[Path] | None = None) -> dict[str, Any]:
+    """The config of a hybrid stack's layer ``name`` (``model.hybrid``): an option of the
+    attention group, composed as ``attention=<name>`` would be, or of the mixer group
+    (``base_conv``), found in and composed with ``dirs``: by default ``conf/`` and the
+    config dirs of the run's ``hydra.searchpath`` (``run_search_dirs``), the user's own."""
+    dirs = run_search_dirs() if dirs is None else list(dirs)
+    options = {g: group_options(g, dirs) for g in ("attention", "mixer")}
+    if name not in options["attention"] and name not in options["mixer"]:
+        valid = ["attention", *options["attention"], *options["mixer"]]
+        raise ConfigError(
+            f"model.hybrid: unknown layer {name!r}; valid ones are: {', '.join(valid)} "
+            "(attention: the model's own attention config; a kernel of your own config dir "
+            "needs hydra.searchpath=[file://DIR])"
+        )
+    return compose_option("attention" if name in options["attention"] else "mixer", name, dirs)
+
+
+def expand_hybrid(model: DictConfig, dirs: Sequence[Path] | None = None) -> DictConfig:
+    """The model config with each layer named in ``model.hybrid`` replaced by its config
+    (``layer_config``); ``attention`` stays, the model's own. Unchanged without a hybrid."""
+    hybrid = model.get("hybrid") if isinstance(model, DictConfig) else None
+    if hybrid is None:
+        return model
+    cache: dict[str, Any] = {}
+
+    def resolve(choice: Any) -> Any:
+        if not isinstance(choice, str) or choice == "attention":
+            return choice
+        if choice not in cache:
+            cache[choice] = layer_config(choice, dirs)
+        return cache[choice]
+
+    plain = OmegaConf.to_container(hybrid, resolve=True)
+    if isinstance(plain, dict):
+        expanded: Any = {k: resolve(v) for k, v in plain.items()}
+    elif isinstance(plain, list):
+        expanded = [resolve(v) for v in plain]
+    else:
+        raise ConfigError(
+            f"model.hybrid must be a list of layer choices ([base_conv,based]) or a mapping "
+            f"{{layer: choice}} ({{2: softmax}}), got {plain!r}"
+        )
+    plain_model = OmegaConf.to_container(model, resolve=True)
+    plain_model["hybrid"] = expanded
+    return OmegaConf.create(plain_model)

@@ -1,5 +1,5 @@
 """The error types that every layer of transformers_lab raises (a run stopped by a signal
-is ``run.fit.Interrupted``, beside the run that words it).
+is ``run.record.Interrupted``, beside the record that keeps it).
 
 Each says what went wrong and how to fix it, in one line; the entry points print it as
 ``error: <message>`` and exit with status 2 (``cli.user_errors``), or, for a run that

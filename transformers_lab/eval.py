@@ -26,70 +26,57 @@ from omegaconf import DictConfig, OmegaConf
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.build import build_loggers, call, use_cpu
-from transformers_lab.run.checkpoints import check_split, restore
-from transformers_lab.run.fit import metrics_dict, print_metrics
+from transformers_lab.run.checkpoints import SavedCheckpoint, check_split, read_checkpoint, restore
 from transformers_lab.run.lengths import (
-    check_depths,
-    check_lengths,
+    LengthOptions,
     evaluate_lengths,
-    quiet_trainer,
     write_lengths,
     write_position_losses,
 )
 from transformers_lab.run.loggers import finish_wandb
 from transformers_lab.run.preflight import check_config
+from transformers_lab.run.record import metrics_dict, print_metrics
+from transformers_lab.run.trainer import build_trainer, use_cpu
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("val", "test")
-LENGTH_KEYS = ("eval_lengths", "eval_depths", "loss_by_position")
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """The metrics of ``cfg.ckpt_path`` on ``cfg.split``."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
-    check_config(cfg)
+    lengths = check_config(cfg)
     if cfg.split not in SPLITS:
         raise ConfigError(f"split={cfg.split} is not one of {', '.join(SPLITS)}")
+    checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
     use_cpu(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    if any(cfg.get(key) is not None for key in LENGTH_KEYS):
-        return evaluate_at_lengths(cfg)
-    checkpoint, datamodule, task = restore(cfg.ckpt_path, cfg.get("data"))
+    if lengths is not None:
+        return evaluate_at_lengths(cfg, checkpoint, lengths)
+    _, datamodule, task = restore(checkpoint, cfg.get("data"))
     check_split(datamodule, cfg.split)
     trainer = None
     try:
-        trainer = call(cfg.trainer, "trainer", logger=build_loggers(cfg.get("logger")) or False)
+        trainer = build_trainer(cfg, purpose="evaluate")
         run = trainer.validate if cfg.split == "val" else trainer.test
         results = run(task, datamodule=datamodule)
     finally:
         finish_wandb(trainer)
     metrics = metrics_dict(results[0] if results else {})
-    print(
-        f"checkpoint: {cfg.ckpt_path} (epoch {checkpoint.get('epoch')}, "
-        f"step {checkpoint.get('global_step')})"
-    )
+    print(f"checkpoint: {cfg.ckpt_path} (epoch {checkpoint.epoch}, step {checkpoint.step})")
     print_metrics(metrics)
     return metrics
 
 
-def evaluate_at_lengths(cfg: DictConfig) -> dict[str, float]:
-    """``evaluate`` at each of ``cfg.eval_lengths`` (and needle depth): the metrics, also
+def evaluate_at_lengths(
+    cfg: DictConfig, checkpoint: SavedCheckpoint, lengths: LengthOptions
+) -> dict[str, float]:
+    """``evaluate`` at each of the ``lengths`` (and needle depth): the metrics, also
     written to ``lengths.csv`` (and the loss by position) in the run dir."""
-    if cfg.get("eval_lengths") is None:
-        given = next(key for key in LENGTH_KEYS if cfg.get(key) is not None)
-        raise ConfigError(
-            f"{given} needs eval_lengths, the lengths to score at, e.g. eval_lengths=[256,512]"
-        )
-    lengths = check_lengths(cfg.eval_lengths)
-    depths = check_depths(cfg.eval_depths) if cfg.get("eval_depths") is not None else None
-    buckets = cfg.get("loss_by_position")
-    if buckets is not None and not (isinstance(buckets, int) and buckets >= 1):
-        raise ConfigError(f"loss_by_position={buckets!r}: give a number of buckets >= 1, e.g. 16")
     data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") else {}
     metrics, positions, trained = evaluate_lengths(
-        cfg.ckpt_path, lengths, lambda: quiet_trainer(cfg), data, cfg.split, depths, buckets
+        checkpoint, lengths, lambda: build_trainer(cfg, purpose="score"), data, cfg.split
     )
     out = Path(cfg.paths.output_dir)
     print(f"checkpoint: {cfg.ckpt_path}")

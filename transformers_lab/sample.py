@@ -24,9 +24,9 @@ from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError, at_least
 from transformers_lab.models import GPT
 from transformers_lab.models.common import check_sampling
-from transformers_lab.run.build import use_cpu
-from transformers_lab.run.checkpoints import restore
+from transformers_lab.run.checkpoints import read_checkpoint, restore
 from transformers_lab.run.preflight import check_config, typed_options
+from transformers_lab.run.trainer import use_cpu
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ class SampleOptions:
 
 def load_generator(cfg: DictConfig) -> tuple[GPT, L.LightningDataModule]:
     """The GPT of the checkpoint (weights loaded) and the data module with its tokenizer."""
-    _, datamodule, task = restore(cfg.ckpt_path, cfg.get("data"))
+    checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
+    _, datamodule, task = restore(checkpoint, cfg.get("data"))
     if not isinstance(datamodule, TextData):
         raise ConfigError(
             f"the checkpoint's data ({type(datamodule).__name__}) has no text tokenizer to "

@@ -28,26 +28,28 @@ from transformers_lab.errors import RunStopped
 from transformers_lab.sweeps.plugins import register_plugins
 
 if TYPE_CHECKING:
+    from transformers_lab.run.checkpoints import SavedCheckpoint
     from transformers_lab.run.record import Outcome
 
 # Lightning, torch and the run's code are imported once Hydra has composed the config
 # (in the functions below): a command line it refuses is refused in about half a second.
 
 
-def fit_as_trial(cfg: DictConfig) -> Outcome:
-    """``fit_and_test``, reporting to the job's Optuna trial and pruned by its pruner
-    when the job is one (``trial`` and ``pruner`` set), else as it is."""
+def fit_as_trial(cfg: DictConfig, checkpoint: SavedCheckpoint | None = None) -> Outcome:
+    """``fit_and_test`` (resuming ``checkpoint``, which the job read), reporting to the
+    job's Optuna trial and pruned by its pruner when the job is one (``trial`` and
+    ``pruner`` set), else as it is."""
     from transformers_lab.run.fit import fit_and_test
     from transformers_lab.sweeps.pruning import pruning_callback
 
     pruning = pruning_callback(cfg)
-    return fit_and_test(cfg, callbacks=() if pruning is None else (pruning,))
+    return fit_and_test(cfg, checkpoint, callbacks=() if pruning is None else (pruning,))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
-    from transformers_lab.run.fit import Interrupted, say
     from transformers_lab.run.job import run_job
+    from transformers_lab.run.record import Interrupted, say
 
     with user_errors():
         try:

@@ -26,9 +26,9 @@ from transformers_lab.config import CONF_DIR
 from transformers_lab.errors import ConfigError, at_least
 from transformers_lab.models import GPT, Transformer
 from transformers_lab.models.transformer import check_beam
-from transformers_lab.run.build import use_cpu
-from transformers_lab.run.checkpoints import WrongModel, restore
+from transformers_lab.run.checkpoints import WrongModel, read_checkpoint, restore
 from transformers_lab.run.preflight import check_config, typed_options
+from transformers_lab.run.trainer import use_cpu
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule
     """The Transformer of the checkpoint (weights loaded) and its data module, tokenizer
     restored."""
     try:
-        _, datamodule, task = restore(cfg.ckpt_path, cfg.get("data"), Transformer, WANTED)
+        checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
+        _, datamodule, task = restore(checkpoint, cfg.get("data"), Transformer, WANTED)
     except WrongModel as exc:
         if issubclass(exc.found, GPT):  # the other generating tool takes it
             raise ConfigError(f"{exc}; tlab-sample generates text from it") from None

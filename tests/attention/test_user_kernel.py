@@ -21,7 +21,7 @@ from transformers_lab.cli import check_overrides
 from transformers_lab.config import CONF_DIR, compose_config
 from transformers_lab.errors import ConfigError
 from transformers_lab.nn.check import layer_failures
-from transformers_lab.run.build import build_datamodule, build_model
+from transformers_lab.run.components import build_datamodule, build_model
 
 from fake_data import fake_data_root
 

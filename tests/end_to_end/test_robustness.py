@@ -22,7 +22,8 @@ from transformers_lab.errors import NonFiniteError
 from transformers_lab.run.callbacks.safety import random_states, set_random_states
 from transformers_lab.run.checkpoints import AtomicCheckpointIO, Checkpoint, differences
 from transformers_lab.run.curves import history
-from transformers_lab.run.fit import Interrupted, fit_and_test, train
+from transformers_lab.run.fit import fit_and_test, train
+from transformers_lab.run.record import Interrupted
 from transformers_lab.train import main
 
 # this file's callbacks by module name, and fake_data beside it

@@ -25,7 +25,7 @@ from transformers_lab.attention import backends, check
 from transformers_lab.config import attention_configs, compose_config
 from transformers_lab.nn.multihead import MultiHeadAttention
 from transformers_lab.nn.parts import split_layer_parts
-from transformers_lab.run.build import build_model, compile_model
+from transformers_lab.run.components import build_model, compile_model
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,7 +17,8 @@ from transformers_lab.run.callbacks.safety import (
     set_random_states,
 )
 from transformers_lab.run.checkpoints import AtomicCheckpointIO, Checkpoint
-from transformers_lab.run.fit import Interrupted, interrupted
+from transformers_lab.run.fit import interrupted
+from transformers_lab.run.record import Interrupted
 
 
 def test_all_finite_sees_a_nan_or_inf_anywhere():

@@ -1,4 +1,5 @@
-"""checkpoints: reading one, its step, and refusing one that does not fit the run."""
+"""checkpoints: reading one, once and safely, its step, and refusing one that does not fit
+the run."""
 
 from __future__ import annotations
 
@@ -8,13 +9,21 @@ from omegaconf import OmegaConf
 
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.checkpoints import (
-    check_checkpoint,
+    SavedCheckpoint,
     check_resume,
+    check_weights,
     checkpoint_step,
     differences,
-    load_checkpoint,
-    saved_run,
+    read_checkpoint,
 )
+
+
+def load_checkpoint(path):
+    return read_checkpoint(path).contents
+
+
+def saved(contents, path="c.ckpt"):
+    return SavedCheckpoint(path, contents)
 
 
 def test_a_missing_or_foreign_file_is_refused_with_what_to_give(tmp_path):
@@ -101,59 +110,59 @@ def test_an_option_added_later_at_its_classs_default_is_no_difference():
 
 def test_weights_of_another_shape_are_refused_with_the_config_that_changed():
     module = torch.nn.Linear(2, 3)
-    saved = {"state_dict": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}
+    shapes = {"state_dict": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}
     with pytest.raises(ConfigError, match=r"different model config \(1 tensors \(weight\)\)"):
-        check_checkpoint(saved, module, "c.ckpt")
+        check_weights(saved(shapes), module)
     changed = check_resume(
-        {"tlab_config": {"model": {"d": 4}}}, {"model": {"d": 2}}, "c", ["model"]
+        saved({"tlab_config": {"model": {"d": 4}}}), {"model": {"d": 2}}, ["model"]
     )
     assert changed == ["model.d: 4 -> 2"]  # allowed to change, and named when shapes differ
     with pytest.raises(ConfigError, match=r"\(model.d: 4 -> 2\)"):
-        check_checkpoint(saved, module, "c.ckpt", changed)
-    check_checkpoint({"state_dict": module.state_dict()}, module, "c.ckpt")
+        check_weights(saved(shapes), module, changed)
+    check_weights(saved({"state_dict": module.state_dict()}), module)
 
 
 def test_a_resume_with_another_config_names_each_change(tmp_path):
     checkpoint = {"tlab_config": {"model": {"n": 2}, "data": {"root": "/a", "size": 1}}}
-    check_resume(checkpoint, {"model": {"n": 2}, "data": {"root": "/b", "size": 1}}, "c")
+    check_resume(saved(checkpoint), {"model": {"n": 2}, "data": {"root": "/b", "size": 1}})
     with pytest.raises(ConfigError, match=r"data.size: 1 -> 2.*resume_may_change"):
-        check_resume(checkpoint, {"model": {"n": 2}, "data": {"root": "/a", "size": 2}}, "c")
-    check_resume(checkpoint, {"model": {"n": 2}, "data": {"size": 2}}, "c", ["data"])
-    check_resume({}, {"model": {"n": 3}}, "c")  # no saved config: shapes only, later
+        check_resume(saved(checkpoint), {"model": {"n": 2}, "data": {"root": "/a", "size": 2}})
+    check_resume(saved(checkpoint), {"model": {"n": 2}, "data": {"size": 2}}, ["data"])
+    check_resume(saved({}), {"model": {"n": 3}})  # no saved config: shapes only, later
 
 
 def test_a_key_resume_may_change_does_not_have_is_refused_with_the_nearest():
     """``optimizer.lr`` is ``task.optimizer.lr`` in the sections a checkpoint holds: listed
     as it is, it would allow nothing, and the run would be refused for the change anyway."""
-    saved = {"task": {"optimizer": {"lr": 1e-3}}, "model": {"dropout": 0.1}}
-    checkpoint = {"tlab_config": saved}
+    config = {"task": {"optimizer": {"lr": 1e-3}}, "model": {"dropout": 0.1}}
+    checkpoint = {"tlab_config": config}
     now = {"task": {"optimizer": {"lr": 1e-2}}, "model": {"dropout": 0.1}}
     with pytest.raises(ConfigError, match=r"optimizer.lr names no key .*did you mean task.opt"):
-        check_resume(checkpoint, now, "c", ["optimizer.lr"])
+        check_resume(saved(checkpoint), now, ["optimizer.lr"])
     with pytest.raises(ConfigError, match=r"model.drpout names no .*did you mean model.dropout\?"):
-        check_resume(checkpoint, now, "c", ["model.drpout"])
+        check_resume(saved(checkpoint), now, ["model.drpout"])
     with pytest.raises(ConfigError, match=r"nope names no key .*\(--cfg job prints them\)"):
-        check_resume({}, now, "c", ["nope"])  # checked without a saved config too
-    check_resume(checkpoint, now, "c", ["task.optimizer.lr"])
-    check_resume(checkpoint, now, "c", ["task.optimizer", "model"])  # whole sections
+        check_resume(saved({}), now, ["nope"])  # checked without a saved config too
+    check_resume(saved(checkpoint), now, ["task.optimizer.lr"])
+    check_resume(saved(checkpoint), now, ["task.optimizer", "model"])  # whole sections
 
 
 def test_a_saved_run_takes_the_command_lines_data_options():
     checkpoint = {"tlab_config": {"model": {"d": 1}, "data": {"batch_size": 8, "root": "/a"}}}
-    run = saved_run(checkpoint, "c.ckpt", OmegaConf.create({"batch_size": 64}))
+    run = saved(checkpoint).run_config(OmegaConf.create({"batch_size": 64}))
     assert run.data == {"batch_size": 64, "root": "/a"} and run.model == {"d": 1}
     with pytest.raises(ConfigError, match="c.ckpt holds no tlab_config: it was not written"):
-        saved_run({}, "c.ckpt", None)
+        saved({}).run_config()
 
 
 def test_weights_that_do_not_fit_are_refused_and_fitting_ones_pass():
     task = torch.nn.Module()
     task.model = torch.nn.Linear(2, 2)  # a task's parameter names are "model.*"
     state = {f"model.{k}": torch.ones_like(v) for k, v in task.model.state_dict().items()}
-    check_checkpoint({"state_dict": state}, task, "c.ckpt")
+    check_weights(saved({"state_dict": state}), task)
     state["model.weight"] = torch.ones(3, 2)
     with pytest.raises(ConfigError, match="c.ckpt was saved from a different model config"):
-        check_checkpoint({"state_dict": state}, task, "c.ckpt")
+        check_weights(saved({"state_dict": state}), task)
 
 
 def test_only_our_models_checkpoints_have_their_block_keys_renamed(tmp_path):
@@ -175,3 +184,31 @@ def test_only_our_models_checkpoints_have_their_block_keys_renamed(tmp_path):
         "a.0.mixer.w",
         "b.0.attn.w",
     }
+
+
+class Planted:
+    """Pickled, a call of ``exec`` that writes ``path``: what a crafted checkpoint does."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.path)!r}, 'w').write('ran')",)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unless_trusted(tmp_path):
+    """Only tensors and plain values are unpickled: a checkpoint that calls a function
+    of its own choosing is refused in one line naming it, and nothing runs; with
+    ``trust_checkpoint=true`` (``trust``) it loads as torch would."""
+    ran = tmp_path / "ran"
+    torch.save({"state_dict": {}, "x": Planted(ran)}, tmp_path / "planted.ckpt")
+    with pytest.raises(ConfigError, match=r"asks to run exec as it loads .* trust_checkpoint=t"):
+        read_checkpoint(tmp_path / "planted.ckpt")
+    assert not ran.exists()
+    read_checkpoint(tmp_path / "planted.ckpt", trust=True)
+    assert ran.read_text() == "ran"
+
+
+def test_a_checkpoint_of_torchs_old_format_is_read_without_mapping(tmp_path):
+    torch.save({"global_step": 3}, tmp_path / "old.ckpt", _use_new_zipfile_serialization=False)
+    assert read_checkpoint(tmp_path / "old.ckpt").step == 3

@@ -6,7 +6,9 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
-from transformers_lab.run.fit import final_test, metrics_dict, nothing_left_to_train, print_metrics
+from transformers_lab.run.components import Components
+from transformers_lab.run.fit import final_test, nothing_left_to_train
+from transformers_lab.run.record import metrics_dict, print_metrics
 
 
 def test_metrics_become_sorted_floats(capsys):
@@ -20,7 +22,8 @@ def test_a_data_module_without_a_test_split_ends_with_validation(capsys):
     class NoTest(L.LightningDataModule):
         pass
 
-    assert final_test(None, None, NoTest(), "best.ckpt", True) == {}
+    parts = Components(NoTest(), torch.nn.Linear(1, 1), None)
+    assert final_test(None, parts, "best.ckpt", trained=True, trust=False) == {}
     assert "NoTest has no test split" in capsys.readouterr().out
 
 

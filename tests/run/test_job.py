@@ -32,7 +32,7 @@ def cfg_for(run_dir, **kw):
 
 
 def test_a_finished_job_records_its_outcome_and_returns_the_metric(tmp_path):
-    def fit(cfg):
+    def fit(cfg, checkpoint):
         assert read_record(tmp_path).status == "running"  # known as running meanwhile
         return Outcome({"val/acc": 0.5, "val/loss": 1.0}, 0.6, 10, {"best": "b", "last": "l"}, 7)
 
@@ -44,7 +44,7 @@ def test_a_finished_job_records_its_outcome_and_returns_the_metric(tmp_path):
 
 
 def test_a_failed_job_is_recorded_then_raises_outside_a_sweep(tmp_path):
-    def fit(cfg):
+    def fit(cfg, checkpoint):
         raise ValueError("bad size")
 
     with pytest.raises(ValueError, match="bad size"):
@@ -56,7 +56,7 @@ def test_a_failed_job_is_recorded_then_raises_outside_a_sweep(tmp_path):
 def test_in_a_sweep_a_failure_is_nan_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(job_module, "in_multirun", lambda: True)
 
-    def fit(cfg):
+    def fit(cfg, checkpoint):
         raise RuntimeError("boom")
 
     assert math.isnan(run_job(cfg_for(tmp_path), fit))
@@ -67,16 +67,17 @@ def test_in_a_sweep_a_failure_is_nan_and_the_sweep_goes_on(tmp_path, monkeypatch
 
 
 def test_skip_finished_returns_the_recorded_value_without_fitting(tmp_path, monkeypatch):
-    run_job(cfg_for(tmp_path), lambda cfg: Outcome({"val/acc": 0.9}, 0.9, 1, {}))
+    run_job(cfg_for(tmp_path), lambda cfg, checkpoint: Outcome({"val/acc": 0.9}, 0.9, 1, {}))
     monkeypatch.setattr(job_module, "job_overrides", lambda: ["skip_finished=true"])
 
-    def never(cfg):
+    def never(cfg, checkpoint):
         raise AssertionError("fitted again")
 
     assert run_job(cfg_for(tmp_path, skip_finished=True), never) == 0.9
     monkeypatch.setattr(job_module, "job_overrides", lambda: ["seed=1"])  # another job here
     assert (
-        run_job(cfg_for(tmp_path, skip_finished=True), lambda c: Outcome({}, None, 1, {})) is None
+        run_job(cfg_for(tmp_path, skip_finished=True), lambda c, _: Outcome({}, None, 1, {}))
+        is None
     )
     assert read_record(tmp_path).overrides == ["seed=1"]
 
@@ -96,7 +97,7 @@ def test_a_resumed_job_s_wall_time_counts_its_earlier_parts(tmp_path):
     path = tmp_path / "last.ckpt"
     torch.save({"global_step": 5, "callbacks": {"Checkpoint{'monitor': 'x'}": state}}, path)
 
-    def fit(cfg):
+    def fit(cfg, checkpoint):
         return Outcome({"val/acc": 0.5}, 0.5, 10, {"best": None, "last": None})
 
     run_job(cfg_for(tmp_path / "run", ckpt_path=str(path)), fit)

@@ -4,6 +4,8 @@ the loss by position (run.lengths, tlab-eval)."""
 from __future__ import annotations
 
 import csv
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +17,13 @@ from transformers_lab.config import compose_config
 from transformers_lab.data.base import IGNORE
 from transformers_lab.errors import ConfigError
 from transformers_lab.eval import evaluate
-from transformers_lab.run.build import build_datamodule, build_model
-from transformers_lab.run.checkpoints import load_checkpoint
+from transformers_lab.run.checkpoints import AtomicCheckpointIO, read_checkpoint
+from transformers_lab.run.components import build_datamodule, build_model
 from transformers_lab.run.fit import train
+from transformers_lab.run.job import run_job
 from transformers_lab.run.lengths import at_length, position_losses
+from transformers_lab.run.record import read_record
+from transformers_lab.train import fit_as_trial
 
 TINY = ["model=gpt", "model.n_layer=1", "model.d_model=16", "model.n_head=2"]
 TINY += ["trainer.max_steps=3", "task.sample_tokens=0"]
@@ -33,12 +38,12 @@ def by_hand(ckpt, data_overrides, model_block_size):
     """The mean next-token loss and accuracy over the supervised tokens of the saved
     run's validation batches, the data and model built at another length here, apart from
     run.lengths: the loop the tests hold it to."""
-    saved = load_checkpoint(ckpt)
-    data = OmegaConf.merge(saved["tlab_config"]["data"], data_overrides)
+    saved = read_checkpoint(ckpt)
+    data = OmegaConf.merge(saved.config["data"], data_overrides)
     datamodule = build_datamodule(data, saved)
-    model_cfg = OmegaConf.merge(saved["tlab_config"]["model"], {"block_size": model_block_size})
+    model_cfg = OmegaConf.merge(saved.config["model"], {"block_size": model_block_size})
     model = build_model(model_cfg, datamodule)
-    model.load_state_dict({k.removeprefix("model."): v for k, v in saved["state_dict"].items()})
+    model.load_state_dict({k.removeprefix("model."): v for k, v in saved.state_dict.items()})
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     with torch.no_grad():
@@ -149,6 +154,35 @@ def test_a_training_run_scores_its_best_checkpoint_at_the_lengths(generation_dat
     assert {"val/loss@16", "val/acc@32"} <= set(metrics)
     rows = list(csv.DictReader((tmp_path / "lengths.csv").open()))
     assert len(rows) == 8  # loss, acc, ppl, bpt at two lengths
+
+
+def test_a_resumed_run_reads_its_checkpoint_once_beside_lightnings_restore(
+    rope_ckpt, tmp_path, monkeypatch
+):
+    """The job reads the checkpoint it resumes once, and resume, its wall time and
+    metrics set aside share it; Lightning restores from it once more; the best checkpoint
+    of the resumed run is read once for all four lengths."""
+    reads, lightning = Counter(), Counter()
+    load, restore = torch.load, AtomicCheckpointIO.load_checkpoint
+
+    def counted(path, *args, **kwargs):
+        reads[Path(path).resolve()] += 1
+        return load(path, *args, **kwargs)
+
+    def lightnings(io, path, *args, **kwargs):
+        lightning[Path(path).resolve()] += 1
+        return restore(io, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted)
+    monkeypatch.setattr(AtomicCheckpointIO, "load_checkpoint", lightnings)
+    rope = [*TINY, "data=shakespeare_char", "data.block_size=16", "model.pos_encoding=rope"]
+    more = ["trainer.max_steps=5", f"ckpt_path={rope_ckpt}", "eval_lengths=[8,16,24,32]"]
+    run_job(compose_config("train", [*QUIET, *rope, *more], tmp_path), fit_as_trial)
+    record = read_record(tmp_path)
+    assert record.status == "ok" and "val/loss@32" in record.metrics, record.error
+    resumed, best = Path(rope_ckpt).resolve(), Path(record.checkpoints["best"]).resolve()
+    assert lightning == Counter({resumed: 1})
+    assert reads == Counter({resumed: 2, best: 1})
 
 
 def test_a_training_run_refuses_a_length_before_it_trains(generation_data, tmp_path):

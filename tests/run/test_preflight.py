@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.build import build_on_meta
+from transformers_lab.run.components import build_on_meta
 from transformers_lab.run.preflight import (
     NULL,
     POSITIVE_INT,
@@ -129,7 +129,7 @@ def test_a_build_that_reads_its_values_falls_back_from_meta_to_the_cpu():
     own (ValueError) goes up."""
     import torch
 
-    from transformers_lab.run.build import on_meta
+    from transformers_lab.run.components import on_meta
 
     assert on_meta(lambda: torch.ones(2).numpy()).tolist() == [1.0, 1.0]
     assert on_meta(lambda: torch.ones(2)).device.type == "meta"  # the cheap path first

@@ -21,7 +21,7 @@ from transformers_lab.cli import check_overrides, run_dir_folder
 from transformers_lab.config import CONF_DIR, compose_config
 from transformers_lab.errors import ConfigError
 from transformers_lab.eval import evaluate
-from transformers_lab.run.build import build_datamodule, build_model
+from transformers_lab.run.components import build_datamodule, build_model
 from transformers_lab.run.fit import train
 from transformers_lab.sample import sample
 
@@ -173,7 +173,7 @@ def test_every_option_of_the_plain_groups_composes(group, tmp_path):
     """Each option composes, and its keys are arguments of what it instantiates."""
     import inspect
 
-    from transformers_lab.run.build import target_class
+    from transformers_lab.run.components import target_class
 
     for path in sorted((CONF_DIR / group).glob("*.yaml")):
         cfg = compose_run("train", [f"{group}={path.stem}"], tmp_path / "r")

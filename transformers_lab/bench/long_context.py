@@ -73,7 +73,7 @@ def measure(
     from transformers_lab.bench.training import train_step
     from transformers_lab.config import compose_config
     from transformers_lab.nn import weight_decay_groups
-    from transformers_lab.run.build import build_datamodule, build_model
+    from transformers_lab.run.components import build_datamodule, build_model
 
     with tempfile.TemporaryDirectory() as tmp:
         chosen = [] if config else kernel_overrides(kernel)

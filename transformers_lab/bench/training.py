@@ -58,7 +58,7 @@ from hydra.utils import instantiate
 
 from transformers_lab.config import compose_config
 from transformers_lab.nn import weight_decay_groups
-from transformers_lab.run.build import build_datamodule, build_model
+from transformers_lab.run.components import build_datamodule, build_model
 from transformers_lab.run.memory import keep_freed_memory
 from transformers_lab.tasks import warmup_cosine
 

@@ -1,50 +1,41 @@
-"""One run, fit and tested as its config says (``fit_and_test``): check the config,
-build data, model, task and trainer, resume where a checkpoint is given, fit, test, and
-return its ``Outcome`` with what its seed fixed (``seeded``); what the run prints
-(``say``, ``report``), and its account of a stop by a signal (``Interrupted``, worded by
-``interrupted``). ``tlab-train`` runs it as a job (``run.job``)."""
+"""One run, fit and tested as its config says (``fit_and_test``), a line a step as a run
+takes them: the config checked (``preflight``), the checkpoint to resume read once and held
+to it (``checkpoints``), W&B named (``loggers``), data, model and task built
+(``components``), the trainer (``trainer``), fit, test and the evaluation past the trained
+length (``lengths``), and its ``Outcome`` (``record``) with what its seed fixed
+(``seeded``). ``tlab-train`` runs it as a job (``run.job``), which reads the checkpoint."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import shlex
-import signal
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig
 
-from transformers_lab.errors import ConfigError, RunStopped
 from transformers_lab.models import GPT, EncoderClassifier
-from transformers_lab.run.build import (
-    build_datamodule,
-    build_model,
-    build_task,
-    build_trainer,
-    compile_model,
-    use_cpu,
-)
 from transformers_lab.run.callbacks.safety import StopOnSignal
 from transformers_lab.run.checkpoints import (
-    check_checkpoint,
+    SavedCheckpoint,
     check_resume,
-    load_checkpoint,
+    check_weights,
+    read_checkpoint,
     resolved_sections,
 )
-from transformers_lab.run.lengths import score_lengths
+from transformers_lab.run.components import Components, build_components
+from transformers_lab.run.lengths import LengthOptions, score_lengths
 from transformers_lab.run.loggers import finish_wandb, log_hyperparameters, name_wandb_run
 from transformers_lab.run.overrides import job_overrides, override_key, sweep_resume
 from transformers_lab.run.preflight import check_config
-from transformers_lab.run.record import Outcome
+from transformers_lab.run.record import Interrupted, Outcome, metrics_dict, print_metrics, say
+from transformers_lab.run.trainer import build_trainer, lightning_refusals, use_cpu
 
 log = logging.getLogger(__name__)
 
@@ -54,92 +45,107 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return fit_and_test(cfg).metrics
 
 
-def fit_and_test(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Outcome:
-    """Fit and test as ``cfg`` says; ``callbacks`` join the trainer's (the caller's: a
-    study's pruning callback, ``sweeps.pruning``).
-
-    In order: the config is checked and the run built on the meta device (``preflight``);
-    a checkpoint to resume is read and its config held to this one, before any data is
-    read; data, model, task and trainer are built, the checkpoint's tensors held to the
-    task; then fit and test."""
+def fit_and_test(
+    cfg: DictConfig,
+    checkpoint: SavedCheckpoint | None = None,
+    callbacks: Sequence[L.Callback] = (),
+) -> Outcome:
+    """Fit and test as ``cfg`` says, resuming ``checkpoint`` (``cfg.ckpt_path``, already
+    read by the job; read here when not); ``callbacks`` join the trainer's (the caller's:
+    a study's pruning callback, ``sweeps.pruning``). Everything that can be refused is
+    refused before any data is read: the config, and the checkpoint's config against it."""
     say(f"run dir: {cfg.paths.output_dir}")
-    check_config(cfg)
-    name_wandb_run(cfg)  # the wandb logger's settings left null (group, name, id)
+    lengths = check_config(cfg)
     run_config = resolved_sections(cfg)  # model, data and task, as every checkpoint keeps them
-    checkpoint, changed = None, []
-    if cfg.get("ckpt_path"):  # resuming: the checkpoint's model, data and task config hold
-        checkpoint = load_checkpoint(cfg.ckpt_path)
-        may_change = cfg.get("resume_may_change") or ()
-        changed = check_resume(checkpoint, run_config, cfg.ckpt_path, may_change)
+    checkpoint, changed = resume(cfg, checkpoint, run_config)
+    name_wandb_run(cfg, checkpoint)
     use_cpu(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = build_datamodule(cfg.data)
-    model = build_model(cfg.model, datamodule)
-    compiled = compile_model(model) if cfg.get("compile") else None  # its weights as built
-    task = build_task(cfg.task, model, datamodule, run_config=run_config)
-    with lightning_refusals():
-        trainer = build_trainer(cfg, callbacks)
-    resumed_step = None
+    parts = build_components(cfg, checkpoint, run_config)
     if checkpoint is not None:  # and its tensors fit (a checkpoint with no saved config)
-        check_checkpoint(checkpoint, task, cfg.ckpt_path, changed)
-        resumed_step = checkpoint.get("global_step")
-        del checkpoint  # Lightning loads it again to restore the run
-    start = seeded(model, run_config.get("data"))  # what the seed fixed, for pairing
-    log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
-    if compiled:
-        say(compiled)
+        check_weights(checkpoint, parts.task, changed)
+    trainer = build_trainer(cfg, callbacks)
+    start = seeded(parts.model, run_config.get("data"))  # what the seed fixed, for pairing
+    log.info("model %s: %s parameters", type(parts.model).__name__, f"{parts.task.num_params:,}")
+    if parts.compiled:
+        say(parts.compiled)
     try:
-        with lightning_refusals():
-            log_hyperparameters(cfg, task, trainer)
-            training = cfg.get("train", True)
-            if training:
-                try:
-                    trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-                except SIGTERMException:  # SIGTERM or Ctrl+C: last.ckpt is saved
-                    raise interrupted(trainer, job_overrides(), sweep_resume()) from None
-                if resumed_step is not None and trainer.global_step == resumed_step:
-                    say(nothing_left_to_train(cfg, resumed_step))
-            metrics = metrics_dict(trainer.callback_metrics)
-            # read before testing: loading the best checkpoint restores the callback's state
-            checkpoints = {k: checkpoint_path(trainer, f"{k}_model_path") for k in ("best", "last")}
-            best = best_score(trainer)
-            pruned_at = pruned_step(trainer)
-            # without training, the checkpoint given (else the model as built); a pruned
-            # trial is not worth a test
-            if cfg.get("test") and pruned_at is None:
-                tested = checkpoints["best"] if training else cfg.get("ckpt_path")
-                metrics.update(final_test(trainer, task, datamodule, tested, training))
-            lengths = cfg.get("eval_lengths") and pruned_at is None
-            if lengths and trainer.global_rank == 0:  # past the trained length
-                scored = checkpoints["best"] or checkpoints["last"] or cfg.get("ckpt_path")
-                if scored is None:
-                    say("eval_lengths: the run saved no checkpoint to score at other lengths")
-                else:
-                    metrics.update(score_lengths(cfg, scored))
+        fitted = fit_and_score(cfg, parts, trainer, checkpoint, lengths)
     finally:
         finish_wandb(trainer)
-    report(metrics, checkpoints)
+    report(fitted.metrics, fitted.checkpoints)
+    model, task = parts.model, parts.task
     state = model.state_size() if isinstance(model, GPT | EncoderClassifier) else None
-    return Outcome(
-        metrics, best, task.num_params, checkpoints, state, pruned_at, start, task.layers
-    )
+    return Outcome(**fitted._asdict(), params=task.num_params, state_size=state, seeded=start,
+                   layers=task.layers)  # fmt: skip
 
 
-@contextlib.contextmanager
-def lightning_refusals() -> Iterator[None]:
-    """Lightning's word on a setting that cannot work, as a ``ConfigError``."""
-    try:
-        yield
-    except MisconfigurationException as exc:
-        raise ConfigError(f"Lightning refused the run: {exc}") from exc
-    except ValueError as exc:  # the same, where Lightning raises a plain ValueError
-        if not str(exc).strip().startswith("`val_check_interval`"):
-            raise
-        raise ConfigError(
-            f"Lightning refused the run: {str(exc).strip()} (here: trainer.val_check_interval "
-            "within an epoch, a fraction of one such as 0.25, or "
-            "trainer.check_val_every_n_epoch=null to count steps across epochs)"
-        ) from exc
+def resume(
+    cfg: DictConfig, checkpoint: SavedCheckpoint | None, run_config: dict[str, Any]
+) -> tuple[SavedCheckpoint | None, list[str]]:
+    """The checkpoint to resume (read once, here if the job has not: ``trust_checkpoint``
+    lets it hold more than tensors and plain values) held to the run's model, data and
+    task config, and the changes ``resume_may_change`` allowed; (None, []) without one."""
+    if not cfg.get("ckpt_path"):
+        return None, []
+    if checkpoint is None:
+        checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
+    may_change = cfg.get("resume_may_change") or ()
+    return checkpoint, check_resume(checkpoint, run_config, may_change)
+
+
+def fit_and_score(
+    cfg: DictConfig,
+    parts: Components,
+    trainer: L.Trainer,
+    checkpoint: SavedCheckpoint | None,
+    lengths: LengthOptions | None,
+) -> Fitted:
+    """Fit (unless ``train=false``), test (``test=true``) and score at other lengths."""
+    trust = bool(cfg.get("trust_checkpoint"))
+    with lightning_refusals():
+        log_hyperparameters(cfg, parts.task, trainer)
+        training = cfg.get("train", True)
+        if training:
+            try:
+                trainer.fit(
+                    parts.task,
+                    datamodule=parts.datamodule,
+                    ckpt_path=cfg.get("ckpt_path"),
+                    weights_only=not trust,
+                )
+            except SIGTERMException:  # SIGTERM or Ctrl+C: last.ckpt is saved
+                raise interrupted(trainer, job_overrides(), sweep_resume()) from None
+            if checkpoint is not None and trainer.global_step == checkpoint.step:
+                say(nothing_left_to_train(cfg, checkpoint.step))
+        metrics = metrics_dict(trainer.callback_metrics)
+        # read before testing: loading the best checkpoint restores the callback's state
+        saved = {k: checkpoint_path(trainer, f"{k}_model_path") for k in ("best", "last")}
+        best, pruned_at = best_score(trainer), pruned_step(trainer)
+        # without training, the checkpoint given (else the model as built); a pruned
+        # trial is not worth a test
+        if cfg.get("test") and pruned_at is None:
+            tested = saved["best"] if training else cfg.get("ckpt_path")
+            metrics.update(final_test(trainer, parts, tested, training, trust))
+        if lengths and pruned_at is None and trainer.global_rank == 0:  # past the trained length
+            scored = saved["best"] or saved["last"] or cfg.get("ckpt_path")
+            if scored is None:
+                say("eval_lengths: the run saved no checkpoint to score at other lengths")
+            else:
+                given = checkpoint is not None and Path(scored) == checkpoint.path
+                read = checkpoint if given else read_checkpoint(scored, trust)
+                metrics.update(score_lengths(cfg, read, lengths))
+    return Fitted(metrics, best, saved, pruned_at)
+
+
+class Fitted(NamedTuple):
+    """What fitting, testing and scoring gave: the final metrics, the monitored metric's
+    best value, the best and last checkpoints, the step a pruner stopped it at."""
+
+    metrics: dict[str, float]
+    best: float | None
+    checkpoints: dict[str, str | None]
+    pruned_at: int | None
 
 
 def pruned_step(trainer: L.Trainer) -> int | None:
@@ -160,14 +166,11 @@ def nothing_left_to_train(cfg: DictConfig, step: int) -> str:
 
 
 def final_test(
-    trainer: L.Trainer,
-    task: L.LightningModule,
-    datamodule: L.LightningDataModule,
-    checkpoint: str | None,
-    trained: bool,
+    trainer: L.Trainer, parts: Components, checkpoint: str | None, trained: bool, trust: bool
 ) -> dict[str, float]:
     """The test metrics of ``checkpoint`` (None: the weights in memory), or none when the
     data has no test split (the run then ends with its validation metrics)."""
+    datamodule = parts.datamodule
     if not is_overridden("test_dataloader", datamodule):
         say(
             f"test=true: {type(datamodule).__name__} has no test split, so the run ends "
@@ -178,28 +181,12 @@ def final_test(
         weights = "trained" if trained else "untrained (train=false)"
         log.warning("no checkpoint to test: testing the %s weights in memory", weights)
     try:
-        tested = trainer.test(task, datamodule=datamodule, ckpt_path=checkpoint)
+        tested = trainer.test(
+            parts.task, datamodule=datamodule, ckpt_path=checkpoint, weights_only=not trust
+        )
     except SIGTERMException:
         raise interrupted_testing(trainer, checkpoint) from None
     return metrics_dict(tested[0] if tested else {})
-
-
-class Interrupted(RunStopped):
-    """SIGTERM or SIGINT stopped the run after saving a checkpoint (``checkpoint``); the
-    best checkpoint so far and its score are ``best`` and ``best_score``."""
-
-    def __init__(
-        self,
-        message: str,
-        signal_name: str,
-        checkpoint: str | None,
-        best: str | None = None,
-        best_score: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.signal_name, self.checkpoint = signal_name, checkpoint
-        self.best, self.best_score = best, best_score
-        self.exit_code = 128 + getattr(signal, signal_name)  # the shell's convention
 
 
 def signal_name(trainer: L.Trainer) -> str:
@@ -269,22 +256,6 @@ def seeded(model: Any, data_config: Any) -> dict[str, Any]:
         "rng": digest(torch.get_rng_state().numpy().tobytes()),
         "params": params,
     }
-
-
-def metrics_dict(metrics: dict[str, Any]) -> dict[str, float]:
-    """Tensor metrics as plain floats, sorted by name."""
-    return {k: float(v) for k, v in sorted(metrics.items())}
-
-
-def say(*lines: str, file: Any = None) -> None:
-    """Print on the first process only (under DDP every process runs this script)."""
-    if rank_zero_only.rank == 0:
-        print(*lines, sep="\n", file=file or sys.stdout, flush=True)
-
-
-def print_metrics(metrics: dict[str, float]) -> None:
-    """The run's last lines: its final metrics, one per line."""
-    say("final metrics:", *(f"  {name}: {value:.6g}" for name, value in metrics.items()))
 
 
 def report(metrics: dict[str, float], checkpoints: dict[str, str | None]) -> None:

@@ -19,18 +19,29 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from transformers_lab.files import atomic_write
-from transformers_lab.run.checkpoints import checkpoint_step, checkpoint_time
+from transformers_lab.run.checkpoints import SavedCheckpoint, read_checkpoint
 from transformers_lab.run.curves import RESUMED_AT, retire, set_aside
-from transformers_lab.run.fit import Interrupted, say
 from transformers_lab.run.overrides import identity, in_multirun, job_overrides, same_job
-from transformers_lab.run.record import JobRecord, Monitor, Outcome, read_record, write_record
+from transformers_lab.run.record import (
+    Interrupted,
+    JobRecord,
+    Monitor,
+    Outcome,
+    read_record,
+    say,
+    write_record,
+)
 
 log = logging.getLogger(__name__)
 
 
-def run_job(cfg: DictConfig, fit: Callable[[DictConfig], Outcome]) -> float | None:
-    """Run ``fit(cfg)`` as a job: record it in ``<run dir>/result.json`` and return the
-    monitored metric (what a sweeper optimises).
+def run_job(
+    cfg: DictConfig, fit: Callable[[DictConfig, SavedCheckpoint | None], Outcome]
+) -> float | None:
+    """Run ``fit(cfg, checkpoint)`` as a job: record it in ``<run dir>/result.json`` and
+    return the monitored metric (what a sweeper optimises). ``checkpoint`` is
+    ``cfg.ckpt_path`` read once (``read_checkpoint``; None without one): the job's wall
+    time, its set-aside metrics and the fit all take it.
 
     The record says ``running`` from the start, so a job killed outright is known as
     such. In a multirun, a job that raises is recorded as failed and the sweep goes on,
@@ -48,23 +59,24 @@ def run_job(cfg: DictConfig, fit: Callable[[DictConfig], Outcome]) -> float | No
             return math.nan if earlier.objective is None else earlier.objective
         elif earlier.status in ("running", "interrupted") and not cfg.get("ckpt_path"):
             resume_own_checkpoint(cfg)
-    if cfg.get("ckpt_path"):  # a resume in a dir that holds metrics keeps them, set aside
-        set_aside_metrics(out, Path(cfg.ckpt_path))
-    elif rank_zero_only.rank == 0 and (old := retire(out)):
-        log.warning("%s held an earlier attempt's metrics: moved to %s", out, old.name)
     record = JobRecord(
         overrides=identity(overrides),
         run_dir=str(out),
         monitor=Monitor(cfg.monitor.metric, cfg.monitor.mode),
         trial=cfg.get("trial"),
     )
-    # a resumed job's wall time counts its earlier parts' (its checkpoint's fitting time);
-    # a checkpoint only evaluated (train=false) is no part of this job
-    resumed = cfg.get("ckpt_path") and cfg.get("train", True)
-    start = time.perf_counter() - (checkpoint_time(cfg.ckpt_path) if resumed else 0)
-    save(record, start)
+    start = time.perf_counter()
     try:
-        outcome = fit(cfg)
+        checkpoint = None
+        if cfg.get("ckpt_path"):
+            checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
+        keep_earlier_metrics(out, checkpoint)
+        # a resumed job's wall time counts its earlier parts' (its checkpoint's fitting
+        # time); a checkpoint only evaluated (train=false) is no part of this job
+        if checkpoint is not None and cfg.get("train", True):
+            start -= checkpoint.time_s
+        save(record, start)
+        outcome = fit(cfg, checkpoint)
     except Interrupted as exc:  # stop the sweep too: the user or the scheduler asked for it
         record.status, record.error = "interrupted", str(exc)
         record.monitor.best = exc.best_score
@@ -112,7 +124,17 @@ def resume_own_checkpoint(cfg: DictConfig) -> None:
             cfg.ckpt_path = str(last)
 
 
-def set_aside_metrics(out: Path, checkpoint: Path) -> None:
+def keep_earlier_metrics(out: Path, checkpoint: SavedCheckpoint | None) -> None:
+    """A resume (``checkpoint``) in a dir that holds metrics keeps them, set aside
+    (``set_aside_metrics``); a fresh start there moves them out of its curves
+    (``curves.retire``)."""
+    if checkpoint is not None:
+        set_aside_metrics(out, checkpoint)
+    elif rank_zero_only.rank == 0 and (old := retire(out)):
+        log.warning("%s held an earlier attempt's metrics: moved to %s", out, old.name)
+
+
+def set_aside_metrics(out: Path, checkpoint: SavedCheckpoint) -> None:
     """Move the stopped part's ``csv/`` to ``csv.<k>/`` before the job resumes in its own
     dir (Lightning's CSV logger would delete its metrics.csv), noting the step the next
     part starts at, so that ``tlab-summarize --curves`` joins the parts. Whether the
@@ -124,7 +146,7 @@ def set_aside_metrics(out: Path, checkpoint: Path) -> None:
     earlier = set_aside(out)
     k = 1 + int(earlier[-1].suffix[1:]) if earlier else 1
     aside = folder.rename(out / f"csv.{k}")
-    marker = {"step": checkpoint_step(checkpoint), "checkpoint": str(checkpoint)}
+    marker = {"step": checkpoint.step, "checkpoint": str(checkpoint.path)}
     atomic_write(aside / RESUMED_AT, json.dumps(marker) + "\n")
 
 

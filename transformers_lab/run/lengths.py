@@ -18,7 +18,7 @@ import csv
 import io
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
 import torch
@@ -28,10 +28,39 @@ from omegaconf import DictConfig, OmegaConf
 from transformers_lab.data.base import IGNORE
 from transformers_lab.errors import ConfigError
 from transformers_lab.files import atomic_write
-from transformers_lab.run.build import REFUSALS, call, data_refusal
-from transformers_lab.run.checkpoints import check_split, restore
+from transformers_lab.run.checkpoints import SavedCheckpoint, check_split, restore
+from transformers_lab.run.components import build_datamodule
+from transformers_lab.run.trainer import build_trainer
 
 Trainer = Callable[[], L.Trainer]
+LENGTH_KEYS = ("eval_lengths", "eval_depths", "loss_by_position")
+
+
+class LengthOptions(NamedTuple):
+    """What a run or ``tlab-eval`` scores past the trained length, parsed once
+    (``length_options``): the lengths, the needle depths at each, and the buckets of the
+    loss by position (None: not asked)."""
+
+    lengths: list[int]
+    depths: list[float] | None = None
+    buckets: int | None = None
+
+
+def length_options(cfg: DictConfig) -> LengthOptions | None:
+    """``eval_lengths``, ``eval_depths`` and ``loss_by_position`` of ``cfg`` checked and
+    parsed (None where none is given), else one line that says what to give."""
+    given = [key for key in LENGTH_KEYS if cfg.get(key) is not None]
+    if not given:
+        return None
+    if cfg.get("eval_lengths") is None:
+        raise ConfigError(
+            f"{given[0]} needs eval_lengths, the lengths to score at, e.g. eval_lengths=[256,512]"
+        )
+    depths = check_depths(cfg.eval_depths) if cfg.get("eval_depths") is not None else None
+    buckets = cfg.get("loss_by_position")
+    if buckets is not None and not (isinstance(buckets, int) and buckets >= 1):
+        raise ConfigError(f"loss_by_position={buckets!r}: give a number of buckets >= 1, e.g. 16")
+    return LengthOptions(check_lengths(cfg.eval_lengths), depths, buckets)
 
 
 def is_list(value: Any) -> bool:
@@ -81,37 +110,35 @@ def suffix(length: int, depth: float | None) -> str:
 
 
 def evaluate_lengths(
-    ckpt_path: str | Path,
-    lengths: Sequence[int],
+    checkpoint: SavedCheckpoint,
+    options: LengthOptions,
     trainer: Trainer,
     data: Any = None,
     split: str = "val",
-    depths: Sequence[float] | None = None,
-    buckets: int | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]], int]:
-    """The checkpoint's metrics on ``split`` at each of ``lengths`` (and each needle
-    ``depths``), named by ``suffix``; with ``buckets``, its loss by position at each
-    length (``position_losses``' rows); and the length it was trained at. ``data``
-    overrides entries of the saved data config. Every length is checked, model and
-    data, before the first is scored."""
-    first = restore(ckpt_path, data)
+    """The checkpoint's metrics on ``split`` at each of the ``options``' lengths (and each
+    needle depth), named by ``suffix``; with buckets, its loss by position at each length
+    (``position_losses``' rows); and the length it was trained at. ``data`` overrides
+    entries of the saved data config. Every length is checked, model and data, before
+    the first is scored; the checkpoint, read once, gives its weights to each."""
+    first = restore(checkpoint, data)
     check_split(first.datamodule, split)
     model = first.task.model
-    saved = OmegaConf.to_container(OmegaConf.create(first.checkpoint["tlab_config"]["data"]))
-    settings = plan(model, {**saved, **(data or {})}, lengths, depths, str(ckpt_path))
+    saved = {**checkpoint.config.get("data", {}), **(data or {})}
+    settings = plan(model, saved, options.lengths, options.depths, str(checkpoint.path))
     trained = model.block_size
     del first
     metrics: dict[str, float] = {}
     positions: list[dict[str, Any]] = []
     for (n, d), overrides in settings.items():
         context = {"block_size": max(n, trained)}  # a learned table keeps its size
-        run = restore(ckpt_path, {**(data or {}), **overrides}, model=context)
+        run = restore(checkpoint, {**(data or {}), **overrides}, model=context)
         score = trainer().validate if split == "val" else trainer().test
         results = score(run.task, datamodule=run.datamodule, verbose=False)
         for key, value in (results[0] if results else {}).items():
             metrics[f"{key}{suffix(n, d)}"] = float(value)
-        if buckets and d is None:
-            positions += position_losses(run.task.model, run.datamodule, buckets, split)
+        if options.buckets and d is None:
+            positions += position_losses(run.task.model, run.datamodule, options.buckets, split)
     return metrics, positions, trained
 
 
@@ -149,60 +176,33 @@ def plan(
         settings[n, d] = at_length(data, data["block_size"], n)
         if d is not None:
             settings[n, d]["depth"] = d
-        check_data(OmegaConf.create({**data, **settings[n, d]}), n)
+        config = OmegaConf.create({**data, **settings[n, d]})
+        build_datamodule(config, setup=False, where=f"at length {n}: ")
     return settings
 
 
-def check_length_options(cfg: DictConfig, model: Any) -> None:
-    """A run's ``eval_lengths`` and ``eval_depths``, refused before it trains (``model``:
-    the run built on the meta device, None where the config has no model)."""
-    if cfg.get("eval_lengths") is None:
-        raise ConfigError(
-            "eval_depths needs eval_lengths, the lengths to score at, e.g. eval_lengths=[256,512]"
-        )
-    lengths = check_lengths(cfg.eval_lengths)
-    depths = check_depths(cfg.eval_depths) if cfg.get("eval_depths") is not None else None
+def check_length_options(options: LengthOptions, cfg: DictConfig, model: Any) -> None:
+    """A run's lengths and depths, refused before it trains (``model``: the run built on
+    the meta device, None where the config has no model)."""
     if model is not None and cfg.get("data") is not None:
-        plan(model, OmegaConf.to_container(cfg.data, resolve=True), lengths, depths)
+        data = OmegaConf.to_container(cfg.data, resolve=True)
+        plan(model, data, options.lengths, options.depths)
 
 
-def score_lengths(cfg: DictConfig, ckpt_path: str | Path) -> dict[str, float]:
-    """A training run's evaluation step: its checkpoint scored at ``cfg.eval_lengths``
-    (and ``eval_depths``) on the validation split, with its trainer's accelerator and
+def score_lengths(
+    cfg: DictConfig, checkpoint: SavedCheckpoint, options: LengthOptions
+) -> dict[str, float]:
+    """A training run's evaluation step: its checkpoint scored at the ``options``'
+    lengths (and depths) on the validation split, with its trainer's accelerator and
     precision on one device (the first process of a DDP run scores, the others do not);
     the metrics, also in ``lengths.csv`` in the run dir."""
-    depths = list(cfg.eval_depths) if cfg.get("eval_depths") is not None else None
     one = {"devices": 1, "num_nodes": 1, "strategy": "auto"}  # after a DDP fit: one process
+    options = options._replace(buckets=None)
     metrics, _, _ = evaluate_lengths(
-        ckpt_path, list(cfg.eval_lengths), lambda: quiet_trainer(cfg, **one), depths=depths
+        checkpoint, options, lambda: build_trainer(cfg, purpose="score", **one)
     )
     write_lengths(metrics, Path(cfg.paths.output_dir))
     return metrics
-
-
-def quiet_trainer(cfg: DictConfig, **options: Any) -> L.Trainer:
-    """The config's trainer for one evaluation among many: no logger, no checkpoints, no
-    progress bar (``options`` override more of its arguments)."""
-    return call(
-        cfg.trainer,
-        "trainer",
-        logger=False,
-        callbacks=[],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **options,
-    )
-
-
-def check_data(config: DictConfig, length: int) -> None:
-    """Refuse, in one line naming the length, data that cannot be built there (a needle
-    that does not fit, too few MQAR keys for the pairs)."""
-    build = call(config, "data", _partial_=True)
-    try:
-        build()
-    except REFUSALS as exc:
-        raise ConfigError(f"at length {length}: {data_refusal(config, exc)}") from exc
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from transformers_lab.files import atomic_write
+from transformers_lab.run.checkpoints.saved import WANDB_ID
 from transformers_lab.run.overrides import (
     SEED_KEYS,
     in_multirun,
@@ -72,12 +73,13 @@ def wandb_logger(
     return logger
 
 
-def name_wandb_run(cfg: DictConfig) -> None:
+def name_wandb_run(cfg: DictConfig, checkpoint: Any = None) -> None:
     """Fill the wandb logger's settings left null: in a multirun, one group for the whole
     sweep (its directory's name), a job_type per swept choice, seeds aside, and a name
     with every swept setting, seeds included; otherwise the run name and the task name.
     Its id is the job's (``wandb_run_id``), with ``resume="allow"``: a job resumed from
-    its checkpoint goes on in the same wandb run, not a second one."""
+    its ``checkpoint`` (a ``SavedCheckpoint``) goes on in the same wandb run, not a
+    second one."""
     node = (cfg.get("logger") or {}).get("wandb")
     if node is None:
         return
@@ -94,26 +96,17 @@ def name_wandb_run(cfg: DictConfig) -> None:
         node.group = node.get("group") or group
         node.job_type = node.get("job_type") or job_type
         node.name = name
-        node.id = node.get("id") or wandb_run_id(cfg)
+        node.id = node.get("id") or wandb_run_id(cfg, checkpoint)
         node.resume = node.get("resume") or "allow"
 
 
-WANDB_ID = "wandb_id"  # a job dir's file: the wandb run its job logs to, resumes included
-
-
-def wandb_run_id(cfg: DictConfig) -> str:
-    """The wandb run id of this job: a resumed job's is the one its checkpoint's run dir
-    recorded (``wandb_id``), a new job's a fresh random one (a fresh run in a reused dir is
-    a new wandb run); written to the run dir, so a resume of this run finds it in turn."""
+def wandb_run_id(cfg: DictConfig, checkpoint: Any = None) -> str:
+    """The wandb run id of this job: a resumed job's is the one its ``checkpoint``'s run
+    dir recorded (``SavedCheckpoint.wandb_id``), a new job's a fresh random one (a fresh
+    run in a reused dir is a new wandb run); written to the run dir, so a resume of this
+    run finds it in turn."""
     out = Path(cfg.paths.output_dir)
-    run_id = uuid.uuid4().hex[:16]
-    if cfg.get("ckpt_path"):
-        checkpoint = Path(cfg.ckpt_path).resolve()
-        start = checkpoint.parent
-        if start.name == "checkpoints":
-            start = start.parent
-        if (start / WANDB_ID).is_file():
-            run_id = (start / WANDB_ID).read_text().strip()
+    run_id = (checkpoint.wandb_id if checkpoint is not None else None) or uuid.uuid4().hex[:16]
     if rank_zero_only.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(out / WANDB_ID, run_id + "\n")

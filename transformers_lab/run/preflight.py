@@ -2,7 +2,7 @@
 mistake is caught at once, as one ``ConfigError`` line that says what was wrong and how
 to fix it.
 
-The run is built as it will be, before any data is read (``run.build.build_on_meta``: the
+The run is built as it will be, before any data is read (``run.components.build_on_meta``: the
 data module constructed, the model and task on the meta device, with stand-ins for the
 sizes the data gives): their own constructors refuse what cannot work, in their words;
 nothing here re-states their rules. ``RULES`` holds what no constructor
@@ -10,7 +10,7 @@ owns (the trainer's, the optimizer's, the entry points' own keys); a key that th
 does not have (another model, another entry point) is skipped. The values a node gives
 one of our classes must have the types its constructor declares (``check_signature``).
 The checks that need the data (sizes, vocabularies, whether model and data fit together)
-run when the model is sized from it (``run.build.model_kwargs``), and those of a
+run when the model is sized from it (``run.components.model_kwargs``), and those of a
 checkpoint's contents when it is loaded.
 """
 
@@ -31,8 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.config import CONF_DIR, unknown_option
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.build import build_on_meta
-from transformers_lab.run.lengths import check_length_options
+from transformers_lab.run.components import build_on_meta
+from transformers_lab.run.lengths import LengthOptions, check_length_options, length_options
 from transformers_lab.tasks.schedules import RULES as SCHEDULE_RULES
 
 
@@ -350,8 +350,10 @@ def check_summary_keys(cfg: DictConfig) -> None:
             )
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Refuse a composed config of an entry point that cannot work (raises ``ConfigError``)."""
+def check_config(cfg: DictConfig) -> LengthOptions | None:
+    """Refuse a composed config of an entry point that cannot work (raises ``ConfigError``);
+    returns its evaluation past the trained length, parsed (``length_options``; None:
+    none asked)."""
     check_missing(cfg)
     check_rules(cfg)
     for section in ("model", "data", "task"):
@@ -377,5 +379,7 @@ def check_config(cfg: DictConfig) -> None:
         )
     check_summary_keys(cfg)
     built = build_on_meta(cfg)  # the constructors' own refusals, before the data is read
-    if cfg.get("eval_lengths") is not None or cfg.get("eval_depths") is not None:
-        check_length_options(cfg, built)  # before a run trains for them
+    options = length_options(cfg)
+    if options is not None:
+        check_length_options(options, cfg, built)  # before a run trains for them
+    return options

@@ -3,16 +3,24 @@
 It says ``running`` from the job's start, so a job killed outright is known as such, and
 is rewritten once the job ends: ``ok`` with its metrics, ``pruned`` (an Optuna trial its
 study stopped early) with the metrics it reached, ``failed`` with its error, or
-``interrupted`` with the checkpoint it saved. The summary reads nothing else.
+``interrupted`` with the checkpoint it saved. The summary reads nothing else. Beside it,
+what a run prints (``say``: on the first process only; its final metrics) and its stop by
+a signal (``Interrupted``), which the job records.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from lightning_utilities.core.rank_zero import rank_zero_only  # no torch: the summary's
+
+from transformers_lab.errors import RunStopped
 from transformers_lab.files import atomic_write
 
 RESULT_FILE = "result.json"
@@ -108,3 +116,47 @@ def read_record(run_dir: str | Path) -> JobRecord | None:
     except (OSError, ValueError):
         return None
     return JobRecord.from_dict(data) if isinstance(data, dict) else None
+
+
+class Interrupted(RunStopped):
+    """SIGTERM or SIGINT stopped the run after saving a checkpoint (``checkpoint``); the
+    best checkpoint so far and its score are ``best`` and ``best_score``."""
+
+    def __init__(
+        self,
+        message: str,
+        signal_name: str,
+        checkpoint: str | None,
+        best: str | None = None,
+        best_score: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.signal_name, self.checkpoint = signal_name, checkpoint
+        self.best, self.best_score = best, best_score
+        self.exit_code = 128 + getattr(signal, signal_name)  # the shell's convention
+
+
+def metrics_dict(metrics: dict[str, Any]) -> dict[str, float]:
+    """Tensor metrics as plain floats, sorted by name."""
+    return {k: float(v) for k, v in sorted(metrics.items())}
+
+
+def first_process() -> bool:
+    """Whether this is the first process of a run: by the rank Lightning set, or before
+    Lightning is loaded, by the launcher's (under DDP every process runs the script)."""
+    rank = getattr(rank_zero_only, "rank", None)
+    if rank is None:
+        ranks = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+        rank = next((int(os.environ[k]) for k in ranks if os.environ.get(k)), 0)
+    return rank == 0
+
+
+def say(*lines: str, file: Any = None) -> None:
+    """Print on the first process only."""
+    if first_process():
+        print(*lines, sep="\n", file=file or sys.stdout, flush=True)
+
+
+def print_metrics(metrics: dict[str, float]) -> None:
+    """The run's last lines: its final metrics, one per line."""
+    say("final metrics:", *(f"  {name}: {value:.6g}" for name, value in metrics.items()))

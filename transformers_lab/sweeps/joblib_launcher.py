@@ -42,9 +42,8 @@ from omegaconf import DictConfig
 
 from transformers_lab.files import atomic_write
 from transformers_lab.run.callbacks.safety import StopOnSignal, clear_noted_signal, note_signals
-from transformers_lab.run.fit import say
 from transformers_lab.run.overrides import sweep_resume
-from transformers_lab.run.record import read_record
+from transformers_lab.run.record import read_record, say
 
 log = logging.getLogger(__name__)
 

@@ -106,7 +106,7 @@ class Task(L.LightningModule):
     """
 
     # the names of the model classes a task trains, matched along a model's class
-    # hierarchy; empty: any model. ``run.build.build_task`` refuses a model of the project's
+    # hierarchy; empty: any model. ``run.components.build_task`` refuses a model of the project's
     # own classes (``MODEL_CLASSES``) that the task does not train
     trains: tuple[str, ...] = ()
 

@@ -1,5 +1,5 @@
-"""run.build: the data module sizes the model, the task gets its detokenizer and run
-config, callbacks and loggers are built as their groups say."""
+"""run.components and run.trainer: the data module sizes the model, the task gets its
+detokenizer and run config, callbacks and loggers are built as their groups say."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from omegaconf import OmegaConf
 from transformers_lab.data import SyntheticDataModule
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT
-from transformers_lab.run.build import (
-    build_callbacks,
+from transformers_lab.run.components import (
     build_model,
     build_task,
     call,
     compile_model,
     model_kwargs,
 )
+from transformers_lab.run.trainer import build_callbacks
 
 GPT_CONFIG = {"_target_": "transformers_lab.models.GPT", "n_layer": 1, "n_head": 2, "d_model": 16}
 TASK = {
@@ -119,7 +119,7 @@ def test_the_trainer_profiles_nothing_at_no_cost_unless_a_profiler_is_asked_for(
     from lightning.pytorch.profilers import SimpleProfiler
 
     from transformers_lab.config import compose_config
-    from transformers_lab.run.build import NoProfiler, build_trainer
+    from transformers_lab.run.trainer import NoProfiler, build_trainer
 
     cfg = compose_config("train", ["trainer.enable_progress_bar=false", "logger=csv"], tmp_path)
     trainer = build_trainer(cfg)

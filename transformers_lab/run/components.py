@@ -1,10 +1,9 @@
-"""From a composed config to Lightning objects: data, model, task, callbacks, loggers.
-
-The data flows one way: the data module is built first and tells the model what it
-needs (``model_kwargs()``: vocabulary, context, image geometry); the model is built with
-the kernel factory; the task wraps the model; the trainer gets callbacks and loggers.
-Whatever is wrong with the combination is reported here as a ``ConfigError``: one line
-that names the fix.
+"""The run's components from its config, in the order the data flows: the data module
+first (it tells the model what it needs: ``model_kwargs()``, vocabulary, context, image
+geometry), the model with its kernel factory, the task around it (``build_components``);
+or the model and task on the meta device, sized with stand-ins, for the preflight
+(``build_on_meta``). Each refusal of a combination is one ``ConfigError`` that names the
+fix. ``call`` instantiates a config, following a ``_target_`` that moved (``MOVED``).
 """
 
 from __future__ import annotations
@@ -16,30 +15,18 @@ import logging
 import os
 import re
 import sys
-import warnings
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ProgressBar
-from lightning.pytorch.loggers import Logger
-from lightning.pytorch.profilers import PassThroughProfiler
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from transformers_lab.config import (
-    CONF_DIR,
-    group_options,
-    run_search_dirs,
-    searchpath_override,
-    without_default_parts,
-)
+from transformers_lab.config import CONF_DIR, expand_hybrid
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.memory import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -134,64 +121,6 @@ def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
         raise ConfigError(f"{what}: {exc}") from exc
 
 
-def layer_config(name: str, dirs: Sequence[Path] | None = None) -> dict[str, Any]:
-    """The config of a hybrid stack's layer ``name`` (``model.hybrid``): an option of the
-    attention group, composed as ``attention=<name>`` would be, or of the mixer group
-    (``base_conv``), found in and composed with ``dirs``: by default ``conf/`` and the
-    config dirs of the run's ``hydra.searchpath`` (``run_search_dirs``), the user's own."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    running = GlobalHydra.instance().is_initialized()
-    dirs = run_search_dirs() if dirs is None else list(dirs)
-    options = {g: group_options(g, dirs) for g in ("attention", "mixer")}
-    if name not in options["attention"] and name not in options["mixer"]:
-        valid = ["attention", *options["attention"], *options["mixer"]]
-        raise ConfigError(
-            f"model.hybrid: unknown layer {name!r}; valid ones are: {', '.join(valid)} "
-            "(attention: the model's own attention config; a kernel of your own config dir "
-            "needs hydra.searchpath=[file://DIR])"
-        )
-    group = "attention" if name in options["attention"] else "mixer"
-    override = f"attention={name}" if group == "attention" else f"+mixer={name}"
-    if running:
-        cfg = compose("train", overrides=[override, *searchpath_override(dirs)])
-    else:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=[override, *searchpath_override(dirs)])
-    return without_default_parts(OmegaConf.to_container(cfg[group], resolve=True))
-
-
-def expand_hybrid(model: DictConfig, dirs: Sequence[Path] | None = None) -> DictConfig:
-    """The model config with each layer named in ``model.hybrid`` replaced by its config
-    (``layer_config``); ``attention`` stays, the model's own. Unchanged without a hybrid."""
-    hybrid = model.get("hybrid") if isinstance(model, DictConfig) else None
-    if hybrid is None:
-        return model
-    cache: dict[str, Any] = {}
-
-    def resolve(choice: Any) -> Any:
-        if not isinstance(choice, str) or choice == "attention":
-            return choice
-        if choice not in cache:
-            cache[choice] = layer_config(choice, dirs)
-        return cache[choice]
-
-    plain = OmegaConf.to_container(hybrid, resolve=True)
-    if isinstance(plain, dict):
-        expanded: Any = {k: resolve(v) for k, v in plain.items()}
-    elif isinstance(plain, list):
-        expanded = [resolve(v) for v in plain]
-    else:
-        raise ConfigError(
-            f"model.hybrid must be a list of layer choices ([base_conv,based]) or a mapping "
-            f"{{layer: choice}} ({{2: softmax}}), got {plain!r}"
-        )
-    plain_model = OmegaConf.to_container(model, resolve=True)
-    plain_model["hybrid"] = expanded
-    return OmegaConf.create(plain_model)
-
-
 def target_class(config: DictConfig) -> type:
     """The class (or function) a config's ``_target_`` names."""
     module, _, name = str(config._target_).rpartition(".")
@@ -212,18 +141,22 @@ REFUSALS = (ValueError, LookupError, TypeError)
 
 
 def build_datamodule(
-    config: DictConfig, checkpoint: dict[str, Any] | None = None
+    config: DictConfig, checkpoint: Any = None, setup: bool = True, where: str = ""
 ) -> L.LightningDataModule:
     """The data module of ``config``, ready to size a model: built, given the state that
-    ``checkpoint`` holds for it (the tokenizer a model was trained with), its files
-    fetched (``prepare_data``) and its splits set up, on the first local process (under
-    DDP the trainer sets up the others once that one has the files). A value that the
-    module refuses on the way, in its constructor or deep in a tokenizer's loader, is one
-    ``ConfigError`` that names the data config and the key (``data_refusal``)."""
+    ``checkpoint`` (a ``SavedCheckpoint``) holds for it (the tokenizer a model was trained
+    with), its files fetched (``prepare_data``) and its splits set up, on the first local
+    process (under DDP the trainer sets up the others once that one has the files); with
+    ``setup=False`` only constructed (nothing fetched or read: the preflight's). A value
+    that the module refuses on the way, in its constructor or deep in a tokenizer's
+    loader, is one ``ConfigError`` that names the data config and the key
+    (``data_refusal``), after ``where`` (``at length 256: ``)."""
     factory = call(config, "data", _partial_=True)  # a _target_ that cannot be imported
     try:
         datamodule = factory()
-        state = (checkpoint or {}).get(type(datamodule).__qualname__)
+        if not setup:
+            return datamodule
+        state = checkpoint.state_of(datamodule) if checkpoint is not None else None
         if state:
             datamodule.load_state_dict(state)
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
@@ -232,7 +165,7 @@ def build_datamodule(
     except ConfigError:
         raise
     except REFUSALS as exc:
-        raise ConfigError(data_refusal(config, exc)) from exc
+        raise ConfigError(where + data_refusal(config, exc)) from exc
     return datamodule
 
 
@@ -423,11 +356,7 @@ def build_on_meta(cfg: DictConfig) -> torch.nn.Module | None:
     gives)."""
     data, model, task = (cfg.get(key) for key in ("data", "model", "task"))
     if isinstance(data, DictConfig) and "_target_" in data:  # its constructor: nothing read
-        factory = call(data, "data", _partial_=True)
-        try:
-            factory()
-        except REFUSALS as exc:
-            raise ConfigError(data_refusal(data, exc)) from exc
+        build_datamodule(data, setup=False)
     if not isinstance(model, DictConfig) or "_target_" not in model:
         return None
     factory = model_factory(model)
@@ -509,95 +438,25 @@ def check_task_trains(task_class: type, model: torch.nn.Module) -> None:
     )
 
 
-class NoTips(logging.Filter):
-    """Lightning's advertisement, printed at every run (``💡 Tip: ...litlogger...``)."""
+class Components(NamedTuple):
+    """A run's data module, model and task (``task.model`` is ``model``), and the line
+    that says whether the model runs compiled (None: not asked)."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip")
-
-
-def quiet_known_noise() -> None:
-    """Silence what Lightning says at every run that tells a researcher nothing: its tip
-    (a log line), and the FutureWarning that its own code raises through torch's
-    deprecated ``LeafSpec`` (Lightning 2.6 on torch 2.10+; its message names the class,
-    so nothing else is hidden). Idempotent."""
-    warnings.filterwarnings(
-        "ignore",
-        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-        category=FutureWarning,
-    )
-    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, NoTips) for f in rank_zero.filters):
-        rank_zero.addFilter(NoTips())
+    datamodule: L.LightningDataModule
+    model: torch.nn.Module
+    task: Any
+    compiled: str | None = None
 
 
-def build_trainer(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
-    """The trainer of ``cfg.trainer`` with the callbacks and loggers of the run, and the
-    caller's ``extra_callbacks`` (a study's pruning callback: ``sweeps.pruning``, which
-    this package does not import)."""
-    quiet_known_noise()
-    loggers = build_loggers(cfg.get("logger"))
-    callbacks = build_callbacks(
-        cfg.get("callbacks"),
-        with_logger=bool(loggers),
-        progress_bar=cfg.trainer.get("enable_progress_bar", True),
-    )
-    callbacks.extend(extra_callbacks)
-    # without our ModelCheckpoint, Lightning would otherwise add a default one
-    checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
-    extra = {} if cfg.trainer.get("profiler") is not None else {"profiler": NoProfiler()}
-    return call(
-        cfg.trainer,
-        "trainer",
-        callbacks=callbacks,
-        logger=loggers or False,
-        enable_checkpointing=checkpointing,
-        **extra,
-    )
-
-
-class NoProfiler(PassThroughProfiler):
-    """Lightning's default profiler, which profiles nothing, without its cost: the trainer
-    enters ``profile()`` about 150 times a training step (once per callback and hook), and
-    Lightning's is a generator-based context manager, a few microseconds each; this one
-    hands back one shared no-op context."""
-
-    _NOTHING = contextlib.nullcontext()
-
-    def profile(self, action_name: str) -> contextlib.AbstractContextManager:
-        return self._NOTHING
-
-
-def use_cpu(cfg: DictConfig) -> None:
-    """Give torch the run's ``cpu_threads`` (null: torch's default), so that runs that share
-    a machine do not each take all of its cores; and with ``keep_freed_memory`` (true
-    unless set false), have malloc reuse freed tensors' memory rather than fault in fresh
-    pages for each large one (``run.memory``)."""
-    if cfg.get("cpu_threads"):
-        torch.set_num_threads(int(cfg.cpu_threads))
-    if cfg.get("keep_freed_memory", True):
-        keep_freed_memory()
-
-
-def build_callbacks(
-    config: DictConfig | None, with_logger: bool = True, progress_bar: bool = True
-) -> list[Callback]:
-    """The callbacks of the ``callbacks`` group (null entries are switched off); the
-    learning-rate monitor is left out without a logger, the bar when the trainer has none."""
-    callbacks = []
-    for name, node in (config or {}).items():
-        if node is None:
-            continue
-        callback = call(node, f"callbacks.{name}")
-        if isinstance(callback, LearningRateMonitor) and not with_logger:
-            log.info("no logger: the learning-rate monitor is left out")
-        elif not (isinstance(callback, ProgressBar) and not progress_bar):
-            callbacks.append(callback)
-    return callbacks
-
-
-def build_loggers(config: DictConfig | None) -> list[Logger]:
-    """The loggers of the ``logger`` group (null entries are switched off)."""
-    return [
-        call(node, f"logger.{name}") for name, node in (config or {}).items() if node is not None
-    ]
+def build_components(
+    cfg: DictConfig, checkpoint: Any = None, run_config: dict[str, Any] | None = None
+) -> Components:
+    """The data module, model and task of ``cfg`` (its ``data``, ``model`` and ``task``),
+    in that order: the data with the state ``checkpoint`` holds for it, the model sized
+    for the data and compiled where ``compile=true``, the task around it, saving
+    ``run_config`` in its checkpoints."""
+    datamodule = build_datamodule(cfg.data, checkpoint)
+    model = build_model(cfg.model, datamodule)
+    compiled = compile_model(model) if cfg.get("compile") else None  # its weights as built
+    task = build_task(cfg.task, model, datamodule, run_config=run_config)
+    return Components(datamodule, model, task, compiled)

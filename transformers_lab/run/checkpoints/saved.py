@@ -1,0 +1,196 @@
+"""A checkpoint read once, safely (``read_checkpoint``): memory-mapped, its pickle allowed
+only tensors, plain values and the project's own allow-listed types, an earlier
+version's names migrated; one ``SavedCheckpoint`` that resume, test, every evaluation
+length and the job's record share. Lightning's own restore reads through ``load_file``
+too (``AtomicCheckpointIO``)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from transformers_lab.errors import ConfigError
+from transformers_lab.nn.layers import migrate_block_keys
+from transformers_lab.run.components import moved_targets
+
+log = logging.getLogger(__name__)
+
+# what a user should give where a checkpoint is asked for
+GIVE_CHECKPOINT = "give ckpt_path=<run dir>/checkpoints/last.ckpt (or best) of a tlab-train run"
+
+# the types besides tensors and plain values that a checkpoint of ours may hold: none
+# today (a tokenizer's state, a loader's and a callback's are plain values), and a type
+# added here must hold data only: its unpickling may run no code of the file's choosing
+SAFE_TYPES: tuple[type, ...] = ()
+
+# the config sections that rebuild a run's model; stored in every checkpoint
+MODEL_SECTIONS = ("model", "data", "task")
+OUR_MODELS = "transformers_lab.models."
+# keys of our classes' saved configs that were renamed: (section, old name) -> new name
+RENAMED_KEYS = {("model", "max_len"): "block_size", ("data", "max_len"): "block_size"}
+WANDB_ID = "wandb_id"  # a run dir's file: the wandb run its job logs to, resumes included
+
+
+def checkpoint_file(path: str | Path) -> Path:
+    """``path`` if a file is there, else a ``ConfigError`` that says what to give."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no checkpoint at {path}; {GIVE_CHECKPOINT}")
+    return path
+
+
+def load_file(path: str | Path, trust: bool = False, mmap: bool = True) -> Any:
+    """What a checkpoint file holds, its tensors memory-mapped (``mmap``): with ``trust``
+    false (the default), only tensors, plain values and ``SAFE_TYPES`` are unpickled, and
+    a file that needs anything else is refused in one line that names the type, before
+    any of it is built. The one place a checkpoint file is opened."""
+    path = checkpoint_file(path)
+    try:
+        with torch.serialization.safe_globals(list(SAFE_TYPES)):
+            try:
+                return torch.load(path, map_location="cpu", weights_only=not trust, mmap=mmap)
+            except RuntimeError as exc:  # a file of torch's old format cannot be mapped
+                if not (mmap and "mmap can only be used" in str(exc)):
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=not trust)
+    except pickle.UnpicklingError as exc:
+        named = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if trust or named is None:
+            not_one = f"{path} is not a checkpoint ({first_line(exc)}); {GIVE_CHECKPOINT}"
+            raise ConfigError(not_one) from exc
+        raise ConfigError(
+            f"{path} asks to run {named[1]} as it loads (it holds more than tensors and plain "
+            f"values): refused, as such a file can run any code; if you trust whoever made "
+            f"it, load it with trust_checkpoint=true"
+        ) from None
+    except Exception as exc:  # torch.load fails in many ways on a file that is no checkpoint
+        not_one = f"{path} is not a checkpoint ({first_line(exc)}); {GIVE_CHECKPOINT}"
+        raise ConfigError(not_one) from exc
+
+
+def first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+class SavedCheckpoint:
+    """A checkpoint of ``tlab-train``, read once (``read_checkpoint``): its contents
+    (``contents``, tensors mapped from the file), the step and fitting time it was saved
+    at, the run dir that wrote it and that run's wandb id, and the model, data and task
+    config it was trained with (``config``, an earlier version's names migrated)."""
+
+    def __init__(self, path: str | Path, contents: dict[str, Any]) -> None:
+        self.path, self.contents = Path(path), contents
+
+    @property
+    def step(self) -> int | None:
+        step = self.contents.get("global_step")
+        return None if step is None else int(step)
+
+    @property
+    def epoch(self) -> int | None:
+        return self.contents.get("epoch")
+
+    @property
+    def time_s(self) -> float:
+        """The fitting time its run had spent when it was saved, its earlier parts
+        included (what the ``Checkpoint`` callback keeps); 0 where it holds none."""
+        states = self.contents.get("callbacks", {}).values()
+        found = (float(s["time_s"]) for s in states if isinstance(s, dict) and "time_s" in s)
+        return next(found, 0.0)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The resolved model, data and task config it was trained with (``tlab_config``);
+        empty for a checkpoint that tlab-train did not write."""
+        return self.contents.get("tlab_config") or {}
+
+    @property
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.contents.get("state_dict", {})
+
+    @property
+    def run_dir(self) -> Path:
+        """The run dir that wrote it: the folder above its ``checkpoints/``."""
+        folder = self.path.resolve().parent
+        return folder.parent if folder.name == "checkpoints" else folder
+
+    @property
+    def wandb_id(self) -> str | None:
+        """The wandb run its run logged to (the run dir's ``wandb_id``), if known."""
+        marker = self.run_dir / WANDB_ID
+        return marker.read_text().strip() or None if marker.is_file() else None
+
+    def state_of(self, module: Any) -> Any:
+        """The state it holds for ``module`` (a data module's tokenizer), by class name."""
+        return self.contents.get(type(module).__qualname__)
+
+    def run_config(self, data: Any = None, model: Any = None) -> DictConfig:
+        """Its model, data and task config, the command line's ``data.*`` merged (and
+        ``model.*``: the context of an evaluation at another length)."""
+        if not self.config:
+            raise ConfigError(
+                f"checkpoint {self.path} holds no tlab_config: it was not written by "
+                "tlab-train, so its model cannot be rebuilt; train with tlab-train, or load "
+                "it in Python"
+            )
+        run = OmegaConf.create(self.config)
+        run.data = OmegaConf.merge(run.data, data or {})
+        if model:
+            run.model = OmegaConf.merge(run.model, model)
+        return run
+
+
+def read_checkpoint(path: str | Path, trust: bool = False) -> SavedCheckpoint:
+    """A checkpoint read once (``load_file``), with a clear error when the file is not
+    there or is not a checkpoint; an earlier version's names are migrated in place."""
+    contents = load_file(path, trust)
+    if not isinstance(contents, dict):
+        raise ConfigError(
+            f"{path} is not a checkpoint (it holds a {type(contents).__name__}); {GIVE_CHECKPOINT}"
+        )
+    config = contents.get("tlab_config") or {}
+    ours = str((config.get("model") or {}).get("_target_", "")).startswith(OUR_MODELS)
+    if ours and migrate_block_keys(contents.get("state_dict", {})):
+        log.info("%s: an earlier version's checkpoint; Block.attn is Block.mixer now", path)
+    for key in migrate_config(config):
+        log.info("%s: an earlier version's checkpoint; %s is %s now", path, *key)
+    return SavedCheckpoint(path, contents)
+
+
+def migrate_config(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """Rename, in place, what an earlier version's saved config (``tlab_config``) names
+    otherwise: the keys of our classes (``RENAMED_KEYS``: the context is ``block_size``
+    everywhere) and the ``_target_`` of a class that moved (``components.MOVED``);
+    returns each (old, new) pair renamed."""
+    renamed = moved_targets(config)
+    for (section, old), new in RENAMED_KEYS.items():
+        node = config.get(section)
+        ours = isinstance(node, dict) and str(node.get("_target_", "")).startswith(
+            "transformers_lab."
+        )
+        if ours and old in node and new not in node:
+            node[new] = node.pop(old)
+            renamed.append((f"{section}.{old}", f"{section}.{new}"))
+    return renamed
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    """The training step a checkpoint was saved at, or None if it cannot be read (the
+    summary's curves fall back)."""
+    try:
+        return read_checkpoint(path).step
+    except ConfigError:
+        return None
+
+
+def resolved_sections(config: DictConfig, keys: tuple[str, ...] = MODEL_SECTIONS) -> dict:
+    """Plain, resolved copies of the config sections that rebuild a run's model: what
+    every checkpoint keeps (``tlab_config``), and what a resumed run is held to."""
+    return {k: OmegaConf.to_container(config[k], resolve=True) for k in keys if k in config}
