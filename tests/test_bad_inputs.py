@@ -14,10 +14,10 @@ import torch
 from transformers_lab.bench.generation import main as bench_generation_main
 from transformers_lab.bench.kernels import main as bench_kernels_main
 from transformers_lab.bench.long_context import main as bench_long_context_main
+from transformers_lab.check import main as check_main
 from transformers_lab.config import compose_config
 from transformers_lab.data import download
 from transformers_lab.eval import main as eval_main
-from transformers_lab.nn.check import main as check_main
 from transformers_lab.run.fit import train
 from transformers_lab.sample import main as sample_main
 from transformers_lab.train import main as train_main

@@ -5,6 +5,7 @@ particular to each kernel."""
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 
 import pytest
@@ -21,10 +22,12 @@ from transformers_lab.attention import (
     build_kernel,
 )
 from transformers_lab.attention import check as check_module
-from transformers_lab.attention.check import check_kernel, kernel_factory
+from transformers_lab.attention.check import check_kernel
 from transformers_lab.attention.gated.kernel import GatedKernel
 from transformers_lab.attention.performer import PerformerAttention
-from transformers_lab.nn.check import main as check_main
+from transformers_lab.attention.resolve import kernel_factory
+from transformers_lab.attention.testbed import build
+from transformers_lab.check import main as check_main
 
 B, H, D = 2, 3, 8
 NAMES = sorted(KERNELS)
@@ -147,7 +150,7 @@ def test_the_check_names_what_a_broken_kernel_breaks(cls, caught):
 def test_the_check_command_prints_a_line_per_failure_and_its_status(capsys):
     assert check_main(["softmax"]) == 0
     # the count is of the checks the checker defines and gives softmax: all but refusal
-    ran = check_module.checks_for(check_module.build(kernel_factory("softmax")))
+    ran = check_module.checks_for(build(kernel_factory("softmax")))
     assert ran == [name for name in check_module.CHECKS if name != "refusal"]
     out = capsys.readouterr().out
     ok = re.fullmatch(r"ok: softmax passes the (\d+) checks \((.*)\)\n", out)
@@ -263,6 +266,22 @@ def test_based_is_fastmax_p2_without_normalisation_on_feature_dim_wide_queries_a
     assert list(based.parameters()) == []  # the layer's projections are its only weights
     with pytest.raises(ValueError, match=r"based: kernel was built for qk_dim=6, n_head=3"):
         based(*qkv(7, 9))  # q and k of head_dim
+
+
+@pytest.mark.parametrize("name", ["linear", "based", "cosformer", "performer"])
+def test_a_linear_kernel_names_its_own_options_and_takes_the_engines(name):
+    """The engine's options are written once (``FeatureKernel``): a kernel's signature
+    lists them after its own, keyword only, with the engine's defaults, and passes them on."""
+    engine = {"chunk_size": 128, "impl": "auto", "compiled": False, "backend": "auto"}
+    params = inspect.signature(KERNELS[name]).parameters
+    assert list(params)[-4:] == list(engine)
+    assert all(params[key].kind is inspect.Parameter.KEYWORD_ONLY for key in engine)
+    assert {key: params[key].default for key in engine} == engine
+    kernel = KERNELS[name](8, 2, chunk_size=4, impl="linear", compiled=True, backend="loop")
+    got = (kernel.chunk_size, kernel.impl, kernel.compiled, kernel.backend)
+    assert got == (4, "linear", True, "loop")
+    with pytest.raises(ValueError, match=f"^{name}: chunk_size must be >= 1, got 0$"):
+        KERNELS[name](8, 2, chunk_size=0)
 
 
 def test_performer_features_are_seeded_orthogonal_and_redrawn_in_training_only():

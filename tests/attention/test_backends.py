@@ -9,7 +9,8 @@ import pytest
 import torch
 from hydra.utils import get_class
 
-from transformers_lab.attention import KERNELS, backends, build_kernel, check
+from transformers_lab.attention import KERNELS, backends, build_kernel
+from transformers_lab.attention.resolve import kernel_factory
 from transformers_lab.bench import kernels as bench
 from transformers_lab.bench.kernels import worker
 from transformers_lab.config import attention_configs
@@ -35,7 +36,7 @@ def test_the_kernels_each_fused_kernel_covers():
     }
     for name in COVERED:  # every option of a covered kernel says auto, and keeps it
         assert CONFIGS[name]["backend"] == "auto", name
-        assert check.kernel_factory(name)(head_dim=8, n_head=2).backend == "auto"
+        assert kernel_factory(name)(head_dim=8, n_head=2).backend == "auto"
 
 
 @pytest.mark.parametrize("name", COVERED)
@@ -48,8 +49,8 @@ def test_auto_takes_our_loop_on_a_cpu(name):
 
 @pytest.mark.parametrize("name", COVERED)
 def test_auto_on_a_cpu_gives_our_loop_bit_for_bit(name):
-    loop = check.kernel_factory(name, {"backend": "loop"})(head_dim=16, n_head=2)
-    auto = check.kernel_factory(name)(head_dim=16, n_head=2)
+    loop = kernel_factory(name, {"backend": "loop"})(head_dim=16, n_head=2)
+    auto = kernel_factory(name)(head_dim=16, n_head=2)
     auto.load_state_dict(loop.state_dict())
     torch.manual_seed(0)
     steps = 150 * loop.keys_per_token  # Gated DeltaProduct's n_h keys a token
@@ -104,8 +105,8 @@ def test_a_sliding_window_on_flex_takes_no_dropout():
 
 
 def flex_pair(name: str, **options):
-    loop = check.kernel_factory(name, {**options, "backend": "loop"})(head_dim=16, n_head=2)
-    flex = check.kernel_factory(name, {**options, "backend": "flex"})(head_dim=16, n_head=2)
+    loop = kernel_factory(name, {**options, "backend": "loop"})(head_dim=16, n_head=2)
+    flex = kernel_factory(name, {**options, "backend": "flex"})(head_dim=16, n_head=2)
     flex.load_state_dict(loop.state_dict())
     return loop, flex
 

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import get_class
 
-from transformers_lab.attention import check, fla_ops
+from transformers_lab.attention import fla_ops
+from transformers_lab.attention.resolve import kernel_factory, layer_factory
 from transformers_lab.config import attention_configs
 from transformers_lab.nn.multihead import MultiHeadAttention
 
@@ -89,9 +90,9 @@ def kernels(name: str, head_dim: int = 16, **options):
     """Our loop's kernel and fla's, the same parameters (our chunks of 16 where it has any)."""
     if "chunk_size" in inspect.signature(get_class(CONFIGS[name]["_target_"])).parameters:
         options = {"chunk_size": 16, **options}
-    factory = check.kernel_factory(name, {**options, "backend": "loop"})
+    factory = kernel_factory(name, {**options, "backend": "loop"})
     loop = factory(head_dim=head_dim, n_head=2)
-    fla = check.kernel_factory(name, {**options, "backend": "fla"})(head_dim=head_dim, n_head=2)
+    fla = kernel_factory(name, {**options, "backend": "fla"})(head_dim=head_dim, n_head=2)
     fla.load_state_dict(loop.state_dict())
     return loop, fla
 
@@ -210,13 +211,13 @@ def test_in_the_layer_with_its_parts_on_fla_equals_our_loop(interpreter, name):
     presets = ("gated_deltanet", "gla", "gated_deltaproduct", "rwkv7")
     parts = {} if name in presets else PARTS  # their presets' own
     torch.manual_seed(0)
-    layer = MultiHeadAttention(64, 4, check.layer_factory(name, {**parts, "backend": "loop"}))
+    layer = MultiHeadAttention(64, 4, layer_factory(name, {**parts, "backend": "loop"}))
     assert layer.parts.output_norm and layer.parts.output_gate  # the parts are on
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(0.05 * torch.randn_like(p))
     theirs = copy.deepcopy(layer)
-    theirs.kernel = check.kernel_factory(name, {**parts, "backend": "fla"})(head_dim=16, n_head=4)
+    theirs.kernel = kernel_factory(name, {**parts, "backend": "fla"})(head_dim=16, n_head=4)
     theirs.kernel.load_state_dict(layer.kernel.state_dict())
     x = torch.randn(2, 45, 64)
     found = []

@@ -21,8 +21,8 @@ from transformers_lab.attention.deltanet import DeltaNetAttention
 from transformers_lab.attention.gated.recurrence import chunked_recurrence
 from transformers_lab.attention.gla import GLAAttention
 from transformers_lab.attention.simple_gla import SimpleGLAAttention
+from transformers_lab.check import main as check_main
 from transformers_lab.config import searchpath_override
-from transformers_lab.nn.check import main as check_main
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = ROOT / "tests" / "user"

@@ -16,7 +16,9 @@ from hydra.utils import instantiate
 
 from tests.end_to_end.test_readme import readme_block  # the README's code blocks
 from transformers_lab.attention import KERNELS, AttentionKernel
-from transformers_lab.attention.check import build, checks_for, kernel_factory
+from transformers_lab.attention.check import checks_for
+from transformers_lab.attention.resolve import kernel_factory
+from transformers_lab.attention.testbed import build
 from transformers_lab.cli import check_overrides
 from transformers_lab.config import CONF_DIR, compose_config
 from transformers_lab.errors import ConfigError
@@ -39,11 +41,12 @@ def user_dir(tmp_path_factory) -> Path:
     return root
 
 
-def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def run(*args: str, cwd: Path, program: str = sys.executable) -> subprocess.CompletedProcess:
+    """``program`` (python, or a script of this venv) with ``args``, run from ``cwd``."""
     env = {**os.environ, "WANDB_MODE": "offline", "TLAB_ROOT": str(cwd)}
     env["PYTHONPATH"] = os.pathsep.join([str(cwd), env.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        [program, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )
 
 
@@ -58,7 +61,7 @@ def test_the_users_kernel_passes_the_check(user_dir, monkeypatch):
     ran = checks_for(build(factory))
     assert ran and layer_failures(factory) == ([], [])
     for target in ("my_kernels.distance.DistanceAttention", "my_conf/attention/distance.yaml"):
-        proc = run("-m", "transformers_lab.attention.check", target, cwd=user_dir)
+        proc = run(target, cwd=user_dir, program=str(Path(sys.executable).parent / "tlab-check"))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         said = rf"ok: {re.escape(target)} passes the (\d+) checks \((.*)\)\n"
         ok = re.fullmatch(said, proc.stdout)

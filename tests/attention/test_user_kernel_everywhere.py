@@ -16,13 +16,19 @@ import pytest
 
 from transformers_lab.attention import AttentionKernel, masked_softmax
 from transformers_lab.attention.__main__ import kernel_table
-from transformers_lab.attention.check import build, check_kernel, checks_for, kernel_factory
-from transformers_lab.attention.resolve import UnknownKernel, config_dirs, kernel_config
+from transformers_lab.attention.check import check_kernel, checks_for
+from transformers_lab.attention.resolve import (
+    UnknownKernel,
+    config_dirs,
+    kernel_config,
+    kernel_factory,
+)
+from transformers_lab.attention.testbed import build
 from transformers_lab.bench import generation, long_context
 from transformers_lab.bench import kernels as bench
+from transformers_lab.check import main as check_main
 from transformers_lab.config import searchpath_override
 from transformers_lab.nn.check import layer_failures
-from transformers_lab.nn.check import main as check_main
 
 USER = Path(__file__).parents[1] / "user"
 MY_CONF = USER / "my_conf"

@@ -35,7 +35,7 @@ SKIPPED = {
     + "; and several nodes",
     "tlab-train trainer=fsdp trainer.devices=4 experiment=gpt_shakespeare": NO_GPU,
     "tlab-train trainer=gpu trainer.precision=bf16-mixed compile=true": NO_GPU,
-    "python -m transformers_lab.attention.check gla --device cuda": NO_GPU
+    "tlab-check gla --device cuda": NO_GPU
     + " (tests/gpu runs it for every kernel on a GPU machine)",
     "tlab-train -m launcher=slurm": "needs a SLURM cluster: test_slurm.py runs such sweeps on "
     "the tests' own one-node cluster",
@@ -53,7 +53,7 @@ SMALL_GPT = ["model.n_layer=1", "model.d_model=32", "model.n_head=2"]
 LRA_SMALL = ["data.train_examples=64", "data.val_examples=16", "data.test_examples=16"]
 # extra overrides by the start of a command line (the first that matches)
 BUDGET = [
-    ("python -m transformers_lab.attention.check", []),
+    ("tlab-check", []),
     ("python -m transformers_lab.bench.kernels", ["--n", "128", "--repeats", "1", "--out", "b"]),
     (
         "python -m transformers_lab.bench.generation",

@@ -21,7 +21,10 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import get_class, instantiate
 
-from transformers_lab.attention import backends, check
+from transformers_lab.attention import backends
+from transformers_lab.attention.resolve import kernel_factory
+from transformers_lab.attention.testbed import modes
+from transformers_lab.check import main as check_main
 from transformers_lab.config import attention_configs, compose_config
 from transformers_lab.nn.multihead import MultiHeadAttention
 from transformers_lab.nn.parts import split_layer_parts
@@ -70,9 +73,9 @@ def grads(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", OPTIONS)
 def test_the_kernel_contract_holds_on_cuda(name, capsys):
-    """``python -m transformers_lab.attention.check NAME --device cuda``: every check of
-    the contract, the layer's included, in float64 on the GPU."""
-    status = check.main([name, "--device", "cuda"])
+    """``tlab-check NAME --device cuda``: every check of the contract, the layer's
+    included, in float64 on the GPU."""
+    status = check_main([name, "--device", "cuda"])
     out = capsys.readouterr()
     record("check", kernel=name, status=status, out=(out.out + out.err).strip()[-400:])
     assert status == 0, out.out + out.err
@@ -82,13 +85,13 @@ def test_the_kernel_contract_holds_on_cuda(name, capsys):
 
 
 def layer_and_inputs(name: str, **options: object):
-    factory = check.kernel_factory(name, dict(options))
+    factory = kernel_factory(name, dict(options))
     torch.manual_seed(0)
     layer = MultiHeadAttention(D_MODEL, HEADS, factory)
     with torch.no_grad():  # parameters off their initial values (zeros, ones)
         for p in layer.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    causal = True in check.modes(layer.kernel)
+    causal = True in modes(layer.kernel)
     return layer, torch.randn(2, N, D_MODEL), causal
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from transformers_lab.attention import KERNELS, FastmaxAttention
-from transformers_lab.attention.check import state_numbers
+from transformers_lab.attention.testbed import state_numbers
 from transformers_lab.models import GPT, EncoderClassifier, Transformer, ViT
 from transformers_lab.nn import ACTIVATIONS, POSITIONAL_ENCODINGS, weight_decay_groups
 

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from transformers_lab.attention import AttentionKernel, masked_softmax
-from transformers_lab.attention.base import GateInput, attention_mask
+from transformers_lab.attention.base import GateInput
 from transformers_lab.attention.check import check_kernel
+from transformers_lab.attention.masks import attention_mask
 from transformers_lab.attention.sliding_window import SlidingWindowAttention
+from transformers_lab.check import main as check_main
 from transformers_lab.models import GPT
 from transformers_lab.models.common import layer_choices, layer_names
 from transformers_lab.nn.check import layer_failures
-from transformers_lab.nn.check import main as check_main
 from transformers_lab.nn.mixers import BaseConv
 from transformers_lab.nn.multihead import MultiHeadAttention
 from transformers_lab.nn.parts import ShortConvolution

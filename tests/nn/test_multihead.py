@@ -16,7 +16,7 @@ from transformers_lab.attention import (
     call_with_heads,
     masked_softmax,
 )
-from transformers_lab.attention.base import attention_mask
+from transformers_lab.attention.masks import attention_mask
 from transformers_lab.models.gpt import GPT
 from transformers_lab.nn import MultiHeadAttention
 

@@ -106,7 +106,7 @@ def paper_slopes(n: int) -> list[float]:
 
 @pytest.mark.parametrize("heads", [8, 12])
 def test_alibi_slopes_and_bias_follow_the_paper(heads):
-    from transformers_lab.attention.base import alibi_bias, alibi_slopes
+    from transformers_lab.attention.masks import alibi_bias, alibi_slopes
 
     slopes = alibi_slopes(heads)
     assert slopes == pytest.approx(paper_slopes(heads), rel=1e-12)
@@ -126,7 +126,9 @@ SCORE_KERNELS = [name for name, cls in KERNELS.items() if cls.forms_scores]
 
 @pytest.mark.parametrize("kernel", SCORE_KERNELS)
 def test_every_kernel_that_forms_scores_takes_alibi_and_passes_the_contract(kernel):
-    from transformers_lab.attention.check import check_kernel, kernel_factory, with_alibi
+    from transformers_lab.attention.check import check_kernel
+    from transformers_lab.attention.resolve import kernel_factory
+    from transformers_lab.attention.testbed import with_alibi
 
     assert check_kernel(with_alibi(kernel_factory(kernel))) == []
     plain = build_kernel(kernel, head_dim=D, n_head=H).double()

@@ -19,7 +19,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from transformers_lab.attention.base import attention_mask
+from transformers_lab.attention.masks import attention_mask
 from transformers_lab.nn.layers import PositionalEncoding
 
 

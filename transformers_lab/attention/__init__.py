@@ -5,8 +5,7 @@ and called as ``kernel(q, k, v, causal=..., key_padding_mask=...)``; see ``base`
 contract. A kernel class registers itself under its ``name`` when its module is imported;
 every module of this package is imported here, so a new kernel is one file (and its yaml
 in ``conf/attention/``). ``build_kernel("fastmax", head_dim=32, n_head=4, p=2)`` builds
-one by name; ``python -m transformers_lab.attention.check NAME`` checks one against the
-contract.
+one by name; ``tlab-check NAME`` checks one against the contract (``check``).
 """
 
 from __future__ import annotations
@@ -16,14 +15,8 @@ import pkgutil
 from functools import partial
 from typing import Any
 
-from transformers_lab.attention.base import (
-    REGISTRY,
-    AttentionKernel,
-    Memory,
-    attention_mask,
-    call_with_heads,
-    masked_softmax,
-)
+from transformers_lab.attention.base import REGISTRY, AttentionKernel, Memory, call_with_heads
+from transformers_lab.attention.masks import attention_mask, masked_softmax
 
 # import every kernel module of the package, so that its classes register themselves
 for _module in pkgutil.iter_modules(__path__):
@@ -31,6 +24,7 @@ for _module in pkgutil.iter_modules(__path__):
         "base",
         "naive",
         "check",
+        "testbed",
         "resolve",
     ):
         importlib.import_module(f"{__name__}.{_module.name}")

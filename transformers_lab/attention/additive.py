@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from transformers_lab.attention import naive
-from transformers_lab.attention.base import AttentionKernel, attention_mask, masked_softmax
+from transformers_lab.attention.base import AttentionKernel
+from transformers_lab.attention.masks import attention_mask, masked_softmax
 
 # The transient memory of one chunk, in (B, H, C, Nk, attn_dim) tensors: the forward holds
 # one (the pre-activation, squashed in place), the backward one (recomputed, turned into

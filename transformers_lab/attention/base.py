@@ -17,8 +17,11 @@ fully masked query) when the kernel declares ``normalized = True``.
 
 A kernel class registers itself under its ``name`` when it is defined (``REGISTRY``), and
 carries its own reference, ``reference_weights``: the weights by its formula, written
-naively in float64, against which ``python -m transformers_lab.attention.check`` holds
-the fast paths. A new kernel is one file and one yaml.
+naively in float64, against which the kernel check (``tlab-check``) holds the fast paths.
+A new kernel is one file and one yaml.
+
+The masks and ALiBi's bias that kernels which form scores share are in ``masks``; the
+kernels that weigh each key on its own (sigmoid, ReLU) subclass ``keywise``'s base.
 """
 
 from __future__ import annotations
@@ -26,84 +29,16 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from transformers_lab.attention import naive
 from transformers_lab.attention.backends import check_backend
+from transformers_lab.attention.masks import alibi_bias, alibi_slopes, attention_mask
 
 log = logging.getLogger(__name__)
-
-
-def attention_mask(
-    nq: int,
-    nk: int,
-    *,
-    causal: bool,
-    key_padding_mask: Tensor | None,
-    device: torch.device,
-) -> Tensor | None:
-    """Boolean mask of the (query, key) pairs that may attend, True = allowed.
-
-    Returns ``None`` when nothing is masked, ``(Nq, Nk)`` for a causal mask alone, and
-    ``(B, 1, Nq, Nk)`` when a key padding mask is given.
-    """
-    allowed = None
-    if causal:
-        i = torch.arange(nq, device=device)[:, None]
-        j = torch.arange(nk, device=device)[None, :]
-        allowed = j <= i + (nk - nq)  # (Nq, Nk), queries aligned to the last Nq keys
-    if key_padding_mask is not None:
-        keep = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, Nk)
-        allowed = keep if allowed is None else allowed & keep
-    return allowed
-
-
-def alibi_slopes(n_head: int) -> list[float]:
-    """The head slopes of ALiBi (Press et al., 2022): the geometric sequence that starts
-    at 2^(-8/n) with that ratio, for n heads; for n not a power of two, those of the
-    largest power of two below n, then every other slope of twice that many heads."""
-
-    def geometric(n: int) -> list[float]:
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (i + 1) for i in range(n)]
-
-    if n_head & (n_head - 1) == 0:
-        return geometric(n_head)
-    m = 2 ** math.floor(math.log2(n_head))
-    return geometric(m) + geometric(2 * m)[0::2][: n_head - m]
-
-
-def alibi_bias(slopes: Tensor, nq: int, nk: int) -> Tensor:
-    """(H, Nq, Nk): -slope_h |i + (Nk - Nq) - j|, the distance of key j from query i with
-    the queries aligned to the last Nq keys (a causal mask keeps j <= i; an encoder sees
-    both sides at the same cost)."""
-    i = torch.arange(nq, device=slopes.device)[:, None] + (nk - nq)
-    j = torch.arange(nk, device=slopes.device)[None, :]
-    return -slopes[:, None, None] * (i - j).abs().to(slopes.dtype)
-
-
-def visible_keys(
-    allowed: Tensor | None, nq: int, nk: int, device: torch.device | None = None
-) -> Tensor:
-    """How many keys each query may see, shaped to divide a (·, ·, Nq, Nk) tensor: all
-    Nk when nothing is masked."""
-    if allowed is None:
-        return torch.full((nq, 1), nk, device=device)
-    return allowed.sum(dim=-1, keepdim=True)
-
-
-def masked_softmax(scores: Tensor, allowed: Tensor | None) -> Tensor:
-    """Softmax over the last dim that gives masked entries (and fully masked rows) zero."""
-    if allowed is None:
-        return scores.softmax(dim=-1)
-    # A finite fill keeps fully masked rows finite (uniform) before they are zeroed below.
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    return scores.softmax(dim=-1).masked_fill(~allowed, 0.0)
 
 
 @dataclass
@@ -548,57 +483,3 @@ def _or_zeros(mask: Tensor | None, k: Tensor) -> Tensor:
     if mask is not None:
         return mask
     return torch.zeros(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
-
-
-class KeywiseAttention(AttentionKernel, register=False):
-    """A kernel that weighs each key on its own, ``f(s q·k + bias, n)`` with n the number
-    of keys the query may see, and does not normalise over the keys (sigmoid and ReLU
-    attention). Counting only the visible keys keeps a causal query's weights the same in
-    a full forward and in decoding. A subclass gives ``activate`` (on tensors) and
-    ``reference_activate`` (in float64); the masks, the scale and ALiBi are shared.
-
-    Args:
-        scale: s; None means 1/sqrt(head_dim).
-    """
-
-    normalized = False
-    forms_scores = True
-
-    def __init__(
-        self, head_dim: int, n_head: int, dropout: float = 0.0, scale: float | None = None
-    ) -> None:
-        super().__init__(head_dim, n_head, dropout)
-        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, scale={self.scale:.4g}"
-
-    def activate(self, scores: Tensor, n: Tensor) -> Tensor:
-        """The weights from the scores (ALiBi's bias added) and the visible keys n."""
-        raise NotImplementedError
-
-    def reference_activate(self, scores: Tensor, n: Tensor) -> Tensor:
-        """``activate`` written naively, in float64 (n >= 1)."""
-        raise NotImplementedError
-
-    def weights(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        self.check_inputs(q, k, None, key_padding_mask)
-        nq, nk = q.shape[2], k.shape[2]
-        allowed = attention_mask(
-            nq, nk, causal=causal, key_padding_mask=key_padding_mask, device=q.device
-        )
-        n = visible_keys(allowed, nq, nk, q.device).clamp(min=1).to(q.dtype)
-        scores = (q @ k.transpose(-2, -1)) * self.scale
-        w = self.activate(scores + self.score_bias(nq, nk, scores), n)
-        return w if allowed is None else w.masked_fill(~allowed, 0.0)
-
-    def reference_weights(
-        self, q: Tensor, k: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None
-    ) -> Tensor:
-        allowed = naive.pair_mask(q, k, causal, key_padding_mask)
-        n = allowed.sum(-1, keepdim=True).double()
-        scores = self.scale * naive.dot(q, k) + self.reference_bias(q.shape[2], k.shape[2])
-        w = self.reference_activate(scores, torch.where(n > 0, n, 1.0))
-        return torch.where(allowed, w, torch.zeros_like(w))

@@ -12,6 +12,7 @@ the values stay ``head_dim`` wide."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from torch import Tensor
 
@@ -39,21 +40,9 @@ class BasedAttention(FeatureKernel):
         n_head: int,
         dropout: float = 0.0,
         feature_dim: int = 16,
-        chunk_size: int = 128,
-        impl: str = "auto",
-        compiled: bool = False,
-        backend: str | None = "auto",
+        **engine: Any,
     ) -> None:
-        super().__init__(
-            head_dim,
-            n_head,
-            dropout,
-            p=2,
-            chunk_size=chunk_size,
-            impl=impl,
-            compiled=compiled,
-            backend=backend,
-        )
+        super().__init__(head_dim, n_head, dropout, p=2, **engine)
         if isinstance(feature_dim, bool) or not (isinstance(feature_dim, int) and feature_dim > 0):
             raise ValueError(f"based: feature_dim must be a positive int, got {feature_dim!r}")
         self.feature_dim = feature_dim

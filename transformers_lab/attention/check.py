@@ -1,17 +1,17 @@
 """The kernel contract, checked on any kernel, the user's own included::
 
-    python -m transformers_lab.attention.check fastmax p=1
-    python -m transformers_lab.attention.check fastmax_p2
-    python -m transformers_lab.attention.check mine --config-dir my_conf
-    python -m transformers_lab.attention.check my_package.kernels.MyKernel scale=0.5
-    python -m transformers_lab.attention.check my_conf/attention/mine.yaml
-    python -m transformers_lab.attention.check gla --device cuda
+    tlab-check fastmax p=1
+    tlab-check fastmax_p2
+    tlab-check mine --config-dir my_conf
+    tlab-check my_package.kernels.MyKernel scale=0.5
+    tlab-check my_conf/attention/mine.yaml
+    tlab-check gla --device cuda
 
 TARGET is any name the ``attention`` group takes (the user's own with ``--config-dir DIR``
 or ``hydra.searchpath=[file://DIR]``, as ``tlab-train`` takes it), a registered kernel, a
 class path ``package.module.Class``, or a kernel's yaml (``attention/resolve.py``);
 ``key=value`` pairs are kernel options. The checks, on float64 inputs with the kernel's
-learned parameters moved off their initial values:
+learned parameters moved off their initial values (``testbed``):
 
 - ``shapes``: self- and cross-attention (Nq != Nk, Dv != D) give (B, H, Nq, Dv), finite;
 - ``reference``: the kernel defines ``reference_weights``, and ``forward`` equals its
@@ -39,180 +39,59 @@ learned parameters moved off their initial values:
 
 A kernel that declares gate inputs (``AttentionKernel.gate_inputs``) gets them, in the
 checks above, as a fixed function of each token's key, so that every call sees the same
-gates for the same token. The command line also checks the multi-head layer around the
-kernel, where the kernel's config switches on a part of the layer or the kernel declares
-gate inputs, and with ``--device cuda`` its placement on the GPU (``nn.check``, a floor
-up: the layer is ``nn``'s).
+gates for the same token. ``tlab-check`` (``transformers_lab.check``) also checks the
+multi-head layer around the kernel, where the kernel's config switches on a part of the
+layer or the kernel declares gate inputs, and with ``--device cuda`` its placement on the
+GPU (``nn.check``: the layer is ``nn``'s). ``python -m transformers_lab.attention.check``
+takes the same arguments and runs the kernel's own checks, then says in one line that
+``tlab-check`` checks the layer around it.
 
 One line per failure, and exit status 1 if any; ``ok`` and exit status 0 otherwise.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
+import shlex
+import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 import torch
-from hydra.utils import instantiate
 from torch import Tensor
 
-from transformers_lab.attention.base import AttentionKernel, call_with_heads, visible_keys
-from transformers_lab.attention.resolve import UnknownKernel, kernel_config
-from transformers_lab.config import CONF_DIR, layer_part_defaults
+from transformers_lab.attention.base import AttentionKernel
+from transformers_lab.attention.masks import visible_keys
+from transformers_lab.attention.resolve import (
+    UnknownKernel,
+    config_dirs,
+    kernel_factory,
+    layer_factory,
+    parse_options,
+)
+from transformers_lab.attention.testbed import (
+    DV,
+    B,
+    CheckError,
+    Factory,
+    H,
+    build,
+    check_device,
+    gap,
+    modes,
+    padding,
+    qkv,
+    state_numbers,
+    tokens,
+    with_alibi,
+)
 
-B, H, D, DV = 2, 3, 8, 5
 SHAPES = [(7, 7), (3, 9), (9, 4)]  # (Nq, Nk): self, fewer queries, more queries
-Factory = Callable[..., AttentionKernel]
-
-
-class CheckError(ValueError):
-    """The target cannot be resolved or built."""
-
-
-# ---------------------------------------------------------------- the target
-
-
-def kernel_factory(
-    target: str, options: dict[str, Any] | None = None, dirs: Sequence[Path] = (CONF_DIR,)
-) -> Factory:
-    """A factory ``f(head_dim=, n_head=)`` for TARGET (a kernel yaml, an option of the
-    attention group in ``dirs``, a registered name or a class path) with ``options``. The
-    layer's switches an attention config carries (``short_conv=4``: ``conf/layer/parts.yaml``)
-    are left out: they are the layer's (``layer_factory``, the layer checks of ``nn.check``)."""
-    switches = layer_part_defaults()
-    config = layer_factory_config(target, options, dirs)
-    return instantiate({k: v for k, v in config.items() if k not in switches})
-
-
-def layer_factory(
-    target: str, options: dict[str, Any] | None = None, dirs: Sequence[Path] = (CONF_DIR,)
-) -> Factory:
-    """``kernel_factory``'s kernel with the layer's switches its config carries, as the
-    multi-head layer takes it (``nn.multihead``)."""
-    return instantiate(layer_factory_config(target, options, dirs))
-
-
-def layer_factory_config(
-    target: str, options: dict[str, Any] | None, dirs: Sequence[Path]
-) -> dict[str, Any]:
-    """TARGET's attention config with ``options``; one line if it names no kernel."""
-    try:
-        return dict(kernel_config(target, dirs, options))
-    except UnknownKernel as exc:
-        raise CheckError(str(exc)) from None
-
-
-def with_alibi(factory: Factory) -> Factory:
-    """The factory's kernels with ALiBi's bias on their scores (``use_alibi``)."""
-
-    def build_with_alibi(head_dim: int, n_head: int) -> AttentionKernel:
-        kernel = call_with_heads(factory, n_head, head_dim=head_dim)
-        kernel.use_alibi()
-        return kernel
-
-    return build_with_alibi
-
-
-def perturbed(module: torch.nn.Module) -> torch.nn.Module:
-    """The module in float64 and eval mode, its parameters moved off their initial values
-    (so that a reference that ignored one would be caught)."""
-    module = module.double()
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return module.eval()
-
-
-def build(factory: Factory) -> AttentionKernel:
-    """The float64 kernel under test; a kernel with gate inputs gets them from its keys
-    (``gated``)."""
-    kernel = perturbed(call_with_heads(factory, H, head_dim=D))
-    return gated(kernel) if kernel.gate_inputs else kernel
-
-
-def gated(kernel: AttentionKernel) -> AttentionKernel:
-    """The kernel, its gate inputs supplied at every call as a fixed function of each
-    token's keys (its activation of ``k @ W`` for a fixed W: of each key for a gate one a
-    key, of the token's keys side by side for one a token), so that forward, decode and
-    the checks' changed keys all see the gates their tokens would have."""
-    gates, d, n = kernel.gate_inputs, kernel.qk_dim, kernel.keys_per_token
-    weights = {
-        name: torch.randn(d if g.per_key else n * d, d if g.per_channel else 1, dtype=torch.float64)
-        for name, g in gates.items()
-    }
-
-    def values(k: Tensor) -> dict[str, Tensor]:
-        b, h, steps, _ = k.shape
-        by_token = k.reshape(b, h, steps // n, n * d)  # a token's keys side by side
-        out = {}
-        for name, gate in gates.items():
-            g = (k if gate.per_key else by_token) @ weights[name].to(k)
-            out[name] = gate.activate(g if gate.per_channel else g.squeeze(-1))
-        return out
-
-    base = type(kernel)
-
-    class Gated(base, register=False):  # type: ignore[valid-type, misc]
-        def forward(self, q, k, v, **kw):  # type: ignore[no-untyped-def, override]
-            return super().forward(q, k, v, **{**values(k), **kw})
-
-        def weights(self, q, k, **kw):  # type: ignore[no-untyped-def, override]
-            return super().weights(q, k, **{**values(k), **kw})
-
-        def reference_weights(self, q, k, **kw):  # type: ignore[no-untyped-def, override]
-            return super().reference_weights(q, k, **{**values(k), **kw})
-
-        def decode(self, q, k, v, state=None, **kw):  # type: ignore[no-untyped-def, override]
-            return super().decode(q, k, v, state, **{**values(k), **kw})
-
-    Gated.__name__ = Gated.__qualname__ = base.__name__
-    if base.reference_weights is AttentionKernel.reference_weights:
-        Gated.reference_weights = AttentionKernel.reference_weights  # type: ignore[method-assign]
-    kernel.__class__ = Gated
-    return kernel
 
 
 # ---------------------------------------------------------------- the checks
-
-
-def qkv(
-    kernel: AttentionKernel, nq: int, nk: int, dtype: torch.dtype = torch.float64
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Queries and keys as wide as the kernel takes them (``qk_dim``), values DV wide; nk
-    tokens of keys and values, ``keys_per_token`` keys a token; keys of norm 1 for a kernel
-    that takes them so (``unit_keys``)."""
-    d, steps = kernel.qk_dim, nk * kernel.keys_per_token
-    k = torch.randn(B, H, steps, d, dtype=dtype)
-    return (
-        torch.randn(B, H, nq, d, dtype=dtype),
-        torch.nn.functional.normalize(k, dim=-1) if kernel.unit_keys else k,
-        torch.randn(B, H, steps, DV, dtype=dtype),
-    )
-
-
-def tokens(kernel: AttentionKernel, t: Tensor, start: int, stop: int | None = None) -> Tensor:
-    """Keys or values (B, H, N n, D) of tokens ``start`` .. ``stop`` - 1 (n keys a token)."""
-    n = kernel.keys_per_token
-    return t[:, :, start * n : None if stop is None else stop * n]
-
-
-def padding(nk: int) -> Tensor:
-    """Batch 0 unpadded, batch 1 with its last two keys padded."""
-    mask = torch.zeros(B, nk, dtype=torch.bool)
-    mask[1, -2:] = True
-    return mask
-
-
-def modes(kernel: AttentionKernel) -> tuple[bool, ...]:
-    """The values of ``causal`` a kernel takes: both, or the one it does not refuse."""
-    if kernel.causal_refusal():
-        return (False,)
-    if kernel.noncausal_refusal():
-        return (True,)
-    return (False, True)
 
 
 def cases(kernel: AttentionKernel) -> list[tuple[int, int, bool, bool]]:
@@ -227,16 +106,6 @@ def cases(kernel: AttentionKernel) -> list[tuple[int, int, bool, bool]]:
 
 def describe(nq: int, nk: int, causal: bool, padded: bool) -> str:
     return f"Nq={nq} Nk={nk}{' causal' if causal else ''}{' padded' if padded else ''}"
-
-
-def gap(a: Tensor, b: Tensor, rtol: float, atol: float) -> str | None:
-    """None when a and b agree within rtol, atol; else how far apart they are."""
-    if a.shape != b.shape:
-        return f"shape {tuple(a.shape)} != {tuple(b.shape)}"
-    if torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol, equal_nan=False):
-        return None
-    diff = (a.double() - b.double()).abs().nan_to_num(torch.inf)
-    return f"max abs diff {diff.max().item():.3g}"
 
 
 def check_shapes(kernel: AttentionKernel) -> list[str]:
@@ -370,17 +239,6 @@ def check_masked(kernel: AttentionKernel) -> list[str]:
     if not all(torch.isfinite(t.grad).all() for t in (q, k, v) if t.grad is not None):
         failures.append("gradients through a fully masked query are not finite")
     return failures
-
-
-def state_numbers(state: Any) -> int:
-    """The numbers a decode state holds (its floating-point tensors, masks aside)."""
-    if isinstance(state, Tensor):
-        return state.numel() if state.is_floating_point() else 0
-    if isinstance(state, (tuple, list)):
-        return sum(state_numbers(s) for s in state)
-    if isinstance(state, dict):
-        return sum(state_numbers(s) for s in state.values())
-    return 0
 
 
 def check_decode(kernel: AttentionKernel) -> list[str]:
@@ -531,7 +389,103 @@ def run_checks(checks: dict[str, Callable[[], list[str]]]) -> list[str]:
     return failures
 
 
-if __name__ == "__main__":  # the command line checks the layer around the kernel too
-    from transformers_lab.nn.check import main
+# ---------------------------------------------------------------- the command line
 
+BUILD_ERRORS = (CheckError, UnknownKernel, TypeError, ValueError)  # a target not built
+
+
+def command_line(prog: str) -> argparse.ArgumentParser:
+    """The check's arguments: ``tlab-check``'s, and this module's own command line's."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Check an attention kernel against the contract of transformers_lab.",
+    )
+    parser.add_argument(
+        "target",
+        help="an attention option (fastmax_p2), a registered kernel, package.module.Class, "
+        "or a kernel yaml",
+    )
+    parser.add_argument(
+        "options", nargs="*", help="kernel options, key=value; hydra.searchpath=[file://DIR]"
+    )
+    parser.add_argument(
+        "--config-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a config dir of yours whose attention/ holds TARGET (as on hydra.searchpath)",
+    )
+    parser.add_argument(
+        "--alibi", action="store_true", help="check it with ALiBi's bias on its scores"
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="where the checks run: cpu (default) or cuda[:N]"
+    )
+    return parser
+
+
+@dataclass
+class Target:
+    """What a command line of the check names: the kernel alone (ALiBi's bias on where
+    ``alibi``), with the layer's switches its config carries, and where it runs."""
+
+    name: str
+    kernel: Factory
+    layer: Factory
+    alibi: bool
+    device: torch.device
+
+
+def read_target(args: argparse.Namespace) -> Target:
+    """The target of ``command_line``'s arguments; one of ``BUILD_ERRORS`` if it names no
+    kernel that builds."""
+    device = check_device(args.device)
+    dirs = config_dirs(args.config_dir, args.options)
+    options = parse_options(args.options)
+    layer = layer_factory(args.target, options, dirs)  # the layer's switches on
+    kernel = kernel_factory(args.target, options, dirs)
+    factory = with_alibi(kernel) if args.alibi else kernel
+    return Target(args.target, factory, layer, args.alibi, device)
+
+
+def kernel_checks(target: Target) -> tuple[list[str], list[str]]:
+    """The kernel's checks (``checks_for``) on the target's device: (failures, checks run)."""
+    with target.device:
+        return check_kernel(target.kernel), checks_for(build(target.kernel))
+
+
+def refused(exc: Exception) -> int:
+    """A target that cannot be built, said in one line: exit status 2."""
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+def report(target: Target, failures: list[str], ran: list[str]) -> int:
+    """One line per failure and exit status 1, or one ``ok`` line with the checks run and 0."""
+    for line in failures:
+        print(f"FAIL {target.name}: {line}")
+    if failures:
+        return 1
+    where = "" if target.device.type == "cpu" else f" on {target.device}"
+    print(f"ok: {target.name} passes the {len(ran)} checks{where} ({', '.join(ran)})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The kernel's own checks on the device named, and a line that points to
+    ``tlab-check``, which checks the layer around the kernel too (this package imports
+    nothing above it)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = command_line("python -m transformers_lab.attention.check").parse_args(argv)
+    try:
+        target = read_target(args)
+        failures, ran = kernel_checks(target)
+    except BUILD_ERRORS as exc:
+        return refused(exc)
+    status = report(target, failures, ran)
+    print(f"the kernel alone; the layer around it too: tlab-check {shlex.join(argv)}")
+    return status
+
+
+if __name__ == "__main__":
     raise SystemExit(main())

@@ -20,6 +20,7 @@ too small to change the weights of features of ordinary size.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,21 +52,9 @@ class CosFormerAttention(FeatureKernel):
         n_head: int,
         dropout: float = 0.0,
         max_len: int = 1024,
-        chunk_size: int = 128,
-        impl: str = "auto",
-        compiled: bool = False,
-        backend: str | None = "auto",
+        **engine: Any,
     ) -> None:
-        super().__init__(
-            head_dim,
-            n_head,
-            dropout,
-            p=0,
-            chunk_size=chunk_size,
-            impl=impl,
-            compiled=compiled,
-            backend=backend,
-        )
+        super().__init__(head_dim, n_head, dropout, p=0, **engine)
         if not (isinstance(max_len, int) and max_len > 0):
             raise ValueError(f"cosformer: max_len must be a positive int, got {max_len!r}")
         self.max_len = max_len

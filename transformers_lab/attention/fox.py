@@ -28,13 +28,8 @@ from torch import Tensor
 
 from transformers_lab.attention import fla_ops, naive
 from transformers_lab.attention.backends import check_backend, choose
-from transformers_lab.attention.base import (
-    AttentionKernel,
-    GateInput,
-    attention_mask,
-    extend_cache,
-    masked_softmax,
-)
+from transformers_lab.attention.base import AttentionKernel, GateInput, extend_cache
+from transformers_lab.attention.masks import attention_mask, masked_softmax
 
 ONE_CALL_SPAN = 64.0  # the cumulative log gate one SDPA call takes: errors of ~1e-5 at most
 BLOCK = 128  # the queries of a block otherwise: a span of ~25 a block at log f = -0.2

@@ -5,6 +5,8 @@ recurrent state of constant size for decoding, on the feature-map engine (p = 0)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,26 +26,8 @@ class LinearAttention(FeatureKernel):
     name = "linear"
     formula = "φ(q)·φ(k) normalised over keys, φ = elu + 1"
 
-    def __init__(
-        self,
-        head_dim: int,
-        n_head: int,
-        dropout: float = 0.0,
-        chunk_size: int = 128,
-        impl: str = "auto",
-        compiled: bool = False,
-        backend: str | None = "auto",
-    ) -> None:
-        super().__init__(
-            head_dim,
-            n_head,
-            dropout,
-            p=0,
-            chunk_size=chunk_size,
-            impl=impl,
-            compiled=compiled,
-            backend=backend,
-        )
+    def __init__(self, head_dim: int, n_head: int, dropout: float = 0.0, **engine: Any) -> None:
+        super().__init__(head_dim, n_head, dropout, p=0, **engine)
 
     def features(self, x: Tensor, role: str) -> Tensor:
         return F.elu(x) + 1.0

@@ -12,6 +12,7 @@ to the norm of a Gaussian vector (so that each is marginally N(0, I)), drawn per
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -65,21 +66,9 @@ class PerformerAttention(FeatureKernel):
         num_features: int = 64,
         redraw: bool = False,
         seed: int | None = None,
-        chunk_size: int = 128,
-        impl: str = "auto",
-        compiled: bool = False,
-        backend: str | None = "auto",
+        **engine: Any,
     ) -> None:
-        super().__init__(
-            head_dim,
-            n_head,
-            dropout,
-            p=0,
-            chunk_size=chunk_size,
-            impl=impl,
-            compiled=compiled,
-            backend=backend,
-        )
+        super().__init__(head_dim, n_head, dropout, p=0, **engine)
         if not (isinstance(num_features, int) and num_features > 0):
             raise ValueError(
                 f"performer: num_features must be a positive int, got {num_features!r}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from transformers_lab.attention.base import KeywiseAttention
+from transformers_lab.attention.keywise import KeywiseAttention
 
 
 class ReLUAttention(KeywiseAttention):

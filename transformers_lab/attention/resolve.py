@@ -11,23 +11,32 @@ A TARGET is, in this order:
 
 Each becomes the same thing, a kernel config: a plain dict with ``_target_`` and
 ``_partial_: true`` that ``hydra.utils.instantiate`` turns into a factory
-``f(head_dim=, n_head=)``. A config is what a worker process or a run rebuilds a kernel
-from, so a user's kernel travels as its config, not as its name.
+``f(head_dim=, n_head=)`` (``kernel_factory``; ``layer_factory`` keeps the layer's switches
+the config carries). A config is what a worker process or a run rebuilds a kernel from,
+so a user's kernel travels as its config, not as its name.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from transformers_lab.attention.base import REGISTRY, AttentionKernel, qualified_name
-from transformers_lab.config import CONF_DIR, attention_configs, group_options, search_dirs
+from transformers_lab.config import (
+    CONF_DIR,
+    attention_configs,
+    group_options,
+    layer_part_defaults,
+    search_dirs,
+)
 
 
 class UnknownKernel(ValueError):
@@ -115,3 +124,35 @@ def kernel_class_at(path: str) -> type[AttentionKernel]:
     if not (isinstance(cls, type) and issubclass(cls, AttentionKernel)):
         raise UnknownKernel(f"{path} is not an AttentionKernel subclass")
     return cls
+
+
+def kernel_factory(
+    target: str, options: dict[str, Any] | None = None, dirs: Sequence[Path] = (CONF_DIR,)
+) -> Callable[..., AttentionKernel]:
+    """A factory ``f(head_dim=, n_head=)`` for TARGET with ``options``. The layer's
+    switches an attention config carries (``short_conv=4``: ``conf/layer/parts.yaml``) are
+    left out: they are the layer's (``layer_factory``)."""
+    switches = layer_part_defaults()
+    config = kernel_config(target, dirs, options)
+    return instantiate({k: v for k, v in config.items() if k not in switches})
+
+
+def layer_factory(
+    target: str, options: dict[str, Any] | None = None, dirs: Sequence[Path] = (CONF_DIR,)
+) -> Callable[..., Any]:
+    """``kernel_factory``'s kernel with the layer's switches its config carries, as the
+    multi-head layer takes it (``nn.multihead``)."""
+    return instantiate(kernel_config(target, dirs, options))
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` kernel options of a command line, the values read as yaml
+    (``hydra.searchpath`` aside: it names config dirs, ``config_dirs``)."""
+    options = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise ValueError(f"options are key=value, got {pair!r}")
+        if key.lstrip("+") != "hydra.searchpath":
+            options[key] = yaml.safe_load(value)
+    return options

@@ -20,9 +20,10 @@ from torch import Tensor
 
 from transformers_lab.attention import naive
 from transformers_lab.attention.backends import check_backend, choose, settle
-from transformers_lab.attention.base import AttentionKernel, attention_mask, masked_softmax
+from transformers_lab.attention.base import AttentionKernel
 from transformers_lab.attention.flex_ops import flex_window
 from transformers_lab.attention.flex_ops import refusal as flex_refusal
+from transformers_lab.attention.masks import attention_mask, masked_softmax
 
 
 def window_mask(nq: int, nk: int, window: int, causal: bool, device: Any = None) -> Tensor:

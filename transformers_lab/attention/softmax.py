@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformers_lab.attention import naive
-from transformers_lab.attention.base import AttentionKernel, attention_mask, masked_softmax
+from transformers_lab.attention.base import AttentionKernel
+from transformers_lab.attention.masks import attention_mask, masked_softmax
 
 
 class SoftmaxAttention(AttentionKernel):

@@ -1,11 +1,8 @@
-"""The layer around a kernel, checked, and the command line of the kernel check::
-
-    python -m transformers_lab.attention.check fastmax p=1
-    python -m transformers_lab.attention.check deltanet --device cuda
-
-The kernel's own contract is ``attention.check``'s (its docstring lists the checks). With
-the layer's parts switched on (``short_conv=4``, ``output_gate=true``, ...; ``nn.parts``)
-or gate inputs declared, the multi-head layer built around the kernel is checked too:
+"""The layer around a kernel, checked (``tlab-check``, ``transformers_lab.check``, runs
+these after the kernel's own contract, ``attention.check``, whose docstring lists its
+checks). With the layer's parts switched on (``short_conv=4``, ``output_gate=true``, ...;
+``nn.parts``) or gate inputs declared, the multi-head layer built around the kernel is
+checked too:
 
 - ``layer decode``: the layer's ``decode``, token by token and in chunks, padded or not,
   equals its causal forward (the short convolution's window carried between calls);
@@ -14,45 +11,35 @@ or gate inputs declared, the multi-head layer built around the kernel is checked
 - ``layer state``: the decode state holds the layer's ``state_size(n)`` numbers;
 - ``layer gradcheck``: float64 gradients of the input and every parameter.
 
-``--device cuda`` runs every check on the GPU, and one more:
+On a GPU (``--device cuda``), one more:
 
 - ``placement``: the kernel and its layer built on the CPU and moved to the GPU, as a
   model is, run forward (and decode) on tensors made there with no default device: a
   tensor the kernel makes without ``device=`` fails here, not in a training run.
-
-One line per failure, and exit status 1 if any; ``ok`` and exit status 0 otherwise.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from transformers_lab.attention.check import (
+from transformers_lab.attention.check import run_checks
+from transformers_lab.attention.testbed import (
     B,
-    CheckError,
     D,
     Factory,
     H,
     build,
-    check_kernel,
-    checks_for,
     gap,
-    kernel_factory,
-    layer_factory,
     modes,
     padding,
     perturbed,
     qkv,
-    run_checks,
     state_numbers,
     with_alibi,
 )
-from transformers_lab.attention.resolve import UnknownKernel, config_dirs
 from transformers_lab.nn.multihead import MultiHeadAttention
 from transformers_lab.nn.parts import LayerParts, split_layer_parts
 
@@ -169,77 +156,6 @@ def layer_gradients(layer: torch.nn.Module, both: tuple[bool, ...]) -> list[str]
     return failures
 
 
-def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
-    """``key=value`` kernel options, the values read as yaml (``hydra.searchpath`` aside:
-    it names config dirs, not an option)."""
-    import yaml
-
-    options = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq or not key:
-            raise CheckError(f"options are key=value, got {pair!r}")
-        if key.lstrip("+") != "hydra.searchpath":
-            options[key] = yaml.safe_load(value)
-    return options
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m transformers_lab.attention.check",
-        description="Check an attention kernel against the contract of transformers_lab.",
-    )
-    parser.add_argument(
-        "target",
-        help="an attention option (fastmax_p2), a registered kernel, package.module.Class, "
-        "or a kernel yaml",
-    )
-    parser.add_argument(
-        "options", nargs="*", help="kernel options, key=value; hydra.searchpath=[file://DIR]"
-    )
-    parser.add_argument(
-        "--config-dir",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="a config dir of yours whose attention/ holds TARGET (as on hydra.searchpath)",
-    )
-    parser.add_argument(
-        "--alibi", action="store_true", help="check it with ALiBi's bias on its scores"
-    )
-    parser.add_argument(
-        "--device", default="cpu", help="where the checks run: cpu (default) or cuda[:N]"
-    )
-    args = parser.parse_args(argv)
-    try:
-        device = check_device(args.device)
-        dirs = config_dirs(args.config_dir, args.options)
-        options = parse_options(args.options)
-        full = layer_factory(args.target, options, dirs)  # the layer's switches on
-        kernel = kernel_factory(args.target, options, dirs)
-        factory = with_alibi(kernel) if args.alibi else kernel
-        with device:
-            failures = check_kernel(factory)
-            ran = checks_for(build(factory))
-            layer, layer_ran = layer_failures(full, alibi=args.alibi)
-        failures, ran = failures + layer, ran + layer_ran
-        if device.type != "cpu":
-            failures += run_checks({"placement": lambda: check_placement(full, device, args.alibi)})
-            ran.append("placement")
-    except (CheckError, UnknownKernel, TypeError, ValueError) as exc:  # it cannot be built
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    for line in failures:
-        print(f"FAIL {args.target}: {line}")
-    if failures:
-        return 1
-    where = "" if device.type == "cpu" else f" on {device}"
-    print(f"ok: {args.target} passes the {len(ran)} checks{where} ({', '.join(ran)})")
-    return 0
-
-
 def check_placement(full: Factory, device: torch.device, alibi: bool = False) -> list[str]:
     """The ``placement`` check (module docstring): the kernel, and its multi-head layer
     (the layer's switches that ``full`` carries switched on), built on the CPU, moved to
@@ -259,21 +175,3 @@ def check_placement(full: Factory, device: torch.device, alibi: bool = False) ->
     else:
         layer(tokens(6).to(device), causal=False)
     return failures
-
-
-def check_device(name: str) -> torch.device:
-    """The device the checks run on; one line if it is not there."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise CheckError(f"--device {name!r} is not a device; use cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CheckError("--device cuda: no CUDA GPU is visible here; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise CheckError(
-            f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
-            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
-        )
-    if device.type not in ("cpu", "cuda"):
-        raise CheckError(f"--device {name!r}: the checks run on cpu or cuda")
-    return device

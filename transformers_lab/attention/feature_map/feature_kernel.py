@@ -7,19 +7,22 @@ expands itself; for kernels that compute their features outright (elu + 1, rando
 features) p = 0 and f(x) = x. Every path then runs on the feature-map engine: the N x N
 reference (``quadratic``), the non-causal state (``factorized``), the chunked causal form
 (``chunked``) and the recurrent step (``recurrent``). A subclass gives ``features``,
-``feature_count`` and its ``reference_weights``; the rest is here.
+``feature_count`` and its ``reference_weights``; the rest is here, the engine's options
+too: a kernel names only its own and passes the engine's on (``FeatureKernel``).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from transformers_lab.attention.backends import check_backend, choose, compute_dtype, settle
-from transformers_lab.attention.base import AttentionKernel, Memory, attention_mask
+from transformers_lab.attention.base import AttentionKernel, Memory
 from transformers_lab.attention.feature_map.chunked import chunked_causal
 from transformers_lab.attention.feature_map.factorized import factorized
 from transformers_lab.attention.feature_map.features import feature_dim, read_state, weighted_state
@@ -28,6 +31,7 @@ from transformers_lab.attention.feature_map.recurrent import recurrent_step
 from transformers_lab.attention.fla_ops import fla_polynomial, polynomial_refusal
 from transformers_lab.attention.flex_ops import flex_polynomial
 from transformers_lab.attention.flex_ops import refusal as flex_refusal
+from transformers_lab.attention.masks import attention_mask
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +49,42 @@ def normalise_output(out_aug: Tensor) -> Tensor:
     return safe_divide(out_aug[..., :-1], out_aug[..., -1:])
 
 
+ENGINE = "engine"  # a kernel's ``**engine``: the engine's options, passed on (FeatureKernel)
+
+
+def takes_engine(init: Callable[..., None]) -> bool:
+    """Whether a kernel's ``__init__`` passes the engine's options on as ``**engine``."""
+    param = inspect.signature(init).parameters.get(ENGINE)
+    return param is not None and param.kind is param.VAR_KEYWORD
+
+
+def engine_signature(init: Callable[..., None]) -> inspect.Signature:
+    """``init``'s signature with its ``**engine`` spelled out: the options of
+    ``FeatureKernel.__init__`` after ``*`` but ``p`` (which each kernel sets), keyword only,
+    with their defaults there."""
+    own = inspect.signature(init)
+    engine = [
+        param
+        for name, param in inspect.signature(FeatureKernel.__init__).parameters.items()
+        if param.kind is param.KEYWORD_ONLY and name != "p"
+    ]
+    kept = [param for name, param in own.parameters.items() if name != ENGINE]
+    return own.replace(parameters=[*kept, *engine])
+
+
 class FeatureKernel(AttentionKernel):
     """Base of the linear kernels (see the module docstring).
+
+    A kernel names its own options in its ``__init__`` and passes the engine's on as
+    ``**engine``::
+
+        def __init__(self, head_dim, n_head, dropout=0.0, max_len=1024, **engine):
+            super().__init__(head_dim, n_head, dropout, p=0, **engine)
+
+    Its signature, which the configs are checked against (the preflight, the tests of
+    ``conf/attention``) and ``help()`` shows, then lists them after its own:
+    ``chunk_size``, ``impl``, ``compiled`` and ``backend``, keyword only, with the defaults
+    below (``engine_signature``).
 
     Args:
         p: the order of the polynomial of the feature dot product (0: f(x) = x).
@@ -77,6 +115,12 @@ class FeatureKernel(AttentionKernel):
     pools_queries = False  # a query's features depend on the other queries (a max over them)
     IMPLS: ClassVar[tuple[str, ...]] = ("auto", "linear", "quadratic")
     fused_backends: ClassVar[tuple[str, ...]] = ("fla",)  # the order-1 and -2 kernels: flex too
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        init = cls.__dict__.get("__init__")
+        if init is not None and takes_engine(init):  # before AttentionKernel reads it
+            init.__signature__ = engine_signature(init)
+        super().__init_subclass__(**kwargs)
 
     def __init__(
         self,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from transformers_lab.attention.base import attention_mask
 from transformers_lab.attention.feature_map.features import poly
+from transformers_lab.attention.masks import attention_mask
 
 
 def polynomial_matrix(q: Tensor, k: Tensor, p: int, allowed: Tensor | None) -> Tensor:
