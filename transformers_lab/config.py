@@ -1,11 +1,15 @@
-"""The configs: where they live, the resolvers they use, composing them from Python, and
-instantiating a node with the error of its target rather than Hydra's wrapping of it.
+"""The configs: where they live, the resolvers they use, composing them from Python (a
+group's option: ``compose_option``; a hybrid stack's layers: ``expand_hybrid``), and
+instantiating a node with the error of its target rather than Hydra's wrapping of it
+(``run.components.call``), a ``_target_`` that moved followed to its new home
+(``MOVED``: a config of an earlier version keeps working).
 
 The resolvers are registered on import; every entry point imports this module (through
 ``run.components``)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -15,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from transformers_lab.errors import ConfigError
 
@@ -250,3 +254,59 @@ def expand_hybrid(model: DictConfig, dirs: Sequence[Path] | None = None) -> Dict
     plain_model = OmegaConf.to_container(model, resolve=True)
     plain_model["hybrid"] = expanded
     return OmegaConf.create(plain_model)
+
+
+# classes and functions that moved: (old prefix, new prefix) of a ``_target_``
+MOVED = (
+    ("transformers_lab.run.safety.Checkpoint", "transformers_lab.run.checkpoints.Checkpoint"),
+    (
+        "transformers_lab.run.safety.AtomicCheckpointIO",
+        "transformers_lab.run.checkpoints.AtomicCheckpointIO",
+    ),
+    ("transformers_lab.run.safety.", "transformers_lab.run.callbacks.safety."),
+    ("transformers_lab.callbacks.", "transformers_lab.run.callbacks.views."),
+    ("transformers_lab.loggers.", "transformers_lab.run.loggers."),
+    ("transformers_lab.nn.attention.", "transformers_lab.nn.multihead."),
+    ("transformers_lab.attention.elu.", "transformers_lab.attention.linear."),
+)
+
+
+def moved_target(target: Any) -> str | None:
+    """Where a ``_target_`` of an earlier version lives now, or None if it did not move."""
+    for old, new in MOVED if isinstance(target, str) else ():
+        if target.startswith(old):
+            return new + target[len(old) :]
+    return None
+
+
+def moved_targets(node: Any) -> list[tuple[str, str]]:
+    """Point, in place, every ``_target_`` of a config that moved (``MOVED``) to its new
+    home; returns each (old, new) pair. A plain config (a checkpoint's) and an OmegaConf
+    one (a run's, its interpolations left unresolved) alike."""
+    keys: list[Any] = []
+    if isinstance(node, dict | DictConfig):
+        keys = list(node)
+        children = [node._get_node(k) if isinstance(node, DictConfig) else node[k] for k in keys]
+    elif isinstance(node, list | ListConfig):
+        children = [node._get_node(i) if isinstance(node, ListConfig) else node[i]
+                    for i in range(len(node))]  # fmt: skip
+    else:
+        return []
+    moved = []
+    if "_target_" in keys:
+        target = children[keys.index("_target_")]
+        old = target._value() if isinstance(node, DictConfig) else target
+        if (new := moved_target(old)) is not None:
+            moved.append((old, new))
+            with open_dict(node) if isinstance(node, DictConfig) else contextlib.nullcontext():
+                node["_target_"] = new
+    for child in children:
+        moved.extend(moved_targets(child))
+    return moved
+
+
+def migrate_targets(config: Any) -> None:
+    """``moved_targets`` with a note for each that names both: a config of an earlier
+    version keeps working."""
+    for old, new in moved_targets(config):
+        log.warning("%s moved to %s; update your config", old, new)

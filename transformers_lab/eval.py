@@ -26,7 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.checkpoints import SavedCheckpoint, check_split, read_checkpoint, restore
+from transformers_lab.run.checkpoints import SavedCheckpoint, read_checkpoint, restore
+from transformers_lab.run.components import check_split, use_cpu
 from transformers_lab.run.lengths import (
     LengthOptions,
     evaluate_lengths,
@@ -36,7 +37,7 @@ from transformers_lab.run.lengths import (
 from transformers_lab.run.loggers import finish_wandb
 from transformers_lab.run.preflight import check_config
 from transformers_lab.run.record import metrics_dict, print_metrics
-from transformers_lab.run.trainer import build_trainer, use_cpu
+from transformers_lab.run.trainer import build_trainer
 
 log = logging.getLogger(__name__)
 

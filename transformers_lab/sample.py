@@ -25,8 +25,8 @@ from transformers_lab.errors import ConfigError, at_least
 from transformers_lab.models import GPT
 from transformers_lab.models.common import check_sampling
 from transformers_lab.run.checkpoints import read_checkpoint, restore
+from transformers_lab.run.components import use_cpu
 from transformers_lab.run.preflight import check_config, typed_options
-from transformers_lab.run.trainer import use_cpu
 
 
 @dataclass(frozen=True)

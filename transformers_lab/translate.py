@@ -26,9 +26,9 @@ from transformers_lab.config import CONF_DIR
 from transformers_lab.errors import ConfigError, at_least
 from transformers_lab.models import GPT, Transformer
 from transformers_lab.models.transformer import check_beam
-from transformers_lab.run.checkpoints import WrongModel, read_checkpoint, restore
+from transformers_lab.run.checkpoints import read_checkpoint, restore
+from transformers_lab.run.components import target_class, use_cpu
 from transformers_lab.run.preflight import check_config, typed_options
-from transformers_lab.run.trainer import use_cpu
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,16 @@ WANTED = (
 def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule]:
     """The Transformer of the checkpoint (weights loaded) and its data module, tokenizer
     restored."""
-    try:
-        checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
-        _, datamodule, task = restore(checkpoint, cfg.get("data"), Transformer, WANTED)
-    except WrongModel as exc:
-        if issubclass(exc.found, GPT):  # the other generating tool takes it
-            raise ConfigError(f"{exc}; tlab-sample generates text from it") from None
-        raise
+    checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
+    run = checkpoint.run_config(cfg.get("data"))
+    found = target_class(run.model)
+    if not (isinstance(found, type) and issubclass(found, Transformer)):
+        trained_on = str(run.data.get("_target_", "?")).rpartition(".")[2]
+        held = f"{cfg.ckpt_path} holds a {found.__name__} trained on {trained_on}"
+        gpt = isinstance(found, type) and issubclass(found, GPT)  # the other tool takes it
+        other = "; tlab-sample generates text from it" if gpt else ""
+        raise ConfigError(f"{WANTED}; {held}{other}")  # before anything is built
+    _, datamodule, task = restore(checkpoint, cfg.get("data"))
     return task.model, datamodule
 
 

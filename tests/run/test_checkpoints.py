@@ -11,7 +11,6 @@ from transformers_lab.errors import ConfigError
 from transformers_lab.run.checkpoints import (
     SavedCheckpoint,
     check_resume,
-    check_weights,
     checkpoint_step,
     differences,
     read_checkpoint,
@@ -112,14 +111,14 @@ def test_weights_of_another_shape_are_refused_with_the_config_that_changed():
     module = torch.nn.Linear(2, 3)
     shapes = {"state_dict": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}
     with pytest.raises(ConfigError, match=r"different model config \(1 tensors \(weight\)\)"):
-        check_weights(saved(shapes), module)
+        saved(shapes).check_weights(module)
     changed = check_resume(
         saved({"tlab_config": {"model": {"d": 4}}}), {"model": {"d": 2}}, ["model"]
     )
     assert changed == ["model.d: 4 -> 2"]  # allowed to change, and named when shapes differ
     with pytest.raises(ConfigError, match=r"\(model.d: 4 -> 2\)"):
-        check_weights(saved(shapes), module, changed)
-    check_weights(saved({"state_dict": module.state_dict()}), module)
+        saved(shapes).check_weights(module, changed)
+    saved({"state_dict": module.state_dict()}).check_weights(module)
 
 
 def test_a_resume_with_another_config_names_each_change(tmp_path):
@@ -159,10 +158,10 @@ def test_weights_that_do_not_fit_are_refused_and_fitting_ones_pass():
     task = torch.nn.Module()
     task.model = torch.nn.Linear(2, 2)  # a task's parameter names are "model.*"
     state = {f"model.{k}": torch.ones_like(v) for k, v in task.model.state_dict().items()}
-    check_weights(saved({"state_dict": state}), task)
+    saved({"state_dict": state}).check_weights(task)
     state["model.weight"] = torch.ones(3, 2)
     with pytest.raises(ConfigError, match="c.ckpt was saved from a different model config"):
-        check_weights(saved({"state_dict": state}), task)
+        saved({"state_dict": state}).check_weights(task)
 
 
 def test_only_our_models_checkpoints_have_their_block_keys_renamed(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from transformers_lab.run import memory, trainer
+from transformers_lab.run import components, memory
 
 # read at collection, before conftest's fixture stands in for it
 pytestmark = pytest.mark.skipif(
@@ -53,10 +53,10 @@ def test_a_freed_large_tensor_s_pages_are_reused_not_faulted_in_again():
 
 def test_the_commands_keep_freed_memory_unless_told_not_to(monkeypatch):
     calls = []
-    monkeypatch.setattr(trainer, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(components, "keep_freed_memory", lambda: calls.append(1) or True)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the tests' own stay
-    trainer.use_cpu(OmegaConf.create({"cpu_threads": 1}))  # a config from before the key
-    trainer.use_cpu(OmegaConf.create({"cpu_threads": None, "keep_freed_memory": True}))
+    components.use_cpu(OmegaConf.create({"cpu_threads": 1}))  # a config from before the key
+    components.use_cpu(OmegaConf.create({"cpu_threads": None, "keep_freed_memory": True}))
     assert len(calls) == 2
-    trainer.use_cpu(OmegaConf.create({"cpu_threads": None, "keep_freed_memory": False}))
+    components.use_cpu(OmegaConf.create({"cpu_threads": None, "keep_freed_memory": False}))
     assert len(calls) == 2

@@ -3,14 +3,15 @@ first (it tells the model what it needs: ``model_kwargs()``, vocabulary, context
 geometry), the model with its kernel factory, the task around it (``build_components``);
 or the model and task on the meta device, sized with stand-ins, for the preflight
 (``build_on_meta``). Each refusal of a combination is one ``ConfigError`` that names the
-fix. ``call`` instantiates a config, following a ``_target_`` that moved (``MOVED``).
+fix.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import importlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -22,77 +23,22 @@ import lightning as L
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.config import CONF_DIR, expand_hybrid
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
+from transformers_lab.run.memory import keep_freed_memory
+from transformers_lab.run.record import say
 
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- config -> objects
-
-# classes and functions that moved: (old prefix, new prefix) of a ``_target_``
-MOVED = (
-    ("transformers_lab.run.safety.Checkpoint", "transformers_lab.run.checkpoints.Checkpoint"),
-    (
-        "transformers_lab.run.safety.AtomicCheckpointIO",
-        "transformers_lab.run.checkpoints.AtomicCheckpointIO",
-    ),
-    ("transformers_lab.run.safety.", "transformers_lab.run.callbacks.safety."),
-    ("transformers_lab.callbacks.", "transformers_lab.run.callbacks.views."),
-    ("transformers_lab.loggers.", "transformers_lab.run.loggers."),
-    ("transformers_lab.nn.attention.", "transformers_lab.nn.multihead."),
-    ("transformers_lab.attention.elu.", "transformers_lab.attention.linear."),
-)
-
-
-def moved_target(target: Any) -> str | None:
-    """Where a ``_target_`` of an earlier version lives now, or None if it did not move."""
-    for old, new in MOVED if isinstance(target, str) else ():
-        if target.startswith(old):
-            return new + target[len(old) :]
-    return None
-
-
-def moved_targets(node: Any) -> list[tuple[str, str]]:
-    """Point, in place, every ``_target_`` of a config that moved (``MOVED``) to its new
-    home; returns each (old, new) pair. A plain config (a checkpoint's) and an OmegaConf
-    one (a run's, its interpolations left unresolved) alike."""
-    keys: list[Any] = []
-    if isinstance(node, dict | DictConfig):
-        keys = list(node)
-        children = [node._get_node(k) if isinstance(node, DictConfig) else node[k] for k in keys]
-    elif isinstance(node, list | ListConfig):
-        children = [node._get_node(i) if isinstance(node, ListConfig) else node[i]
-                    for i in range(len(node))]  # fmt: skip
-    else:
-        return []
-    moved = []
-    if "_target_" in keys:
-        target = children[keys.index("_target_")]
-        old = target._value() if isinstance(node, DictConfig) else target
-        if (new := moved_target(old)) is not None:
-            moved.append((old, new))
-            with open_dict(node) if isinstance(node, DictConfig) else contextlib.nullcontext():
-                node["_target_"] = new
-    for child in children:
-        moved.extend(moved_targets(child))
-    return moved
-
-
-def migrate_targets(config: Any) -> None:
-    """``moved_targets`` with a note for each that names both: a config of an earlier
-    version keeps working."""
-    for old, new in moved_targets(config):
-        log.warning("%s moved to %s; update your config", old, new)
-
-
 def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
-    """``instantiate`` with the error of the target itself, not Hydra's wrapping of it; a
-    ``_target_`` that moved is followed to its new home (``migrate_targets``)."""
-    migrate_targets(config)
+    """``instantiate`` with the error of the target itself, not Hydra's wrapping of it (a
+    ``_target_`` that moved was followed to its new home before: ``config.MOVED``, by the
+    preflight and by ``read_checkpoint``)."""
     try:
         return instantiate(config, **kwargs)
     except InstantiationException as exc:
@@ -167,6 +113,14 @@ def build_datamodule(
     except REFUSALS as exc:
         raise ConfigError(where + data_refusal(config, exc)) from exc
     return datamodule
+
+
+def check_split(data: DictConfig | L.LightningDataModule, split: str) -> None:
+    """Refuse ``split=test`` on data (its config, or the module) that has no test split."""
+    module = target_class(data) if isinstance(data, DictConfig) else data
+    if split == "test" and not is_overridden("test_dataloader", module, L.LightningDataModule):
+        name = module.__name__ if isinstance(module, type) else type(module).__name__
+        raise ConfigError(f"{name} has no test split; use split=val")
 
 
 def data_refusal(config: DictConfig, exc: Exception) -> str:
@@ -290,8 +244,8 @@ def model_factory(config: DictConfig) -> Any:
 
 def build_model(config: DictConfig, datamodule: Any) -> torch.nn.Module:
     """The model of ``config`` sized for ``datamodule``."""
-    factory = model_factory(config)
     sizes = model_kwargs(config, datamodule)
+    factory = model_factory(config)
     try:
         return factory(**sizes)
     except (ValueError, TypeError, RuntimeError) as exc:
@@ -439,24 +393,72 @@ def check_task_trains(task_class: type, model: torch.nn.Module) -> None:
 
 
 class Components(NamedTuple):
-    """A run's data module, model and task (``task.model`` is ``model``), and the line
-    that says whether the model runs compiled (None: not asked)."""
+    """A run's data module, model and task (``task.model`` is ``model``), the line that
+    says whether the model runs compiled (None: not asked), and what its seed fixed
+    (``seeded``; None where not asked)."""
 
     datamodule: L.LightningDataModule
     model: torch.nn.Module
     task: Any
     compiled: str | None = None
+    seeded: dict[str, Any] | None = None
 
 
-def build_components(
-    cfg: DictConfig, checkpoint: Any = None, run_config: dict[str, Any] | None = None
-) -> Components:
+def build_components(cfg: DictConfig, resume: Any = None, fingerprint: bool = False) -> Components:
     """The data module, model and task of ``cfg`` (its ``data``, ``model`` and ``task``),
-    in that order: the data with the state ``checkpoint`` holds for it, the model sized
-    for the data and compiled where ``compile=true``, the task around it, saving
-    ``run_config`` in its checkpoints."""
+    in that order, on the CPU threads and from the seed it gives (``use_cpu``; a saved
+    run's config has neither): the data with the state the ``resume``'s checkpoint holds
+    for it (a ``checkpoints.Resume``), the model sized for the data and compiled where
+    ``compile=true``, the task around it saving the resolved config in its checkpoints,
+    and the checkpoint's weights held to the task; with ``fingerprint``, what the seed
+    fixed (``seeded``)."""
+    use_cpu(cfg)
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    checkpoint = resume.checkpoint if resume is not None else None
+    run_config = resume.run_config if resume is not None else None
     datamodule = build_datamodule(cfg.data, checkpoint)
     model = build_model(cfg.model, datamodule)
     compiled = compile_model(model) if cfg.get("compile") else None  # its weights as built
     task = build_task(cfg.task, model, datamodule, run_config=run_config)
-    return Components(datamodule, model, task, compiled)
+    if checkpoint is not None:  # its tensors fit (a checkpoint with no saved config too)
+        checkpoint.check_weights(task, resume.changed, resume.against)
+    start = seeded(model, (run_config or {}).get("data")) if fingerprint else None
+    log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
+    if compiled:
+        say(compiled)
+    return Components(datamodule, model, task, compiled, start)
+
+
+def use_cpu(cfg: DictConfig) -> None:
+    """Give torch the run's ``cpu_threads`` (null: torch's default), so that runs that share
+    a machine do not each take all of its cores; and with ``keep_freed_memory`` (true
+    unless set false), have malloc reuse freed tensors' memory rather than fault in fresh
+    pages for each large one (``run.memory``)."""
+    if cfg.get("cpu_threads"):
+        torch.set_num_threads(int(cfg.cpu_threads))
+    if cfg.get("keep_freed_memory", True):
+        keep_freed_memory()
+
+
+def digest(data: bytes) -> str:
+    """A short fingerprint of some bytes (12 hex digits of SHA-1)."""
+    return hashlib.sha1(data).hexdigest()[:12]
+
+
+def seeded(model: torch.nn.Module, data_config: Any) -> dict[str, Any]:
+    """What a run's seed fixed before training, so that a summary pairs two runs by seed
+    only where the seed made them alike: the data (its resolved config: every data
+    module is generated or split from its own config), torch's random state once the
+    model is built (the order of the training batches is drawn from it), and each
+    parameter's initial values, by name. A kernel with parameters of its own (Based's
+    projections) draws them between the layers' and shifts everything drawn after."""
+    params = {
+        name: digest(p.detach().cpu().float().contiguous().numpy().tobytes())
+        for name, p in model.named_parameters()
+    }
+    return {
+        "data": digest(json.dumps(data_config, sort_keys=True, default=str).encode()),
+        "rng": digest(torch.get_rng_state().numpy().tobytes()),
+        "params": params,
+    }

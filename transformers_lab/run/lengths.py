@@ -28,8 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 from transformers_lab.data.base import IGNORE
 from transformers_lab.errors import ConfigError
 from transformers_lab.files import atomic_write
-from transformers_lab.run.checkpoints import SavedCheckpoint, check_split, restore
-from transformers_lab.run.components import build_datamodule
+from transformers_lab.run.checkpoints import SavedCheckpoint, read_checkpoint, restore
+from transformers_lab.run.components import build_datamodule, build_on_meta, check_split
+from transformers_lab.run.record import say
 from transformers_lab.run.trainer import build_trainer
 
 Trainer = Callable[[], L.Trainer]
@@ -119,21 +120,22 @@ def evaluate_lengths(
     """The checkpoint's metrics on ``split`` at each of the ``options``' lengths (and each
     needle depth), named by ``suffix``; with buckets, its loss by position at each length
     (``position_losses``' rows); and the length it was trained at. ``data`` overrides
-    entries of the saved data config. Every length is checked, model and data, before
-    the first is scored; the checkpoint, read once, gives its weights to each."""
-    first = restore(checkpoint, data)
-    check_split(first.datamodule, split)
-    model = first.task.model
-    saved = {**checkpoint.config.get("data", {}), **(data or {})}
+    entries of the saved data config. Every length is checked, model (on the meta
+    device) and data, before the first is scored; the checkpoint, read once, gives its
+    weights to each."""
+    run = checkpoint.run_config(data)
+    check_split(run.data, split)
+    model = build_on_meta(run)  # None: a model of the user's that only its data can size
+    saved = OmegaConf.to_container(run.data, resolve=True)
     settings = plan(model, saved, options.lengths, options.depths, str(checkpoint.path))
     trained = model.block_size
-    del first
     metrics: dict[str, float] = {}
     positions: list[dict[str, Any]] = []
     for (n, d), overrides in settings.items():
+        scorer = trainer()
+        score = scorer.validate if split == "val" else scorer.test
         context = {"block_size": max(n, trained)}  # a learned table keeps its size
         run = restore(checkpoint, {**(data or {}), **overrides}, model=context)
-        score = trainer().validate if split == "val" else trainer().test
         results = score(run.task, datamodule=run.datamodule, verbose=False)
         for key, value in (results[0] if results else {}).items():
             metrics[f"{key}{suffix(n, d)}"] = float(value)
@@ -154,9 +156,10 @@ def plan(
     data is built there, and depths are asked of needle data only. ``what`` names the
     model in a refusal (the checkpoint)."""
     if not callable(getattr(model, "reach", None)):
+        kind = "model sized by its data" if model is None else type(model).__name__
         raise ConfigError(
             f"evaluation at other lengths scores a GPT (language model, MQAR, needles); "
-            f"{what} is a {type(model).__name__}"
+            f"{what} is a {kind}"
         )
     if "block_size" not in data:
         raise ConfigError(
@@ -190,16 +193,29 @@ def check_length_options(options: LengthOptions, cfg: DictConfig, model: Any) ->
 
 
 def score_lengths(
-    cfg: DictConfig, checkpoint: SavedCheckpoint, options: LengthOptions
+    cfg: DictConfig,
+    options: LengthOptions,
+    saved: dict[str, str | None],
+    resumed: SavedCheckpoint | None = None,
 ) -> dict[str, float]:
-    """A training run's evaluation step: its checkpoint scored at the ``options``'
-    lengths (and depths) on the validation split, with its trainer's accelerator and
-    precision on one device (the first process of a DDP run scores, the others do not);
-    the metrics, also in ``lengths.csv`` in the run dir."""
+    """A training run's evaluation step: its best checkpoint (else its last, else the one
+    it ``resumed``: ``saved`` names the run's) scored at the ``options``' lengths (and
+    depths) on the validation split, with its trainer's accelerator and precision on one
+    device (the first process of a DDP run scores, the others do not); the metrics, also
+    in ``lengths.csv`` in the run dir. The checkpoint is read once, or not at all where
+    it is the one resumed."""
+    scored = saved["best"] or saved["last"]
+    if scored is None and resumed is None:
+        say("eval_lengths: the run saved no checkpoint to score at other lengths")
+        return {}
+    given = resumed is not None and (scored is None or Path(scored) == resumed.path)
+    trust = bool(cfg.get("trust_checkpoint"))
+    checkpoint = resumed if given else read_checkpoint(scored, trust)
     one = {"devices": 1, "num_nodes": 1, "strategy": "auto"}  # after a DDP fit: one process
-    options = options._replace(buckets=None)
     metrics, _, _ = evaluate_lengths(
-        checkpoint, options, lambda: build_trainer(cfg, purpose="score", **one)
+        checkpoint,
+        options._replace(buckets=None),
+        lambda: build_trainer(cfg, purpose="score", **one),
     )
     write_lengths(metrics, Path(cfg.paths.output_dir))
     return metrics

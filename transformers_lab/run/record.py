@@ -160,3 +160,20 @@ def say(*lines: str, file: Any = None) -> None:
 def print_metrics(metrics: dict[str, float]) -> None:
     """The run's last lines: its final metrics, one per line."""
     say("final metrics:", *(f"  {name}: {value:.6g}" for name, value in metrics.items()))
+
+
+def outcome(fitted: Any, parts: Any) -> Outcome:
+    """A fit's ``Outcome``, its last lines printed: the final metrics and checkpoints of
+    ``fitted`` (``run.fit.Fitted``), the size of the model ``parts`` built and what its
+    seed fixed (``run.components.Components``)."""
+    print_metrics(fitted.metrics)
+    say(f"best checkpoint: {fitted.checkpoints['best']}")
+    say(f"last checkpoint: {fitted.checkpoints['last']}")
+    state = getattr(parts.model, "state_size", None)
+    return Outcome(
+        **fitted._asdict(),
+        params=parts.task.num_params,
+        state_size=state() if callable(state) else None,
+        seeded=parts.seeded,
+        layers=parts.task.layers,
+    )

@@ -1,6 +1,6 @@
 """The trainer of a run, with its callbacks and loggers: one builder for fitting,
 evaluating and scoring at other lengths (``build_trainer``); Lightning's refusals as one
-line (``lightning_refusals``); the CPU set up for the run (``use_cpu``)."""
+line (``lightning_refusals``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.profilers import PassThroughProfiler
@@ -20,7 +19,7 @@ from omegaconf import DictConfig
 
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.components import call
-from transformers_lab.run.memory import keep_freed_memory
+from transformers_lab.run.loggers import log_hyperparameters
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,11 @@ def quiet_known_noise() -> None:
 
 
 def build_trainer(
-    cfg: DictConfig, callbacks: Sequence[L.Callback] = (), purpose: str = "fit", **options: Any
+    cfg: DictConfig,
+    callbacks: Sequence[L.Callback] = (),
+    purpose: str = "fit",
+    task: Any = None,
+    **options: Any,
 ) -> L.Trainer:
     """The trainer of ``cfg.trainer``, the one builder for every purpose:
     - ``fit``: with the run's callbacks and loggers and the caller's ``callbacks`` (a
@@ -57,7 +60,8 @@ def build_trainer(
     - ``score``: one evaluation among many (a length), no logger, checkpoint, bar or
       summary.
     ``options`` override more of its arguments (one device, after a DDP fit). Lightning's
-    refusal of a setting is a ``ConfigError`` (``lightning_refusals``)."""
+    refusal of a setting is a ``ConfigError`` (``lightning_refusals``). Given the ``task``
+    it will fit, its loggers get the whole config and the parameter counts."""
     if purpose not in PURPOSES:
         raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}")
     quiet_known_noise()
@@ -78,7 +82,10 @@ def build_trainer(
         checkpointing = any(isinstance(c, ModelCheckpoint) for c in built)
         extra.update(callbacks=built, logger=loggers or False, enable_checkpointing=checkpointing)
     with lightning_refusals():
-        return call(cfg.trainer, "trainer", **{**extra, **options})
+        trainer = call(cfg.trainer, "trainer", **{**extra, **options})
+    if task is not None:
+        log_hyperparameters(cfg, task, trainer)
+    return trainer
 
 
 PURPOSES = ("fit", "evaluate", "score")
@@ -111,17 +118,6 @@ class NoProfiler(PassThroughProfiler):
 
     def profile(self, action_name: str) -> contextlib.AbstractContextManager:
         return self._NOTHING
-
-
-def use_cpu(cfg: DictConfig) -> None:
-    """Give torch the run's ``cpu_threads`` (null: torch's default), so that runs that share
-    a machine do not each take all of its cores; and with ``keep_freed_memory`` (true
-    unless set false), have malloc reuse freed tensors' memory rather than fault in fresh
-    pages for each large one (``run.memory``)."""
-    if cfg.get("cpu_threads"):
-        torch.set_num_threads(int(cfg.cpu_threads))
-    if cfg.get("keep_freed_memory", True):
-        keep_freed_memory()
 
 
 def build_callbacks(

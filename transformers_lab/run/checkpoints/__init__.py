@@ -7,24 +7,23 @@ model (``restore``); written atomically, at every save point and on a signal
 from transformers_lab.run.checkpoints.compare import (
     RESUME_MAY_CHANGE,
     check_resume,
-    check_weights,
     differences,
 )
 from transformers_lab.run.checkpoints.restore import (
     Restored,
-    WrongModel,
-    check_split,
     load_task,
     restore,
 )
 from transformers_lab.run.checkpoints.saved import (
     GIVE_CHECKPOINT,
     MODEL_SECTIONS,
+    Resume,
     SavedCheckpoint,
     checkpoint_step,
     load_file,
     read_checkpoint,
     resolved_sections,
+    resume_from,
 )
 from transformers_lab.run.checkpoints.writing import AtomicCheckpointIO, Checkpoint
 
@@ -35,11 +34,9 @@ __all__ = [
     "AtomicCheckpointIO",
     "Checkpoint",
     "Restored",
+    "Resume",
     "SavedCheckpoint",
-    "WrongModel",
     "check_resume",
-    "check_split",
-    "check_weights",
     "checkpoint_step",
     "differences",
     "load_file",
@@ -47,4 +44,5 @@ __all__ = [
     "read_checkpoint",
     "resolved_sections",
     "restore",
+    "resume_from",
 ]

@@ -1,22 +1,23 @@
 """A checkpoint held to the run it is given to: the config it was trained with against
-this run's (``check_resume``, keys that may change listed), and its weights against the
-model built (``check_weights``)."""
+this run's (``check_resume``, keys that may change listed; its weights against the model
+built are ``SavedCheckpoint.check_weights``)."""
 
 from __future__ import annotations
 
 import difflib
 import inspect
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from omegaconf import OmegaConf
 
 from transformers_lab.config import flatten
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.checkpoints.saved import SavedCheckpoint
 from transformers_lab.run.components import target_class
 from transformers_lab.run.overrides import override_key
+
+if TYPE_CHECKING:  # saved.py holds a checkpoint to a run through check_resume
+    from transformers_lab.run.checkpoints.saved import SavedCheckpoint
 
 ABSENT = "(absent)"
 
@@ -79,27 +80,6 @@ def shown(value: Any) -> str:
     return value if value is ABSENT else repr(value)
 
 
-def check_weights(
-    checkpoint: SavedCheckpoint, module: torch.nn.Module, changed: Sequence[str] = ()
-) -> None:
-    """Refuse, in one line, a checkpoint whose weights do not fit ``module``, naming the
-    options ``changed`` from the checkpoint's own (``key: old -> new``, as ``check_resume``
-    returns them), else the tensors that differ."""
-    own, saved = module.state_dict(), checkpoint.state_dict
-    mismatched = [
-        key
-        for key in sorted(set(own) | set(saved))
-        if key not in own or key not in saved or own[key].shape != saved[key].shape
-    ]
-    if not mismatched:
-        return
-    what = "; ".join(changed) if changed else f"{len(mismatched)} tensors ({mismatched[0]})"
-    raise ConfigError(
-        f"checkpoint {checkpoint.path} was saved from a different model config ({what}); use "
-        f"the model options it was trained with, or drop ckpt_path to start afresh"
-    )
-
-
 # Keys of the saved sections (model, data, task) that a resumed run may change: where the
 # data lives and how it is read, how often samples are logged, and which code runs a gated
 # kernel's recurrence (the same maths). Every other key of those sections must be as the
@@ -125,7 +105,7 @@ def check_resume(
     """Refuse to resume ``checkpoint`` into a run whose model, data or task config (the
     kernel's class and options included) differs from the one it was trained with; the
     one-line error names each key with its old and new value. Returns the changes that
-    ``may_change`` allowed (``key: old -> new``), for ``check_weights`` to name."""
+    ``may_change`` allowed (``key: old -> new``), for ``SavedCheckpoint.check_weights`` to name."""
     saved, path = checkpoint.config, checkpoint.path
     old, new = flatten({k: saved.get(k, {}) for k in config}), flatten(config)
     check_may_change(may_change, config, old, new)
