@@ -49,8 +49,8 @@ from transformers_lab.sweeps.report.study import STUDY_FILE, TRIALS_FILE
 from transformers_lab.sweeps.storage import (
     JOURNAL_PREFIX,
     open_storage,
+    printable_url,
     setup_lock,
-    shown,
     with_driver,
 )
 
@@ -113,7 +113,7 @@ class StudySweeper(Sweeper):
         sampler = self.sampler_cfg  # Hydra builds the sweeper's nodes with it
         if sampler is not None and not isinstance(sampler, optuna.samplers.BaseSampler):
             sampler = instantiate(sampler)
-        where = f" in {shown(self.storage_url)}"
+        where = f" in {printable_url(self.storage_url)}"
         with setup_lock(self.storage_url):  # workers started together take turns
             storage = open_storage(self.storage_url, self.heartbeat_interval)
             study = st.load_or_create(
@@ -138,7 +138,7 @@ class StudySweeper(Sweeper):
             self.save_trials(study, sweep_dir)
         self.report(study)
         if not self.storage_url.startswith(JOURNAL_PREFIX):
-            url = shown(with_driver(self.storage_url))  # as SQLAlchemy reads it
+            url = printable_url(with_driver(self.storage_url))  # as SQLAlchemy reads it
             print(f"dashboard: optuna-dashboard {url}", flush=True)
 
     def check_settings(self) -> None:
@@ -243,7 +243,7 @@ class StudySweeper(Sweeper):
     def save_study_file(self, sweep_dir: Path) -> None:
         info = {
             "study_name": self.study_name,
-            "storage": shown(self.storage_url),
+            "storage": printable_url(self.storage_url),
             "objectives": self.objectives,
             "directions": self.directions,
             "n_trials": self.n_trials,

@@ -69,14 +69,14 @@ def open_storage(url: str, heartbeat_interval: int | None = None) -> optuna.stor
                 time.sleep(0.5 * (attempt + 1))
     except ImportError as exc:
         raise ConfigError(
-            f"cannot open the study storage {shown(given)}: its database driver is not "
+            f"cannot open the study storage {printable_url(given)}: its database driver is not "
             f"installed ({exc}); install it (psycopg for postgresql, pymysql for mysql) or "
             f"{hint}"
         ) from None
     except Exception as exc:  # SQLAlchemy's parse and connection errors, OS errors
         reason = " ".join(str(exc).split("(Background on this error")[0].split())
         said = server_refusal(url, reason) or f"{reason}; {hint}"
-        raise ConfigError(f"cannot open the study storage {shown(given)}: {said}") from None
+        raise ConfigError(f"cannot open the study storage {printable_url(given)}: {said}") from None
 
 
 def with_driver(url: str) -> str:
@@ -168,13 +168,13 @@ def setup_lock(url: str):
             log.warning(
                 "study storage %s: no file lock here (%s); workers set up the study without "
                 "taking turns",
-                shown(url),
+                printable_url(url),
                 refused,
             )
         yield
 
 
-def shown(url: str) -> str:
+def printable_url(url: str) -> str:
     """A storage URL as it may be printed: its password hidden."""
     if url.startswith(JOURNAL_PREFIX):
         return url

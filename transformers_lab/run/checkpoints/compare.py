@@ -19,7 +19,7 @@ from transformers_lab.run.overrides import override_key
 if TYPE_CHECKING:  # saved.py holds a checkpoint to a run through check_resume
     from transformers_lab.run.checkpoints.saved import SavedCheckpoint
 
-ABSENT = "(absent)"
+ABSENT = "(absent)"  # a key one of two configs lacks, as a difference shows it
 
 
 def differences(saved: Any, current: Any, allowed: Sequence[str] = ()) -> list[str]:
@@ -64,7 +64,7 @@ def flat_differences(
         if any(key.startswith(node) and not key.endswith("_target_") for node in swapped):
             continue
         before, after = old.get(key, ABSENT), new.get(key, ABSENT)
-        if {shown(before), shown(after)} == {ABSENT, "None"}:
+        if {said(before), said(after)} == {ABSENT, "None"}:
             continue
         if ABSENT in (before, after):  # the side that has it gives the class's default
             side = new if before is ABSENT else old
@@ -72,11 +72,12 @@ def flat_differences(
             if default is not ABSENT and side[key] == default:
                 continue
         if before != after:
-            out.append(f"{key}: {shown(before)} -> {shown(after)}")
+            out.append(f"{key}: {said(before)} -> {said(after)}")
     return out
 
 
-def shown(value: Any) -> str:
+def said(value: Any) -> str:
+    """A config value as a difference shows it: ``repr``, or ``(absent)``."""
     return value if value is ABSENT else repr(value)
 
 
