@@ -211,3 +211,17 @@ def test_a_checkpoint_that_would_run_code_is_refused_unless_trusted(tmp_path):
 def test_a_checkpoint_of_torchs_old_format_is_read_without_mapping(tmp_path):
     torch.save({"global_step": 3}, tmp_path / "old.ckpt", _use_new_zipfile_serialization=False)
     assert read_checkpoint(tmp_path / "old.ckpt").step == 3
+
+
+def test_lightnings_own_restore_reads_as_safely(tmp_path):
+    """Lightning's restore goes through the writer's ``load_checkpoint``: refused as ours
+    is, loaded when the run trusts the file (Lightning's ``weights_only=False``)."""
+    from transformers_lab.run.checkpoints import AtomicCheckpointIO
+
+    ran = tmp_path / "ran"
+    torch.save({"state_dict": {}, "x": Planted(ran)}, tmp_path / "planted.ckpt")
+    with pytest.raises(ConfigError, match="asks to run exec as it loads"):
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "planted.ckpt")
+    assert not ran.exists()
+    AtomicCheckpointIO().load_checkpoint(tmp_path / "planted.ckpt", weights_only=False)
+    assert ran.exists()
