@@ -55,12 +55,21 @@ def study_of(sweep: Path, name: str = "lr") -> optuna.Study:
     return optuna.load_study(study_name=name, storage=f"sqlite:///{sweep / 'study.db'}")
 
 
-def test_a_sweep_keeps_its_study_in_the_sweep_dir_and_each_trial_in_its_own_job_dir(tmp_path):
+@pytest.fixture(scope="module")
+def study_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A sweep of 3 trials, logged to csv and (offline) wandb, for the module's tests that
+    read a finished study: its dirs, its output, the dashboard."""
+    root = tmp_path_factory.mktemp("study")
+    sweep = root / "sweep"
+    proc = run(root, sweep, "hydra.sweeper.n_trials=3", "logger=many")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep, proc
+
+
+def test_a_sweep_keeps_its_study_in_the_sweep_dir_and_each_trial_in_its_own_job_dir(study_sweep):
     from tests.run.test_train import read_wandb_run
 
-    sweep = tmp_path / "sweep"
-    proc = run(tmp_path, sweep, "hydra.sweeper.n_trials=3", "logger=many")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep, proc = study_sweep
     study = study_of(sweep)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
     for trial in study.trials:
@@ -78,13 +87,12 @@ def test_a_sweep_keeps_its_study_in_the_sweep_dir_and_each_trial_in_its_own_job_
     assert "## Study `lr`" in summary and "3 trials (3 complete) of n_trials=3" in summary
 
 
-def test_a_trial_prints_none_of_the_warnings_optuna_gives_this_sweeper(tmp_path):
+def test_a_trial_prints_none_of_the_warnings_optuna_gives_this_sweeper(study_sweep):
     """The sweeper asks for trials outside ``Study.optimize`` and records their heartbeats
     itself, and reclaims stale trials with a function Optuna calls experimental: Optuna's
     warnings about both are expected, and said around no trial."""
-    proc = run(tmp_path, tmp_path / "sweep", "hydra.sweeper.n_trials=1", "test=false")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "trial 0: " in proc.stdout
+    _, proc = study_sweep
+    assert "trial 0: " in proc.stdout and "trial 2: " in proc.stdout
     output = proc.stdout + proc.stderr
     assert "ExperimentalWarning" not in output and "Heartbeat of storage" not in output
 
@@ -223,12 +231,10 @@ def test_a_study_name_taken_by_another_question_is_refused_in_one_line(tmp_path)
     assert len(study_of(sweep).trials) == 1  # nothing was added
 
 
-def test_the_dashboard_reads_the_study_file(tmp_path):
+def test_the_dashboard_reads_the_study_file(study_sweep):
     from optuna_dashboard._storage_url import get_storage
 
-    sweep = tmp_path / "sweep"
-    proc = run(tmp_path, sweep, "hydra.sweeper.n_trials=1")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    sweep, proc = study_sweep
     # optuna-dashboard sqlite:///<sweep dir>/study.db, as the sweep prints it
     storage = get_storage(f"sqlite:///{sweep / 'study.db'}")
     (summary,) = storage.get_all_studies()
