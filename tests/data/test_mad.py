@@ -199,21 +199,42 @@ def test_the_bottleneck_gpt_reads_every_token_back_from_the_last_state():
 
 
 def test_only_gpt_takes_the_compression_data(tmp_path):
-    vit = ("experiment=mad", "data=mad_compression", "model=vit")
-    proc = tlab_train(*vit, cwd=tmp_path)  # the experiment sets a GPT's option, refused first
-    assert proc.returncode == 2 and "model.tie_weights: ViT takes no tie_weights" in proc.stderr
-    proc = tlab_train(*vit, "~model.tie_weights", "task=classification", cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "bottleneck" in proc.stderr and "use model=gpt" in proc.stderr
+    """Run in this process, as tlab-train runs it (its one line and exit code 2 for a
+    ConfigError: tests/test_bad_inputs.py)."""
+    from transformers_lab.config import compose_config
+    from transformers_lab.errors import ConfigError
+    from transformers_lab.run.fit import fit_and_test
+
+    vit = ["experiment=mad", "data=mad_compression", "model=vit"]
+    # the experiment sets a GPT's option, refused first (the preflight)
+    with pytest.raises(ConfigError, match="model.tie_weights: ViT takes no tie_weights"):
+        fit_and_test(compose_config("train", vit, tmp_path / "tied"))
+    without = [*vit, "~model.tie_weights", "task=classification"]
+    with pytest.raises(ConfigError, match="bottleneck.*use model=gpt"):
+        fit_and_test(compose_config("train", without, tmp_path / "untied"))
+
+
+@pytest.fixture(scope="module")
+def every_task_run(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """One fast run of each MAD task through tlab-train, as one multirun (a process for
+    all six, not one each): the summary's row of each task, by task."""
+    root = tmp_path_factory.mktemp("mad")
+    tasks = ",".join(f"mad_{problem}" for problem in MAD_PROBLEMS)
+    proc = tlab_train(
+        "-m", "experiment=mad", f"data={tasks}", "debug=fdr", "logger=csv",
+        "trainer.enable_progress_bar=false", cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep,) = (root / "logs" / "debug" / "multiruns").iterdir()  # debug=fdr's task_name
+    with (sweep / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    return {r["overrides"].split("data=mad_", 1)[1].split()[0]: r for r in rows}
 
 
 @pytest.mark.parametrize("problem", MAD_PROBLEMS)
-def test_every_mad_task_trains_through_tlab_train(problem, tmp_path):
-    proc = tlab_train(
-        "experiment=mad", f"data=mad_{problem}", "debug=fdr", "logger=csv",
-        "trainer.enable_progress_bar=false", cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_every_mad_task_trains_through_tlab_train(problem, every_task_run):
+    row = every_task_run[problem]
+    assert row["status"] == "ok", row
 
 
 @pytest.mark.slow  # over a minute on 2 cores: make test-slow
