@@ -21,6 +21,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from transformers_lab.run.curves import history
+from transformers_lab.run.job import run_job
 from transformers_lab.run.overrides import identity
 from transformers_lab.run.record import RESULT_FILE
 from transformers_lab.sweeps.plugins import register_plugins
@@ -253,13 +254,16 @@ def test_a_resumed_sweep_skips_the_jobs_that_finished(failing_sweep, tmp_path):
 
 
 def test_a_run_started_afresh_in_a_used_dir_keeps_the_old_metrics_out_of_its_curves(tmp_path):
+    """Two jobs in one dir, run in this process as tlab-train runs them (``run_job``)."""
+    from transformers_lab.config import compose_config
+    from transformers_lab.train import fit_as_trial
+
     run = tmp_path / "run"
-    args = [*TINY, "logger=csv", f"hydra.run.dir={run}"]
-    first = tlab_train(*args, "seed=0", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    args = [*TINY, "logger=csv"]
+    run_job(compose_config("train", [*args, "seed=0"], run), fit_as_trial)
     before = (run / "csv" / "metrics.csv").read_text()
-    second = tlab_train(*args, "seed=1", "trainer.max_epochs=2", cwd=tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
+    second = compose_config("train", [*args, "seed=1", "trainer.max_epochs=2"], run)
+    run_job(second, fit_as_trial)
     kept = list((run / "abandoned.1").glob("csv/**/metrics.csv"))
     assert [p.read_text() for p in kept] == [before]  # nothing lost
     rows, resumes = history(run)  # only the second run's two epochs
@@ -560,6 +564,18 @@ def test_make_ablate_sweeps_the_field_s_kernels_each_an_attention_option(monkeyp
     assert cfg.trainer.max_steps == 2200 and cfg.hydra.launcher.n_jobs == 2
 
 
+@pytest.fixture(scope="module")
+def causal_only() -> set[str]:
+    """The attention options whose kernel is causal only (each option composed once for the
+    module's tests)."""
+    from hydra.utils import get_class
+
+    from transformers_lab.config import attention_configs
+
+    configs = attention_configs()
+    return {name for name, c in configs.items() if get_class(c["_target_"]).causal_only}
+
+
 @pytest.mark.parametrize(
     "sweep, model, left_out",
     [
@@ -568,13 +584,12 @@ def test_make_ablate_sweeps_the_field_s_kernels_each_an_attention_option(monkeyp
     ],
 )
 def test_the_fast_paper_tables_sweep_every_kernel_their_model_takes(
-    sweep, model, left_out, monkeypatch, tmp_path
+    sweep, model, left_out, causal_only, monkeypatch, tmp_path
 ):
     """The MNIST and Shakespeare tables' sweeps: their glob over the attention group is
     every option the model can take (a ViT no causal-only kernel), at 3 rates and 3 seeds."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.utils import get_class
 
     from transformers_lab.config import CONF_DIR
 
@@ -582,11 +597,6 @@ def test_the_fast_paper_tables_sweep_every_kernel_their_model_takes(
     options = sorted(p.stem for p in (CONF_DIR / "attention").glob("*.yaml"))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", [f"sweep={sweep}"], return_hydra_config=True)
-        causal_only = {
-            name
-            for name in options
-            if get_class(compose("train", [f"attention={name}"]).attention._target_).causal_only
-        }
     assert cfg.model._target_.endswith(f".{model}")
     params = cfg.hydra.sweeper.params
     swept = OverridesParser.create().parse_override(f"attention={params.attention}")
