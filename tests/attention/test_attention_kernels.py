@@ -182,15 +182,20 @@ def test_the_check_command_refuses_a_target_it_cannot_build(argv, message, capsy
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
-def test_the_readme_kernel_table_is_written_from_the_registry():
+def test_the_readme_kernel_table_is_written_from_the_registry(monkeypatch):
+    import importlib
     from pathlib import Path
 
     from transformers_lab.attention.__main__ import kernel_table, with_table
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    tests = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(tests / "user"))
+    importlib.import_module("user_kernels.relu2")  # a user's kernel, registered: not the README's
+    readme = (tests.parent / "README.md").read_text()
     table = kernel_table()  # composes every option: once (a minute on 2 busy cores)
     assert with_table(readme, table) == readme, "the table is stale: run make docs"
     assert all(f"| `{name}` |" in table for name in NAMES)
+    assert "relu2" in KERNELS and "| `relu2` |" not in table
 
 
 def test_a_kernel_name_cannot_be_taken_twice():

@@ -180,12 +180,11 @@ def test_the_generation_bench_decodes_with_the_users_kernel(user_path, tmp_path)
 
 def test_the_long_context_bench_takes_the_users_kernel(user_path):
     dirs = config_dirs([MY_CONF])
+    # None: an option of the valid ones (relu2 among them), composed as attention=relu2;
+    # an unknown kernel's error: tests/bench/test_bench_long_context.py
     configs = long_context.kernel_configs(["relu2", "softmax", CLASS], dirs)
     assert configs == {"relu2": None, "softmax": None, CLASS: kernel_config(CLASS)}
-    assert "relu2" in long_context.valid_kernels(dirs)
     assert searchpath_override(dirs) == [f"hydra.searchpath=[file://{MY_CONF.resolve()}]"]
-    with pytest.raises(ValueError, match="unknown kernel 'relu3'"):
-        long_context.kernel_configs(["relu3"], config_dirs())
 
 
 @pytest.mark.skipif(not os.environ.get("TLAB_DATA_DIR"), reason="needs Tiny Shakespeare")
@@ -199,7 +198,7 @@ def test_the_long_context_bench_trains_the_users_kernel(user_path, tmp_path):
 
 
 def test_the_readme_table_has_the_users_kernel_with_their_config_dir(user_path):
-    assert "| `relu2` |" not in kernel_table()
+    # without their config dir, the table leaves it out: test_attention_kernels.py's
     row = next(line for line in kernel_table([MY_CONF]).splitlines() if "`relu2`" in line)
     assert "φ = relu² + ε" in row and "constant: 4,160 numbers a head" in row
 
