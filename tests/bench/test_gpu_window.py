@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -15,17 +16,25 @@ from transformers_lab.bench import kernels as bench
 
 
 def test_a_dry_run_walks_every_step_in_order_and_writes_the_results(tmp_path, capsys):
-    assert gpu_window.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    plan = gpu_window.steps(tmp_path)
+    assert [s.name for s in plan] == ["env", "bench_4096", "bench_16384", "bench_65536",
+                                      "gpu_tests", "bf16_backends"]  # fmt: skip
+    assert sum(s.limit_s for s in plan) <= 600  # one call of a lent machine
+    # the last step collects the tests the one before it leaves out (-k "not backend"):
+    # walked here by that one, whose collection counts them as deselected
+    assert plan[-1].command[:-2] == [c for c in plan[-2].command if c not in ("-n", "8")][:-2]
+    assert plan[-1].command[-2:] == ["-k", "backend"] and plan[-2].command[-1] == "not backend"
+    walked = [s.name for s in plan[:-1]]
+    assert gpu_window.main(["--dry-run", "--out", str(tmp_path), "--only", *walked]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    steps = [s["step"] for s in results["steps"]]
-    assert steps == ["env", "bench_4096", "bench_16384", "bench_65536", "gpu_tests",
-                     "bf16_backends"]  # fmt: skip
+    assert [s["step"] for s in results["steps"]] == walked
     assert all(s["status"] == "dry-run ok" for s in results["steps"]), results["steps"]
-    assert sum(s["limit_s"] for s in results["steps"]) <= 600  # one call of a lent machine
     env = json.loads(results["steps"][0]["summary"])
     assert gpu_window.pinned() == {"fla-core": "0.6.0", "triton": "3.8.0"}  # pyproject's
     assert env["fla-core"] == "0.6.0" and env["cache_fits"] is True
-    assert "collected" in results["steps"][-1]["summary"]  # the backend tests were found
+    collected = re.search(r"(\d+)/\d+ tests collected \((\d+) deselected\)",
+                          results["steps"][-1]["summary"])  # fmt: skip
+    assert collected and int(collected[1]) > 0 and int(collected[2]) > 0  # both steps' tests
 
 
 def test_the_bench_times_each_covered_kernel_on_our_loop_and_each_of_its_backends():
