@@ -229,7 +229,8 @@ def test_matmul_flops_counts_what_the_linear_paths_run(variant, causal):
 
     from transformers_lab.config import attention_configs
 
-    kernel = split_layer_parts(instantiate(attention_configs()[variant]))[0](head_dim=8, n_head=2)
+    config = attention_configs(names=[variant])[variant]  # this option alone composed
+    kernel = split_layer_parts(instantiate(config))[0](head_dim=8, n_head=2)
     kernel.impl, kernel.chunk_size = "linear", 16
     d = kernel.qk_dim  # Based's feature_dim
     q, k, v = (torch.randn(1, 2, 40, w, requires_grad=True) for w in (d, d, 8))  # 40: padded
