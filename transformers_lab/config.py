@@ -10,12 +10,14 @@ The resolvers are registered on import; every entry point imports this module (t
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import importlib
 import importlib.util
 import logging
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,21 +90,30 @@ def compose_config(name: str, overrides: list[str], output_dir: str | Path) -> D
     return cfg
 
 
+@contextlib.contextmanager
+def composing() -> Iterator[None]:
+    """Hydra's compose API ready for ``compose_option``: as it is inside a running app (a
+    hybrid stack's layer, named while the run is built), else initialized on ``conf/``
+    for the duration (one initialization for many compositions)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        yield
+        return
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        yield
+
+
 def compose_option(group: str, name: str, dirs: Sequence[Path] = (CONF_DIR,)) -> dict[str, Any]:
     """The option ``name`` of ``group`` (``attention``, or ``mixer``) as ``<group>=<name>``
     composes it with ``dirs`` on the search path (its defaults applied), a plain dict
-    with ``_target_`` and the layer's switches left at their defaults dropped; inside a
-    running Hydra app (a hybrid stack's layer, named while the run is built) too."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    with ``_target_`` and the layer's switches left at their defaults dropped."""
+    from hydra import compose
 
     override = f"attention={name}" if group == "attention" else f"+{group}={name}"
-    overrides = [override, *searchpath_override(dirs)]
-    if GlobalHydra.instance().is_initialized():
-        cfg = compose("train", overrides=overrides)
-    else:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=overrides)
+    with composing():
+        cfg = compose("train", overrides=[override, *searchpath_override(dirs)])
     return without_default_parts(OmegaConf.to_container(cfg[group], resolve=True))
 
 
@@ -110,9 +121,20 @@ def attention_configs(
     dirs: Sequence[Path] = (CONF_DIR,), names: Sequence[str] | None = None
 ) -> dict[str, dict[str, Any]]:
     """The options ``names`` (default: every one) of the ``attention`` group in ``dirs``
-    (``conf/`` and the user's config dirs), each composed (``compose_option``), by name."""
+    (``conf/`` and the user's config dirs), each composed (``compose_option``), by name;
+    those of ``conf/`` alone are composed once a process (its files do not change while
+    it runs), each call given its own copy."""
     names = group_options("attention", dirs) if names is None else names
-    return {name: compose_option("attention", name, dirs) for name in names}
+    if [Path(d) for d in dirs] == [CONF_DIR]:
+        return {name: copy.deepcopy(packaged_option(name)) for name in names}
+    with composing():
+        return {name: compose_option("attention", name, dirs) for name in names}
+
+
+@functools.cache
+def packaged_option(name: str) -> dict[str, Any]:
+    """An option of ``conf/attention``, composed (``compose_option``), once a process."""
+    return compose_option("attention", name)
 
 
 def layer_part_defaults() -> dict[str, Any]:
