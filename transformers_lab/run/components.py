@@ -12,7 +12,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import logging
 import os
 import re
 import sys
@@ -31,8 +30,6 @@ from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.memory import keep_freed_memory
 from transformers_lab.run.record import say
-
-log = logging.getLogger(__name__)
 
 
 def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
@@ -424,7 +421,6 @@ def build_components(cfg: DictConfig, resume: Any = None, fingerprint: bool = Fa
     if checkpoint is not None:  # its tensors fit (a checkpoint with no saved config too)
         checkpoint.check_weights(task, resume.changed, resume.against)
     start = seeded(model, (run_config or {}).get("data")) if fingerprint else None
-    log.info("model %s: %s parameters", type(model).__name__, f"{task.num_params:,}")
     if compiled:
         say(compiled)
     return Components(datamodule, model, task, compiled, start)

@@ -74,6 +74,7 @@ def fit(cfg: DictConfig, parts: Components, trainer: L.Trainer, resume: Resume) 
     without training, the checkpoint given (else the model as built); a trial its pruner
     stopped is not worth a test."""
     trust, training = bool(cfg.get("trust_checkpoint")), cfg.get("train", True)
+    log.info("model %s: %s parameters", type(parts.model).__name__, f"{parts.task.num_params:,}")
     with lightning_refusals():
         if training:
             fit_from(cfg, parts, trainer, resume, trust)
