@@ -189,12 +189,14 @@ def test_the_long_context_bench_takes_the_users_kernel(user_path):
 
 @pytest.mark.skipif(not os.environ.get("TLAB_DATA_DIR"), reason="needs Tiny Shakespeare")
 def test_the_long_context_bench_trains_the_users_kernel(user_path, tmp_path):
-    argv = ["--kernels", "relu2", CLASS, "--config-dir", str(MY_CONF), "--steps", "1",
+    """Its class, named by its dotted path (its yaml, relu2 in the user's config dir, is
+    trained by the README's long-context command, in the slow suite)."""
+    argv = ["--kernels", CLASS, "--config-dir", str(MY_CONF), "--steps", "1",
             "--warmup", "0", "--out", str(tmp_path), "--overrides", "data.block_size=32",
             "data.batch_size=2", "model.n_layer=1"]  # fmt: skip
     assert long_context.main(argv) == 0
     rows = list(csv.DictReader((tmp_path / "long_context.csv").open()))
-    assert [(r["kernel"], r["status"]) for r in rows] == [("relu2", "ok"), (CLASS, "ok")]
+    assert [(r["kernel"], r["status"]) for r in rows] == [(CLASS, "ok")]
 
 
 def test_the_readme_table_has_the_users_kernel_with_their_config_dir(user_path):
@@ -203,6 +205,7 @@ def test_the_readme_table_has_the_users_kernel_with_their_config_dir(user_path):
     assert "φ = relu² + ε" in row and "constant: 4,160 numbers a head" in row
 
 
+@pytest.mark.slow  # a joblib multirun through tlab-train
 def test_a_glob_sweep_runs_the_users_kernel(tmp_path):
     """``attention=glob(...)`` lists the options of every config dir, the user's too (Hydra's
     own sweeper lists only those it started with: relu2 was silently left out), and the

@@ -70,6 +70,7 @@ def test_the_sweep_is_the_figure_grid_with_its_statistics(composed):
     assert list(cfg.summary.grid) == ["model.d_model", "attention", "mqar_size"]
 
 
+@pytest.mark.slow  # a multirun of 8 jobs through tlab-train
 def test_a_tiny_zoology_sweep_writes_the_figure_and_the_table(tmp_path):
     """2 kernels x 2 widths x 2 learning rates at a toy size: the grid keeps the best
     learning rate of each (kernel, width) and draws one line per kernel."""
