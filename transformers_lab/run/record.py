@@ -162,6 +162,16 @@ def print_metrics(metrics: dict[str, float]) -> None:
     say("final metrics:", *(f"  {name}: {value:.6g}" for name, value in metrics.items()))
 
 
+def state_size(model: Any) -> int | None:
+    """The numbers a model's attention holds of a whole context (``state_size()`` of GPT
+    and EncoderClassifier, or of a model of the user's that takes no argument), else None."""
+    size = getattr(model, "state_size", None)
+    try:
+        return int(size()) if callable(size) else None
+    except TypeError:  # a method of another meaning, that needs arguments
+        return None
+
+
 def outcome(fitted: Any, parts: Any) -> Outcome:
     """A fit's ``Outcome``, its last lines printed: the final metrics and checkpoints of
     ``fitted`` (``run.fit.Fitted``), the size of the model ``parts`` built and what its
@@ -169,11 +179,10 @@ def outcome(fitted: Any, parts: Any) -> Outcome:
     print_metrics(fitted.metrics)
     say(f"best checkpoint: {fitted.checkpoints['best']}")
     say(f"last checkpoint: {fitted.checkpoints['last']}")
-    state = getattr(parts.model, "state_size", None)
     return Outcome(
         **fitted._asdict(),
         params=parts.task.num_params,
-        state_size=state() if callable(state) else None,
+        state_size=state_size(parts.model),
         seeded=parts.seeded,
         layers=parts.task.layers,
     )
