@@ -105,6 +105,7 @@ def test_every_model_builds_with_the_users_kernel(user_dir, model, monkeypatch, 
     assert KERNELS["distance"].__module__ == "my_kernels.distance"
 
 
+@pytest.mark.slow  # an end-to-end run through tlab-train (make test-slow)
 def test_a_sweep_with_the_users_kernel_writes_its_summary(user_dir):
     proc = run(
         "-m", "transformers_lab.train", "-m", "attention=distance,softmax", "experiment=mqar",

@@ -15,6 +15,7 @@ from transformers_lab.bench import gpu_window
 from transformers_lab.bench import kernels as bench
 
 
+@pytest.mark.slow  # every step's commands walked in subprocesses (make test-slow)
 def test_a_dry_run_walks_every_step_in_order_and_writes_the_results(tmp_path, capsys):
     plan = gpu_window.steps(tmp_path)
     assert [s.name for s in plan] == ["env", "bench_4096", "bench_16384", "bench_65536",

@@ -231,6 +231,7 @@ def every_task_run(tmp_path_factory) -> dict[str, dict[str, str]]:
     return {r["overrides"].split("data=mad_", 1)[1].split()[0]: r for r in rows}
 
 
+@pytest.mark.slow  # an end-to-end run through tlab-train (make test-slow)
 @pytest.mark.parametrize("problem", MAD_PROBLEMS)
 def test_every_mad_task_trains_through_tlab_train(problem, every_task_run):
     row = every_task_run[problem]

@@ -443,6 +443,7 @@ def test_sigterm_while_testing_stops_with_the_command_that_tests_the_best_checkp
     )
 
 
+@pytest.mark.slow  # a real process killed, then resumed (make test-slow)
 def test_after_kill_9_resuming_from_last_ends_as_the_uninterrupted_run(tmp_path, uninterrupted):
     """A real process killed with SIGKILL at step 25, after last.ckpt was saved mid-epoch
     (validation every 4 batches), then resumed from that checkpoint."""

@@ -44,6 +44,7 @@ def page_faults(setting: str) -> int:
     return int(done.stdout.split()[-1])
 
 
+@pytest.mark.slow  # page faults counted in a process of its own (make test-slow)
 def test_a_freed_large_tensor_s_pages_are_reused_not_faulted_in_again():
     pages = 10 * 48 * 2**20 // 4096  # 10 tensors of 48 MiB in pages of 4 KiB
     default, kept = page_faults("default"), page_faults("keep")

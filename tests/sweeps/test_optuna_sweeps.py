@@ -66,6 +66,7 @@ def study_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return sweep, proc
 
 
+@pytest.mark.slow  # an end-to-end run through tlab-train (make test-slow)
 def test_a_sweep_keeps_its_study_in_the_sweep_dir_and_each_trial_in_its_own_job_dir(study_sweep):
     from tests.run.test_train import read_wandb_run
 
@@ -87,6 +88,7 @@ def test_a_sweep_keeps_its_study_in_the_sweep_dir_and_each_trial_in_its_own_job_
     assert "## Study `lr`" in summary and "3 trials (3 complete) of n_trials=3" in summary
 
 
+@pytest.mark.slow  # an end-to-end run through tlab-train (make test-slow)
 def test_a_trial_prints_none_of_the_warnings_optuna_gives_this_sweeper(study_sweep):
     """The sweeper asks for trials outside ``Study.optimize`` and records their heartbeats
     itself, and reclaims stale trials with a function Optuna calls experimental: Optuna's
@@ -231,6 +233,7 @@ def test_a_study_name_taken_by_another_question_is_refused_in_one_line(tmp_path)
     assert len(study_of(sweep).trials) == 1  # nothing was added
 
 
+@pytest.mark.slow  # an end-to-end run through tlab-train (make test-slow)
 def test_the_dashboard_reads_the_study_file(study_sweep):
     from optuna_dashboard._storage_url import get_storage
 

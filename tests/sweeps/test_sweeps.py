@@ -209,6 +209,7 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(failing_sweep):
     assert "model.n_head=3" in (sweep / "summary.md").read_text()
 
 
+@pytest.mark.slow  # an end-to-end run through tlab-train (make test-slow)
 def test_a_sweep_none_of_whose_jobs_finished_exits_non_zero(tmp_path):
     """Every job failed (d_model=64 over 3 or 5 heads): the summary is written all the
     same, and the sweep's exit code says it failed, for the scripts that run it."""
