@@ -13,12 +13,10 @@ help:  ## list the targets
 
 install: $(VENV)/.installed  ## create .venv and install the package with its dev tools (idempotent)
 
-# --no-compile: pip would byte-compile every module of every package (17,000 files, most
-# of them never imported: over a minute); Python compiles those a run imports, once
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
 # the SLURM tests' one-node cluster (tests/slurm.py) needs Debian's slurm-wlm and munge;
