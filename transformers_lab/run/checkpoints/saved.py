@@ -77,8 +77,12 @@ def load_file(path: str | Path, trust: bool = False, mmap: bool = True) -> Any:
 
 
 def first_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+    """Why torch could not read a file, in one line: the weights-only unpickler's own
+    reason where it gives one (its first lines are advice for code), else the first."""
+    said = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    reason = re.search(r"WeightsUnpickler error:\s*([^\n]+)", said)
+    lines = [line.strip() for line in said.splitlines() if line.strip()]
+    return reason[1].strip() if reason else lines[0] if lines else type(exc).__name__
 
 
 class SavedCheckpoint:
