@@ -11,6 +11,7 @@ from transformers_lab.errors import ConfigError
 from transformers_lab.run.checkpoints import (
     SavedCheckpoint,
     check_resume,
+    check_weights,
     checkpoint_step,
     differences,
     read_checkpoint,
@@ -111,14 +112,14 @@ def test_weights_of_another_shape_are_refused_with_the_config_that_changed():
     module = torch.nn.Linear(2, 3)
     shapes = {"state_dict": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}
     with pytest.raises(ConfigError, match=r"different model config \(1 tensors \(weight\)\)"):
-        saved(shapes).check_weights(module)
+        check_weights(saved(shapes), module)
     changed = check_resume(
         saved({"tlab_config": {"model": {"d": 4}}}), {"model": {"d": 2}}, ["model"]
     )
     assert changed == ["model.d: 4 -> 2"]  # allowed to change, and named when shapes differ
     with pytest.raises(ConfigError, match=r"\(model.d: 4 -> 2\)"):
-        saved(shapes).check_weights(module, changed)
-    saved({"state_dict": module.state_dict()}).check_weights(module)
+        check_weights(saved(shapes), module, changed)
+    check_weights(saved({"state_dict": module.state_dict()}), module)
 
 
 def test_a_resume_with_another_config_names_each_change(tmp_path):
@@ -158,10 +159,10 @@ def test_weights_that_do_not_fit_are_refused_and_fitting_ones_pass():
     task = torch.nn.Module()
     task.model = torch.nn.Linear(2, 2)  # a task's parameter names are "model.*"
     state = {f"model.{k}": torch.ones_like(v) for k, v in task.model.state_dict().items()}
-    saved({"state_dict": state}).check_weights(task)
+    check_weights(saved({"state_dict": state}), task)
     state["model.weight"] = torch.ones(3, 2)
     with pytest.raises(ConfigError, match="c.ckpt was saved from a different model config"):
-        saved({"state_dict": state}).check_weights(task)
+        check_weights(saved({"state_dict": state}), task)
 
 
 def test_only_our_models_checkpoints_have_their_block_keys_renamed(tmp_path):

@@ -413,13 +413,13 @@ def build_components(cfg: DictConfig, resume: Any = None, fingerprint: bool = Fa
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     checkpoint = resume.checkpoint if resume is not None else None
-    run_config = resume.run_config if resume is not None else None
+    run_config = (resume.run_config or None) if resume is not None else None
     datamodule = build_datamodule(cfg.data, checkpoint)
     model = build_model(cfg.model, datamodule)
     compiled = compile_model(model) if cfg.get("compile") else None  # its weights as built
     task = build_task(cfg.task, model, datamodule, run_config=run_config)
-    if checkpoint is not None:  # its tensors fit (a checkpoint with no saved config too)
-        checkpoint.check_weights(task, resume.changed, resume.against)
+    if resume is not None:  # its tensors fit (a checkpoint with no saved config too)
+        resume.check_weights(task)
     start = seeded(model, (run_config or {}).get("data")) if fingerprint else None
     if compiled:
         say(compiled)

@@ -6,8 +6,11 @@ model (``restore``); written atomically, at every save point and on a signal
 
 from transformers_lab.run.checkpoints.compare import (
     RESUME_MAY_CHANGE,
+    Resume,
     check_resume,
+    check_weights,
     differences,
+    resume_from,
 )
 from transformers_lab.run.checkpoints.restore import (
     Restored,
@@ -17,13 +20,11 @@ from transformers_lab.run.checkpoints.restore import (
 from transformers_lab.run.checkpoints.saved import (
     GIVE_CHECKPOINT,
     MODEL_SECTIONS,
-    Resume,
     SavedCheckpoint,
     checkpoint_step,
     load_file,
     read_checkpoint,
     resolved_sections,
-    resume_from,
 )
 from transformers_lab.run.checkpoints.writing import AtomicCheckpointIO, Checkpoint
 
@@ -37,6 +38,7 @@ __all__ = [
     "Resume",
     "SavedCheckpoint",
     "check_resume",
+    "check_weights",
     "checkpoint_step",
     "differences",
     "load_file",

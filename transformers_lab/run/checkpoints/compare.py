@@ -1,23 +1,26 @@
-"""A checkpoint held to the run it is given to: the config it was trained with against
-this run's (``check_resume``, keys that may change listed; its weights against the model
-built are ``SavedCheckpoint.check_weights``)."""
+"""A checkpoint held to the run it is given to: what a run resumes (``resume_from``: the
+checkpoint read, its config against this run's, ``check_resume``, keys that may change
+listed) and its weights against the model built (``check_weights``)."""
 
 from __future__ import annotations
 
 import difflib
 import inspect
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
-from omegaconf import OmegaConf
+import torch
+from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.config import flatten
 from transformers_lab.errors import ConfigError
+from transformers_lab.run.checkpoints.saved import (
+    SavedCheckpoint,
+    read_checkpoint,
+    resolved_sections,
+)
 from transformers_lab.run.components import target_class
 from transformers_lab.run.overrides import override_key
-
-if TYPE_CHECKING:  # saved.py holds a checkpoint to a run through check_resume
-    from transformers_lab.run.checkpoints.saved import SavedCheckpoint
 
 ABSENT = "(absent)"  # a key one of two configs lacks, as a difference shows it
 
@@ -106,7 +109,7 @@ def check_resume(
     """Refuse to resume ``checkpoint`` into a run whose model, data or task config (the
     kernel's class and options included) differs from the one it was trained with; the
     one-line error names each key with its old and new value. Returns the changes that
-    ``may_change`` allowed (``key: old -> new``), for ``SavedCheckpoint.check_weights`` to name."""
+    ``may_change`` allowed (``key: old -> new``), for ``check_weights`` to name."""
     saved, path = checkpoint.config, checkpoint.path
     old, new = flatten({k: saved.get(k, {}) for k in config}), flatten(config)
     check_may_change(may_change, config, old, new)
@@ -150,3 +153,60 @@ def check_may_change(
             f"resume_may_change: {key} names no key of the model, data or task config that "
             f"the checkpoint is compared with ({hint}); give each key by its full name there"
         )
+
+
+def check_weights(
+    checkpoint: SavedCheckpoint,
+    module: torch.nn.Module,
+    changed: Sequence[str] = (),
+    against: Any = None,
+) -> None:
+    """Refuse, in one line, a checkpoint whose weights do not fit ``module``, naming the
+    options ``changed`` from its own (``key: old -> new``, as ``check_resume`` returns
+    them; or those of the config ``against``, the run rebuilt), else the tensors that
+    differ."""
+    own, saved = module.state_dict(), checkpoint.state_dict
+    mismatched = [
+        key
+        for key in sorted(set(own) | set(saved))
+        if key not in own or key not in saved or own[key].shape != saved[key].shape
+    ]
+    if not mismatched:
+        return
+    if against is not None:
+        changed = differences(checkpoint.config, resolved_sections(against))
+    what = "; ".join(changed) if changed else f"{len(mismatched)} tensors ({mismatched[0]})"
+    raise ConfigError(
+        f"checkpoint {checkpoint.path} was saved from a different model config ({what}); use "
+        f"the model options it was trained with, or drop ckpt_path to start afresh"
+    )
+
+
+class Resume(NamedTuple):
+    """A run's resolved model, data and task config (``run_config``: what its checkpoints
+    keep), and the checkpoint it resumes (None: it starts afresh) with the changes from
+    the checkpoint's config that ``resume_may_change`` allowed (or the config to find
+    them in, ``against``, where its weights do not fit)."""
+
+    run_config: dict[str, Any]
+    checkpoint: SavedCheckpoint | None = None
+    changed: list[str] = []
+    against: Any = None
+
+    def check_weights(self, module: torch.nn.Module) -> None:
+        """The checkpoint's weights held to ``module`` (nothing without a checkpoint)."""
+        if self.checkpoint is not None:
+            check_weights(self.checkpoint, module, self.changed, self.against)
+
+
+def resume_from(cfg: DictConfig, checkpoint: SavedCheckpoint | None = None) -> Resume:
+    """What a run resumes: ``cfg.ckpt_path`` (``checkpoint`` when the job read it already;
+    else read here, ``trust_checkpoint`` letting it hold more than tensors and plain
+    values), its config held to the run's (``check_resume``), before any data is read."""
+    run_config = resolved_sections(cfg)
+    if not cfg.get("ckpt_path"):
+        return Resume(run_config)
+    if checkpoint is None:
+        checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
+    changed = check_resume(checkpoint, run_config, cfg.get("resume_may_change") or ())
+    return Resume(run_config, checkpoint, changed)

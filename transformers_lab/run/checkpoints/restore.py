@@ -9,7 +9,8 @@ from typing import Any, NamedTuple
 
 import lightning as L
 
-from transformers_lab.run.checkpoints.saved import Resume, SavedCheckpoint, read_checkpoint
+from transformers_lab.run.checkpoints.compare import Resume
+from transformers_lab.run.checkpoints.saved import SavedCheckpoint, read_checkpoint
 from transformers_lab.run.components import build_components
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import logging
 import pickle
 import re
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -19,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 from transformers_lab.config import moved_targets
 from transformers_lab.errors import ConfigError
 from transformers_lab.nn.layers import migrate_block_keys
-from transformers_lab.run.checkpoints.compare import check_resume, differences
 
 log = logging.getLogger(__name__)
 
@@ -137,29 +135,6 @@ class SavedCheckpoint:
         """The state it holds for ``module`` (a data module's tokenizer), by class name."""
         return self.contents.get(type(module).__qualname__)
 
-    def check_weights(
-        self, module: torch.nn.Module, changed: Sequence[str] = (), against: Any = None
-    ) -> None:
-        """Refuse, in one line, weights that do not fit ``module``, naming the options
-        ``changed`` from its own (``key: old -> new``, as ``check_resume`` returns them;
-        or those of the config ``against``, the run rebuilt), else the tensors that
-        differ."""
-        own, saved = module.state_dict(), self.state_dict
-        mismatched = [
-            key
-            for key in sorted(set(own) | set(saved))
-            if key not in own or key not in saved or own[key].shape != saved[key].shape
-        ]
-        if not mismatched:
-            return
-        if against is not None:
-            changed = differences(self.config, resolved_sections(against))
-        what = "; ".join(changed) if changed else f"{len(mismatched)} tensors ({mismatched[0]})"
-        raise ConfigError(
-            f"checkpoint {self.path} was saved from a different model config ({what}); use "
-            f"the model options it was trained with, or drop ckpt_path to start afresh"
-        )
-
     def run_config(self, data: Any = None, model: Any = None) -> DictConfig:
         """Its model, data and task config, the command line's ``data.*`` merged (and
         ``model.*``: the context of an evaluation at another length)."""
@@ -223,28 +198,3 @@ def resolved_sections(config: DictConfig, keys: tuple[str, ...] = MODEL_SECTIONS
     """Plain, resolved copies of the config sections that rebuild a run's model: what
     every checkpoint keeps (``tlab_config``), and what a resumed run is held to."""
     return {k: OmegaConf.to_container(config[k], resolve=True) for k in keys if k in config}
-
-
-class Resume(NamedTuple):
-    """A run's resolved model, data and task config (``run_config``: what its checkpoints
-    keep), and the checkpoint it resumes (None: it starts afresh) with the changes from
-    the checkpoint's config that ``resume_may_change`` allowed (or the config to find
-    them in, ``against``, where its weights do not fit)."""
-
-    run_config: dict[str, Any]
-    checkpoint: SavedCheckpoint | None = None
-    changed: list[str] = []
-    against: Any = None
-
-
-def resume_from(cfg: DictConfig, checkpoint: SavedCheckpoint | None = None) -> Resume:
-    """What a run resumes: ``cfg.ckpt_path`` (``checkpoint`` when the job read it already;
-    else read here, ``trust_checkpoint`` letting it hold more than tensors and plain
-    values), its config held to the run's (``check_resume``), before any data is read."""
-    run_config = resolved_sections(cfg)
-    if not cfg.get("ckpt_path"):
-        return Resume(run_config)
-    if checkpoint is None:
-        checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
-    changed = check_resume(checkpoint, run_config, cfg.get("resume_may_change") or ())
-    return Resume(run_config, checkpoint, changed)
