@@ -1,7 +1,7 @@
 """The configs: where they live, the resolvers they use, composing them from Python (a
-group's option: ``compose_option``; a hybrid stack's layers: ``expand_hybrid``), and
-instantiating a node with the error of its target rather than Hydra's wrapping of it
-(``run.components.call``), a ``_target_`` that moved followed to its new home
+group's option: ``compose_option``; a hybrid stack's layers: ``expand_hybrid``), a node's
+instantiation refused in the words of its target rather than Hydra's wrapping of them
+(``instantiation_refusals``), a ``_target_`` that moved followed to its new home
 (``MOVED``: a config of an earlier version keeps working).
 
 The resolvers are registered on import; every entry point imports this module (through
@@ -14,9 +14,12 @@ import copy
 import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
+import re
 import secrets
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,6 +73,48 @@ OmegaConf.register_new_resolver("multiples", multiples, replace=True)
 
 
 OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
+
+
+@contextlib.contextmanager
+def instantiation_refusals(what: str) -> Iterator[None]:
+    """Hydra's ``instantiate`` of the node at ``what`` (``data``, ``callbacks.<name>``)
+    inside, its failure as one ``ConfigError`` in the target's own words, not Hydra's
+    wrapping of them: a ``_target_`` that cannot be imported (an earlier version's was
+    followed to its new home before: ``MOVED``), an optional package the choice needs,
+    Lightning's refusal, the constructor's own ``ValueError`` or ``TypeError``."""
+    from hydra.errors import InstantiationException
+
+    try:
+        yield
+    except InstantiationException as exc:
+        raise instantiation_refusal(exc, what) from exc
+
+
+def instantiation_refusal(exc: Exception, what: str) -> ConfigError:
+    """The one line of ``instantiation_refusals`` for Hydra's ``exc``."""
+    cause = exc.__cause__
+    if str(exc).startswith("Error locating target"):  # an import path that is not there
+        # Hydra names the target and, for a nested node, its key (full_key: attention)
+        named = re.match(r"Error locating target '([^']+)'", str(exc))
+        target = named[1] if named else "?"
+        nested = re.search(r"full_key: ([\w.]+)", str(exc))
+        key = nested[1] if nested else ""
+        where = key if key.startswith(f"{what}.") else f"{what}.{key}" if key else what
+        why = str(cause).strip().splitlines()[-1] if cause else ""  # Hydra's question
+        return ConfigError(
+            f"{where}: cannot import its _target_ {target!r}: {why} Give the dotted path "
+            "of a class or function that exists, its package importable"
+        )
+    if isinstance(cause, ImportError):  # an optional package the choice needs
+        return ConfigError(f"{what}: {cause}")
+    # Lightning's own refusal: only a target that imported Lightning raises it, so this
+    # module leaves it unimported (10 s of imports for each bench worker and tool)
+    lightning = sys.modules.get("lightning.fabric.utilities.exceptions")  # pytorch's too
+    if lightning and isinstance(cause, lightning.MisconfigurationException):
+        return ConfigError(f"{what}: Lightning refused it: {cause}")
+    if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError):
+        return ConfigError(f"{what}: {cause}")
+    return ConfigError(f"{what}: {exc}")
 
 
 def compose_config(name: str, overrides: list[str], output_dir: str | Path) -> DictConfig:
@@ -276,6 +321,42 @@ def expand_hybrid(model: DictConfig, dirs: Sequence[Path] | None = None) -> Dict
     plain_model = OmegaConf.to_container(model, resolve=True)
     plain_model["hybrid"] = expanded
     return OmegaConf.create(plain_model)
+
+
+def option_classes(group: str) -> list[tuple[str, type]]:
+    """(option, class) of every ``conf/<group>/*.yaml`` that names a class: its
+    ``_target_`` at the top, or under ``<group>:`` (a ``@package _global_`` file); options
+    that only pick another (``conf/task/gpt.yaml``) are left out."""
+    from hydra.utils import get_object
+
+    found = []
+    for path in sorted(CONF_DIR.glob(f"{group}/*.yaml")):
+        loaded = OmegaConf.load(path)
+        node = loaded if "_target_" in loaded else loaded.get(group)
+        if not (isinstance(node, DictConfig) and "_target_" in node):
+            continue
+        try:
+            found.append((path.stem, get_object(str(node._target_))))
+        except (AttributeError, ImportError, ValueError):  # pragma: no cover - broken file
+            continue
+    return found
+
+
+def data_compatible_models(provided: set[str]) -> list[str]:
+    """The model options in ``conf/model`` whose class takes every key in ``provided`` and
+    needs no other size (an encoder classifier takes a language model's data's keys, but
+    its classes come from classification data)."""
+    fits = []
+    for name, cls in option_classes("model"):
+        params = inspect.signature(cls).parameters
+        needs = {
+            key
+            for key, p in params.items()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        }
+        if provided <= set(params) and needs <= provided:
+            fits.append(name)
+    return fits
 
 
 # classes and functions that moved: (old prefix, new prefix) of a ``_target_``

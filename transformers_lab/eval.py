@@ -23,21 +23,16 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
+from transformers_lab.analysis.positions import write_position_losses
 from transformers_lab.cli import run_hydra, user_errors
-from transformers_lab.config import CONF_DIR
+from transformers_lab.config import CONF_DIR, migrate_targets
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.checkpoints import SavedCheckpoint, read_checkpoint, restore
-from transformers_lab.run.components import check_split, use_cpu
-from transformers_lab.run.lengths import (
-    LengthOptions,
-    evaluate_lengths,
-    write_lengths,
-    write_position_losses,
-)
-from transformers_lab.run.loggers import finish_wandb
+from transformers_lab.run.checkpoints import SavedCheckpoint, read_checkpoint
+from transformers_lab.run.components import check_split, restore, use_cpu
+from transformers_lab.run.lengths import LengthOptions, evaluate_lengths, write_lengths
 from transformers_lab.run.preflight import check_config
 from transformers_lab.run.record import metrics_dict, print_metrics
-from transformers_lab.run.trainer import build_trainer
+from transformers_lab.run.trainer import build_trainer, finish_wandb
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +42,7 @@ SPLITS = ("val", "test")
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """The metrics of ``cfg.ckpt_path`` on ``cfg.split``."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
+    migrate_targets(cfg)  # a _target_ of an earlier version, to its new home
     lengths = check_config(cfg)
     if cfg.split not in SPLITS:
         raise ConfigError(f"split={cfg.split} is not one of {', '.join(SPLITS)}")
@@ -55,7 +51,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True)
     if lengths is not None:
         return evaluate_at_lengths(cfg, checkpoint, lengths)
-    _, datamodule, task = restore(checkpoint, cfg.get("data"))
+    _, datamodule, task = restore(checkpoint, checkpoint.run_config(cfg.get("data")))
     check_split(datamodule, cfg.split)
     trainer = None
     try:

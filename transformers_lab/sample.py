@@ -19,13 +19,13 @@ import torch
 from omegaconf import DictConfig
 
 from transformers_lab.cli import run_hydra, user_errors
-from transformers_lab.config import CONF_DIR
+from transformers_lab.config import CONF_DIR, migrate_targets
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError, at_least
 from transformers_lab.models import GPT
 from transformers_lab.models.common import check_sampling
-from transformers_lab.run.checkpoints import read_checkpoint, restore
-from transformers_lab.run.components import use_cpu
+from transformers_lab.run.checkpoints import read_checkpoint
+from transformers_lab.run.components import restore, use_cpu
 from transformers_lab.run.preflight import check_config, typed_options
 
 
@@ -61,7 +61,7 @@ class SampleOptions:
 def load_generator(cfg: DictConfig) -> tuple[GPT, L.LightningDataModule]:
     """The GPT of the checkpoint (weights loaded) and the data module with its tokenizer."""
     checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
-    _, datamodule, task = restore(checkpoint, cfg.get("data"))
+    _, datamodule, task = restore(checkpoint, checkpoint.run_config(cfg.get("data")))
     if not isinstance(datamodule, TextData):
         raise ConfigError(
             f"the checkpoint's data ({type(datamodule).__name__}) has no text tokenizer to "
@@ -131,6 +131,7 @@ def sample(cfg: DictConfig) -> list[str]:
     """The samples ``cfg``'s options ask for (``SampleOptions``): continuations of the
     prompt, printed and returned; streamed, each is printed as its tokens are drawn."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
+    migrate_targets(cfg)  # a _target_ of an earlier version, to its new home
     check_config(cfg)
     opts = typed_options(SampleOptions, cfg)
     use_cpu(cfg)

@@ -22,12 +22,12 @@ import torch
 from omegaconf import DictConfig, ListConfig
 
 from transformers_lab.cli import run_hydra, user_errors
-from transformers_lab.config import CONF_DIR
+from transformers_lab.config import CONF_DIR, migrate_targets
 from transformers_lab.errors import ConfigError, at_least
 from transformers_lab.models import GPT, Transformer
 from transformers_lab.models.transformer import check_beam
-from transformers_lab.run.checkpoints import read_checkpoint, restore
-from transformers_lab.run.components import target_class, use_cpu
+from transformers_lab.run.checkpoints import read_checkpoint
+from transformers_lab.run.components import restore, target_class, use_cpu
 from transformers_lab.run.preflight import check_config, typed_options
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule
         gpt = isinstance(found, type) and issubclass(found, GPT)  # the other tool takes it
         other = "; tlab-sample generates text from it" if gpt else ""
         raise ConfigError(f"{WANTED}; {held}{other}")  # before anything is built
-    _, datamodule, task = restore(checkpoint, cfg.get("data"))
+    _, datamodule, task = restore(checkpoint, run)
     return task.model, datamodule
 
 
@@ -156,6 +156,7 @@ def translate(cfg: DictConfig) -> list[str]:
     """Translations of the sentences of ``cfg.text``, ``cfg.input_file`` or stdin, printed as
     ``source -> translation`` lines and returned."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
+    migrate_targets(cfg)  # a _target_ of an earlier version, to its new home
     check_config(cfg)  # the checks every entry point makes: ckpt_path given, device, types
     opts = typed_options(TranslateOptions, cfg)
     if cfg.text is not None and cfg.input_file is not None:

@@ -13,15 +13,15 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from tests.tiny_checkpoints import QUIET, trained
+from transformers_lab.analysis.positions import position_losses
 from transformers_lab.config import compose_config
 from transformers_lab.data.base import IGNORE
 from transformers_lab.errors import ConfigError
 from transformers_lab.eval import evaluate
 from transformers_lab.run.checkpoints import AtomicCheckpointIO, read_checkpoint
-from transformers_lab.run.components import build_datamodule, build_model
+from transformers_lab.run.components import at_length, build_datamodule, build_model
 from transformers_lab.run.fit import train
 from transformers_lab.run.job import run_job
-from transformers_lab.run.lengths import at_length, position_losses
 from transformers_lab.run.record import read_record
 from transformers_lab.train import fit_as_trial
 

@@ -14,54 +14,34 @@ import inspect
 import json
 import os
 import re
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import lightning as L
 import torch
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.config import CONF_DIR, expand_hybrid
+from transformers_lab.config import (
+    data_compatible_models,
+    expand_hybrid,
+    instantiation_refusals,
+    option_classes,
+)
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
+from transformers_lab.run.checkpoints.compare import Resume
+from transformers_lab.run.checkpoints.saved import SavedCheckpoint
 from transformers_lab.run.memory import keep_freed_memory
 from transformers_lab.run.record import say
 
 
 def call(config: DictConfig, what: str, **kwargs: Any) -> Any:
-    """``instantiate`` with the error of the target itself, not Hydra's wrapping of it (a
-    ``_target_`` that moved was followed to its new home before: ``config.MOVED``, by the
-    preflight and by ``read_checkpoint``)."""
-    try:
+    """``instantiate`` the node at ``what``, refused in its target's own words
+    (``config.instantiation_refusals``)."""
+    with instantiation_refusals(what):
         return instantiate(config, **kwargs)
-    except InstantiationException as exc:
-        cause = exc.__cause__
-        if str(exc).startswith("Error locating target"):  # an import path that is not there
-            # Hydra names the target and, for a nested node, its key (full_key: attention)
-            named = re.match(r"Error locating target '([^']+)'", str(exc))
-            target = named[1] if named else config.get("_target_")
-            nested = re.search(r"full_key: ([\w.]+)", str(exc))
-            key = nested[1] if nested else ""
-            where = key if key.startswith(f"{what}.") else f"{what}.{key}" if key else what
-            why = str(cause).strip().splitlines()[-1] if cause else ""  # Hydra's question
-            raise ConfigError(
-                f"{where}: cannot import its _target_ {target!r}: {why} Give the dotted path "
-                "of a class or function that exists, its package importable"
-            ) from exc
-        if isinstance(cause, ImportError):  # an optional package the choice needs
-            raise ConfigError(f"{what}: {cause}") from cause
-        # Lightning's own refusal: only a target that imported Lightning raises it, so this
-        # module leaves it unimported (10 s of imports for each bench worker and tool)
-        lightning = sys.modules.get("lightning.fabric.utilities.exceptions")  # pytorch's too
-        if lightning and isinstance(cause, lightning.MisconfigurationException):
-            raise ConfigError(f"{what}: Lightning refused it: {cause}") from cause
-        if isinstance(cause, ValueError | TypeError | FileNotFoundError | RuntimeError):
-            raise ConfigError(f"{what}: {cause}") from cause
-        raise ConfigError(f"{what}: {exc}") from exc
 
 
 def target_class(config: DictConfig) -> type:
@@ -136,40 +116,6 @@ def data_refusal(config: DictConfig, exc: Exception) -> str:
     # tlab-eval's data config is the checkpoint's, which no option of its own chose
     what = f"{option('data').removesuffix('=?')} ({target_class(config).__name__})"
     return f"{what} refuses {', '.join(keys) or 'a value of its config'}: {said}"
-
-
-def option_classes(group: str) -> list[tuple[str, type]]:
-    """(option, class) of every ``conf/<group>/*.yaml`` that names a class: its
-    ``_target_`` at the top, or under ``<group>:`` (a ``@package _global_`` file); options
-    that only pick another (``conf/task/gpt.yaml``) are left out."""
-    found = []
-    for path in sorted(CONF_DIR.glob(f"{group}/*.yaml")):
-        loaded = OmegaConf.load(path)
-        node = loaded if "_target_" in loaded else loaded.get(group)
-        if not (isinstance(node, DictConfig) and "_target_" in node):
-            continue
-        try:
-            found.append((path.stem, target_class(node)))
-        except (AttributeError, ImportError, ValueError):  # pragma: no cover - broken file
-            continue
-    return found
-
-
-def data_compatible_models(provided: set[str]) -> list[str]:
-    """The model options in ``conf/model`` whose class takes every key in ``provided`` and
-    needs no other size (an encoder classifier takes a language model's data's keys, but
-    its classes come from classification data)."""
-    fits = []
-    for name, cls in option_classes("model"):
-        params = inspect.signature(cls).parameters
-        needs = {
-            key
-            for key, p in params.items()
-            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        }
-        if provided <= set(params) and needs <= provided:
-            fits.append(name)
-    return fits
 
 
 # data keys where the model may hold more than the data needs (spare positions or ids)
@@ -296,15 +242,18 @@ def placeholder_sizes(model: DictConfig, data: Any) -> dict[str, Any]:
     return sizes
 
 
-def build_on_meta(cfg: DictConfig) -> torch.nn.Module | None:
+def build_on_meta(
+    cfg: DictConfig, lengths: Sequence[int] = (), depths: Sequence[float] | None = None
+) -> torch.nn.Module | None:
     """The run built as it will be, for the preflight, before any data is read: the data
     module constructed (nothing fetched or read), the model on the meta device sized with
-    stand-ins for what the data gives (``placeholder_sizes``), and the task around it.
-    Their constructors' own refusals (a data size, the kernel's options, the layer's
-    parts, RoPE, ALiBi, causal or both ways, positions, a hybrid's layers, the task's
-    settings) are met at once, in their own words. Returns the model on the meta device
-    (None where the config has none, or a model of the user's needs a size only its data
-    gives)."""
+    stand-ins for what the data gives (``placeholder_sizes``), and the task around it;
+    and the run at each of the ``lengths`` (and needle ``depths``) it will be scored at
+    (``plan``). Their constructors' own refusals (a data size, the kernel's options, the
+    layer's parts, RoPE, ALiBi, causal or both ways, positions, a hybrid's layers, the
+    task's settings) are met at once, in their own words. Returns the model on the meta
+    device (None where the config has none, or a model of the user's needs a size only
+    its data gives)."""
     data, model, task = (cfg.get(key) for key in ("data", "model", "task"))
     if isinstance(data, DictConfig) and "_target_" in data:  # its constructor: nothing read
         build_datamodule(data, setup=False)
@@ -326,7 +275,58 @@ def build_on_meta(cfg: DictConfig) -> torch.nn.Module | None:
     if isinstance(task, DictConfig) and "_target_" in task:
         with torch.device("meta"):
             build_task(task, built)
+    if lengths and isinstance(data, DictConfig):
+        plan(built, OmegaConf.to_container(data, resolve=True), lengths, depths)
     return built
+
+
+def plan(
+    model: Any,
+    data: dict[str, Any],
+    lengths: Sequence[int],
+    depths: Sequence[float] | None = None,
+    what: str = "the model",
+) -> dict[tuple[int, float | None], dict[str, Any]]:
+    """The data config's entries at each (length, depth) to score ``model`` (trained on
+    ``data``) at, every one checked first: the model reaches the length (``reach``), the
+    data is built there, and depths are asked of needle data only. ``what`` names the
+    model in a refusal (the checkpoint)."""
+    if not callable(getattr(model, "reach", None)):
+        kind = "model sized by its data" if model is None else type(model).__name__
+        raise ConfigError(
+            f"evaluation at other lengths scores a GPT (language model, MQAR, needles); "
+            f"{what} is a {kind}"
+        )
+    if "block_size" not in data:
+        raise ConfigError(
+            f"evaluation at other lengths needs data of sequences with a block_size; "
+            f"{data.get('_target_', '?')} has none"
+        )
+    if depths is not None and "depth" not in data:
+        raise ConfigError(
+            "eval_depths sweeps a needle's depth, but the data has none (it is no needle "
+            "task: data=passkey, needle_text or needle_multikey); drop eval_depths"
+        )
+    settings = {}
+    for n, d in [(n, d) for n in lengths for d in (depths or [None])]:
+        reason = model.reach(n)
+        if reason:
+            raise ConfigError(f"cannot evaluate {what} at length {n}: {reason}")
+        settings[n, d] = at_length(data, data["block_size"], n)
+        if d is not None:
+            settings[n, d]["depth"] = d
+        config = OmegaConf.create({**data, **settings[n, d]})
+        build_datamodule(config, setup=False, where=f"at length {n}: ")
+    return settings
+
+
+def at_length(data: dict[str, Any], trained: int, length: int) -> dict[str, Any]:
+    """The data config's entries at ``length``: its context, and MQAR's key-value pairs
+    scaled with it (as many per token as at the ``trained`` length)."""
+    out: dict[str, Any] = {"block_size": length}
+    if data.get("problem") == "mqar" and data.get("num_kv_pairs"):
+        out["num_kv_pairs"] = max(1, data["num_kv_pairs"] * length // trained)
+    return out
 
 
 def compile_model(model: torch.nn.Module) -> str:
@@ -424,6 +424,26 @@ def build_components(cfg: DictConfig, resume: Any = None, fingerprint: bool = Fa
     if compiled:
         say(compiled)
     return Components(datamodule, model, task, compiled, start)
+
+
+class Restored(NamedTuple):
+    """A checkpoint brought back: the checkpoint, its data module (the tokenizer it was
+    trained with) and its task, weights loaded (``task.model`` is the network)."""
+
+    checkpoint: SavedCheckpoint
+    datamodule: L.LightningDataModule
+    task: Any
+
+
+def restore(checkpoint: SavedCheckpoint, run: DictConfig) -> Restored:
+    """The one way back from a checkpoint (``tlab-eval``, ``tlab-sample``,
+    ``tlab-translate``, every evaluation length, ``checkpoints.load_task``): the saved
+    run's data module, model and task built as ``run`` says (the checkpoint's config with
+    the caller's overrides: ``SavedCheckpoint.run_config``), the weights checked and
+    loaded from the checkpoint already read."""
+    parts = build_components(run, Resume({}, checkpoint, against=run))
+    parts.task.load_state_dict(checkpoint.state_dict)
+    return Restored(checkpoint, parts.datamodule, parts.task.eval())
 
 
 def use_cpu(cfg: DictConfig) -> None:

@@ -1,8 +1,9 @@
 """One run, fit and tested as its config says (``fit_and_test``), a line a step as a run
-takes them: the config checked before any data is read (``preflight``), the checkpoint it
-resumes read once and held to it (``checkpoints``), W&B named (``loggers``), data, model
-and task built (``components``), the trainer (``trainer``), fit and test (here), the
-evaluation past the trained length (``lengths``), and its ``Outcome`` (``record``).
+takes them: an earlier version's ``_target_`` followed (``config``), the config checked
+before any data is read (``preflight``), the checkpoint it resumes read once and held to
+it (``checkpoints``), data, model and task built (``components``), the trainer with its
+loggers, W&B named (``trainer``), fit and test (here), the evaluation past the trained
+length (``lengths``), and its ``Outcome`` (``record``).
 ``tlab-train`` runs it as a job (``run.job``), which reads the checkpoint."""
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig
 
+from transformers_lab.config import migrate_targets
 from transformers_lab.run.callbacks.safety import StopOnSignal
 from transformers_lab.run.checkpoints import Resume, SavedCheckpoint, resume_from
 from transformers_lab.run.components import Components, build_components
 from transformers_lab.run.lengths import score_lengths
-from transformers_lab.run.loggers import finish_wandb, name_wandb_run
 from transformers_lab.run.overrides import job_overrides, override_key, sweep_resume
 from transformers_lab.run.preflight import check_config
 from transformers_lab.run.record import Interrupted, Outcome, metrics_dict, outcome, say
-from transformers_lab.run.trainer import build_trainer, lightning_refusals
+from transformers_lab.run.trainer import build_trainer, finish_wandb, lightning_refusals
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,11 @@ def fit_and_test(
     read by the job; read here when not); ``callbacks`` join the trainer's (the caller's:
     a study's pruning callback, ``sweeps.pruning``)."""
     say(f"run dir: {cfg.paths.output_dir}")
+    migrate_targets(cfg)  # a _target_ of an earlier version, to its new home
     lengths = check_config(cfg)  # everything that can be refused before any data is read
     resume = resume_from(cfg, checkpoint)  # and the checkpoint's config held to this one
-    name_wandb_run(cfg, resume.checkpoint)
     parts = build_components(cfg, resume, fingerprint=True)
-    trainer = build_trainer(cfg, callbacks, task=parts.task)
+    trainer = build_trainer(cfg, callbacks, task=parts.task, resumed=resume.checkpoint)
     try:
         fitted = fit(cfg, parts, trainer, resume)
     finally:

@@ -16,20 +16,18 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import lightning as L
-import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.data.base import IGNORE
+from transformers_lab.analysis.positions import position_losses
 from transformers_lab.errors import ConfigError
 from transformers_lab.files import atomic_write
-from transformers_lab.run.checkpoints import SavedCheckpoint, read_checkpoint, restore
-from transformers_lab.run.components import build_datamodule, build_on_meta, check_split
+from transformers_lab.run.checkpoints import SavedCheckpoint, read_checkpoint
+from transformers_lab.run.components import build_on_meta, check_split, plan, restore
 from transformers_lab.run.record import say
 from transformers_lab.run.trainer import build_trainer
 
@@ -95,15 +93,6 @@ def check_depths(depths: Any) -> list[float]:
     return [float(d) for d in values]
 
 
-def at_length(data: dict[str, Any], trained: int, length: int) -> dict[str, Any]:
-    """The data config's entries at ``length``: its context, and MQAR's key-value pairs
-    scaled with it (as many per token as at the ``trained`` length)."""
-    out: dict[str, Any] = {"block_size": length}
-    if data.get("problem") == "mqar" and data.get("num_kv_pairs"):
-        out["num_kv_pairs"] = max(1, data["num_kv_pairs"] * length // trained)
-    return out
-
-
 def suffix(length: int, depth: float | None) -> str:
     """How a metric at ``length`` (and ``depth``) is named: ``val/acc@256``,
     ``val/acc@256:d0.5``."""
@@ -135,61 +124,13 @@ def evaluate_lengths(
         scorer = trainer()
         score = scorer.validate if split == "val" else scorer.test
         context = {"block_size": max(n, trained)}  # a learned table keeps its size
-        run = restore(checkpoint, {**(data or {}), **overrides}, model=context)
-        results = score(run.task, datamodule=run.datamodule, verbose=False)
+        at = restore(checkpoint, OmegaConf.merge(run, {"data": overrides, "model": context}))
+        results = score(at.task, datamodule=at.datamodule, verbose=False)
         for key, value in (results[0] if results else {}).items():
             metrics[f"{key}{suffix(n, d)}"] = float(value)
         if options.buckets and d is None:
-            positions += position_losses(run.task.model, run.datamodule, options.buckets, split)
+            positions += position_losses(at.task.model, at.datamodule, options.buckets, split)
     return metrics, positions, trained
-
-
-def plan(
-    model: Any,
-    data: dict[str, Any],
-    lengths: Sequence[int],
-    depths: Sequence[float] | None = None,
-    what: str = "the model",
-) -> dict[tuple[int, float | None], dict[str, Any]]:
-    """The data config's entries at each (length, depth) to score ``model`` (trained on
-    ``data``) at, every one checked first: the model reaches the length (``reach``), the
-    data is built there, and depths are asked of needle data only. ``what`` names the
-    model in a refusal (the checkpoint)."""
-    if not callable(getattr(model, "reach", None)):
-        kind = "model sized by its data" if model is None else type(model).__name__
-        raise ConfigError(
-            f"evaluation at other lengths scores a GPT (language model, MQAR, needles); "
-            f"{what} is a {kind}"
-        )
-    if "block_size" not in data:
-        raise ConfigError(
-            f"evaluation at other lengths needs data of sequences with a block_size; "
-            f"{data.get('_target_', '?')} has none"
-        )
-    if depths is not None and "depth" not in data:
-        raise ConfigError(
-            "eval_depths sweeps a needle's depth, but the data has none (it is no needle "
-            "task: data=passkey, needle_text or needle_multikey); drop eval_depths"
-        )
-    settings = {}
-    for n, d in [(n, d) for n in lengths for d in (depths or [None])]:
-        reason = model.reach(n)
-        if reason:
-            raise ConfigError(f"cannot evaluate {what} at length {n}: {reason}")
-        settings[n, d] = at_length(data, data["block_size"], n)
-        if d is not None:
-            settings[n, d]["depth"] = d
-        config = OmegaConf.create({**data, **settings[n, d]})
-        build_datamodule(config, setup=False, where=f"at length {n}: ")
-    return settings
-
-
-def check_length_options(options: LengthOptions, cfg: DictConfig, model: Any) -> None:
-    """A run's lengths and depths, refused before it trains (``model``: the run built on
-    the meta device, None where the config has no model)."""
-    if model is not None and cfg.get("data") is not None:
-        data = OmegaConf.to_container(cfg.data, resolve=True)
-        plan(model, data, options.lengths, options.depths)
 
 
 def score_lengths(
@@ -221,39 +162,6 @@ def score_lengths(
     return metrics
 
 
-@torch.no_grad()
-def position_losses(
-    model: torch.nn.Module, datamodule: Any, buckets: int, split: str = "val"
-) -> list[dict[str, Any]]:
-    """The model's next-token loss on ``split`` by position: the sequence cut into
-    ``buckets`` equal spans, the mean loss of the supervised tokens in each (None where
-    none is supervised). How long-context papers show a model past its trained length."""
-    loader = datamodule.val_dataloader() if split == "val" else datamodule.test_dataloader()
-    model.eval()  # no dropout in a score
-    sums = counts = None
-    for x, y in loader:
-        logits = model(x)
-        losses = F.cross_entropy(
-            logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE, reduction="none"
-        ).view_as(y)
-        supervised = y != IGNORE
-        if sums is None:
-            sums = torch.zeros(y.shape[1], dtype=torch.float64)
-            counts = torch.zeros(y.shape[1], dtype=torch.long)
-        sums += (losses * supervised).sum(0).double()
-        counts += supervised.sum(0)
-    if sums is None:
-        return []
-    length = len(sums)
-    edges = [round(i * length / buckets) for i in range(min(buckets, length) + 1)]
-    rows = []
-    for start, end in zip(edges, edges[1:], strict=False):
-        tokens = int(counts[start:end].sum())
-        loss = float(sums[start:end].sum() / tokens) if tokens else None
-        rows.append({"length": length, "start": start, "end": end, "loss": loss, "tokens": tokens})
-    return rows
-
-
 def write_lengths(metrics: dict[str, float], out: Path) -> Path:
     """``lengths.csv``: one row per (metric, length, depth) of ``evaluate_lengths``."""
     table = io.StringIO(newline="")
@@ -265,32 +173,3 @@ def write_lengths(metrics: dict[str, float], out: Path) -> Path:
         writer.writerow([name, length, depth, f"{value:.6g}"])
     atomic_write(out / "lengths.csv", table.getvalue())
     return out / "lengths.csv"
-
-
-def write_position_losses(rows: Sequence[dict[str, Any]], trained: int, out: Path) -> Path:
-    """``loss_by_position.csv`` and ``loss_by_position.png``: a line per evaluated
-    length, the trained length marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = io.StringIO(newline="")
-    writer = csv.DictWriter(table, fieldnames=["length", "start", "end", "loss", "tokens"])
-    writer.writeheader()
-    writer.writerows({**r, "loss": "" if r["loss"] is None else f"{r['loss']:.6g}"} for r in rows)
-    atomic_write(out / "loss_by_position.csv", table.getvalue())
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    for length in sorted({r["length"] for r in rows}):
-        points = [r for r in rows if r["length"] == length and r["loss"] is not None]
-        middle = [(r["start"] + r["end"] - 1) / 2 for r in points]
-        ax.plot(middle, [r["loss"] for r in points], "o-", markersize=3, label=f"length {length}")
-    ax.axvline(trained - 0.5, color="grey", linestyle=":", label=f"trained at {trained}")
-    ax.set_xlabel("position")
-    ax.set_ylabel("next-token loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    atomic_write(out / "loss_by_position.png", lambda f: fig.savefig(f, format="png"))
-    plt.close(fig)
-    return out / "loss_by_position.png"

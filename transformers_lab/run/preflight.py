@@ -11,8 +11,8 @@ does not have (another model, another entry point) is skipped. The values a node
 one of our classes must have the types its constructor declares (``check_signature``).
 The checks that need the data (sizes, vocabularies, whether model and data fit together)
 run when the model is sized from it (``run.components.model_kwargs``), and those of a
-checkpoint's contents when it is loaded. First of all, a ``_target_`` of an earlier
-version is followed to its new home (``config.MOVED``), with a note.
+checkpoint's contents when it is loaded. Before all of it, the entry point has followed
+a ``_target_`` of an earlier version to its new home (``config.migrate_targets``).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from hydra.utils import get_object
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PRECISION_INPUT_STR
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.config import CONF_DIR, migrate_targets, unknown_option
+from transformers_lab.config import CONF_DIR, unknown_option
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.components import build_on_meta
-from transformers_lab.run.lengths import LengthOptions, check_length_options, length_options
+from transformers_lab.run.lengths import LengthOptions, length_options
 from transformers_lab.tasks.schedules import RULES as SCHEDULE_RULES
 
 log = logging.getLogger(__name__)
@@ -357,9 +357,8 @@ def check_summary_keys(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> LengthOptions | None:
     """Refuse a composed config of an entry point that cannot work (raises ``ConfigError``);
     returns its evaluation past the trained length, parsed (``length_options``; None:
-    none asked). A ``_target_`` of an earlier version is followed to its new home first,
-    with a note (``config.migrate_targets``)."""
-    migrate_targets(cfg)
+    none asked). The entry point has followed a ``_target_`` of an earlier version to its
+    new home first (``config.migrate_targets``)."""
     check_missing(cfg)
     check_rules(cfg)
     for section in ("model", "data", "task"):
@@ -384,8 +383,8 @@ def check_config(cfg: DictConfig) -> LengthOptions | None:
             f"early stopping off (callbacks.early_stopping=null)"
         )
     check_summary_keys(cfg)
-    built = build_on_meta(cfg)  # the constructors' own refusals, before the data is read
     options = length_options(cfg)
-    if options is not None:
-        check_length_options(options, cfg, built)  # before a run trains for them
+    lengths, depths = (options.lengths, options.depths) if options else ((), None)
+    # the constructors' own refusals, before the data is read; at each length to score
+    build_on_meta(cfg, lengths, depths)
     return options

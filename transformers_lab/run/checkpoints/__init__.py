@@ -1,8 +1,12 @@
 """A run's checkpoints, the one place that opens them: read once and safely into a
 ``SavedCheckpoint`` that resume, test and every evaluation length share (``saved``); held
-to the run they are given to, config and weights (``compare``); the way back to a
-model (``restore``); written atomically, at every save point and on a signal
-(``writing``). The config's ``_target_``s name the writer's classes here."""
+to the run they are given to, config and weights (``compare``); a task and its data from
+a path (``load_task``: ``run.components.restore`` builds them); written atomically, at
+every save point and on a signal (``writing``). The config's ``_target_``s name the
+writer's classes here."""
+
+import importlib
+from typing import Any
 
 from transformers_lab.run.checkpoints.compare import (
     RESUME_MAY_CHANGE,
@@ -11,11 +15,6 @@ from transformers_lab.run.checkpoints.compare import (
     check_weights,
     differences,
     resume_from,
-)
-from transformers_lab.run.checkpoints.restore import (
-    Restored,
-    load_task,
-    restore,
 )
 from transformers_lab.run.checkpoints.saved import (
     GIVE_CHECKPOINT,
@@ -48,3 +47,17 @@ __all__ = [
     "restore",
     "resume_from",
 ]
+
+
+# the way back to a model builds the run's components, which hold their checkpoint to the
+# run (``compare``): imported when asked for, so that ``run.components`` can import this
+LAZY = {"load_task": "restore", "restore": "components", "Restored": "components"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    where = (
+        "transformers_lab.run.components" if LAZY[name] == "components" else f"{__name__}.restore"
+    )
+    return getattr(importlib.import_module(where), name)

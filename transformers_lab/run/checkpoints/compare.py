@@ -19,7 +19,6 @@ from transformers_lab.run.checkpoints.saved import (
     read_checkpoint,
     resolved_sections,
 )
-from transformers_lab.run.components import target_class
 from transformers_lab.run.overrides import override_key
 
 ABSENT = "(absent)"  # a key one of two configs lacks, as a difference shows it
@@ -42,8 +41,10 @@ def constructor_default(flat: dict[str, Any], key: str) -> Any:
     target = flat.get(f"{node}._target_" if node else "_target_")
     if not isinstance(target, str):
         return ABSENT
+    from hydra.utils import get_object
+
     try:
-        param = inspect.signature(target_class(OmegaConf.create({"_target_": target})))
+        param = inspect.signature(get_object(target))
     except (ImportError, AttributeError, TypeError, ValueError):
         return ABSENT
     found = param.parameters.get(name)
