@@ -24,7 +24,8 @@ import shlex
 from pathlib import Path
 
 import pytest
-from forked import Commands, Done
+
+from tests.end_to_end.forked import Commands, Done
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -1,9 +1,10 @@
 """The run's components from its config, in the order the data flows: the data module
 first (it tells the model what it needs: ``model_kwargs()``, vocabulary, context, image
 geometry), the model with its kernel factory, the task around it (``build_components``);
-or the model and task on the meta device, sized with stand-ins, for the preflight
-(``build_on_meta``). Each refusal of a combination is one ``ConfigError`` that names the
-fix.
+or the model and task on the meta device, sized with stand-ins, for the preflight, and
+the run at each length it will be scored at (``build_on_meta``, ``plan``); or a saved
+run's, its weights loaded from the checkpoint already read (``restore``). Each refusal of
+a combination is one ``ConfigError`` that names the fix.
 """
 
 from __future__ import annotations

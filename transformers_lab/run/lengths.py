@@ -9,7 +9,9 @@ was trained at: 64x4, 128x8, 256x16, as Zoology's test sets grow), and the model
 rebuilt at that context with the checkpoint's weights. Nothing in a GPT's weights depends
 on its context but a learned positions table: ``GPT.reach`` refuses a length past its end,
 or past a cosFormer's max_len, before anything is scored. Softmax sees its whole context
-at each length; the linear and gated kernels run their recurrence over it.
+at each length; the linear and gated kernels run their recurrence over it. The lengths
+are checked before a run trains (``run.components.plan``, by the preflight), and the
+loss by position is ``analysis.positions``'.
 """
 
 from __future__ import annotations
