@@ -60,10 +60,13 @@ def test_four_workers_one_killed_end_with_exactly_n_finished_trials(kind, reques
     try:
         victim = workers[0]
         study = None
+        # one storage for the whole wait: each opening holds a connection of its own, and
+        # a slow machine's hundreds of polls would take the server's every one
+        polled = open_storage(storage)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and victim.poll() is None:  # the victim mid-trial
             try:
-                study = optuna.load_study(study_name=name, storage=open_storage(storage))
+                study = optuna.load_study(study_name=name, storage=polled)
             except KeyError:  # not made yet
                 time.sleep(0.2)
                 continue
