@@ -58,7 +58,7 @@ mad: install  ## MAD's six tasks at CPU scale for softmax (sweep=mad; ARGS="atte
 # are two classes, one a worker); the slow suite likewise.
 TEST_RUN = WANDB_MODE=offline OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadscope
 
-test: install  ## the default suite, every test not marked slow (about 7 min on 2 cores)
+test: install  ## the default suite, every test not marked slow (under 8 min on 2 cores)
 	$(TEST_RUN) -m "not slow" $(PYTEST_ARGS)
 
 test-slow: install  ## the tests marked slow: end-to-end trainings, notebooks, every documented command (CI runs both)
