@@ -1,10 +1,12 @@
-"""Log-likelihoods of text under a language model, as lm-evaluation-harness asks for them.
+"""A language model scored as lm-evaluation-harness asks of it.
 
 - ``loglikelihoods``: a continuation's log-probability given its context, and whether
   greedy decoding would give it, for many (context, continuation) pairs in batches.
 - ``rolling_windows`` and ``rolling_loglikelihood``: a whole document, each token predicted
   once with as much context as the model takes (the harness's ``loglikelihood_rolling``,
   its perplexities).
+- ``generate_until``: greedy decoding on the model's own state (``GPT.stream``), cut at
+  the first stop sequence (the harness's ``generate_until``).
 
 Token ids in, so any tokenizer serves; ``model`` is any callable from ids (B, T) to
 next-token logits (B, T, V), as ``GPT`` is. A batch is right-padded: a causal model's
@@ -15,6 +17,7 @@ batch as alone (the tests hold that to 1e-5).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -99,3 +102,36 @@ def rolling_loglikelihood(
     ``exp(-value / len(tokens))``."""
     pairs = rolling_windows(tokens, max_length, prefix)
     return sum(value for value, _ in loglikelihoods(model, pairs, max_length, batch_size))
+
+
+@torch.no_grad()
+def generate_until(
+    model: Any,
+    context: Sequence[int],
+    until: Sequence[str],
+    decode: Callable[[list[int]], str],
+    max_new_tokens: int,
+) -> str:
+    """The greedy continuation of ``context`` (``model.stream`` at temperature 0: a KV
+    cache or a recurrent state, past ``block_size`` as ``GPT.stream`` goes), as text
+    (``decode``), cut before the first of the ``until`` sequences it contains; at most
+    ``max_new_tokens`` tokens. An empty context is refused: give the start token."""
+    if not context:
+        raise ValueError("a context has at least one token: give the model's start token")
+    was_training = getattr(model, "training", False)
+    model.eval()
+    try:
+        params = list(model.parameters())
+        device = params[0].device if params else torch.device("cpu")
+        idx = torch.tensor([list(context)], device=device)
+        ids: list[int] = []
+        text = ""
+        for next_id in model.stream(idx, max_new_tokens, temperature=0.0):
+            ids.append(int(next_id[0]))
+            text = decode(ids)
+            cut = min((text.find(s) for s in until if s and s in text), default=-1)
+            if cut >= 0:
+                return text[:cut]
+        return text
+    finally:
+        model.train(was_training)

@@ -1,6 +1,7 @@
-"""Log-likelihoods as lm-evaluation-harness asks for them (``models.likelihood``): equal to
-the model's own next-token log-probabilities, the same in a batch as alone, and each token
-of a rolling document predicted once with a full context."""
+"""A model scored as lm-evaluation-harness asks (``models.scoring``): log-likelihoods equal
+to the model's own next-token log-probabilities, the same in a batch as alone; each token
+of a rolling document predicted once with a full context; greedy generation cut at the
+first stop sequence."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from transformers_lab.attention import FastmaxAttention
 from transformers_lab.models import GPT
-from transformers_lab.models.likelihood import (
+from transformers_lab.models.scoring import (
+    generate_until,
     loglikelihoods,
     rolling_loglikelihood,
     rolling_windows,
@@ -108,3 +110,30 @@ def test_a_document_shorter_than_the_context_scores_as_one_pass():
     value = rolling_loglikelihood(model, doc, CONTEXT, prefix=0)
     assert value == pytest.approx(direct(model, [0], doc), abs=1e-5)
     assert math.exp(-value / len(doc)) > 1  # a perplexity
+
+
+def letters(ids: list[int]) -> str:
+    return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@torch.no_grad()
+def greedy_by_recompute(model: GPT, context: list[int], n: int) -> list[int]:
+    """Greedy tokens, the whole text read again at each step (no cache, no state)."""
+    ids = list(context)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids[-CONTEXT:]]))[0, -1].argmax()))
+    return ids[len(context) :]
+
+
+@pytest.mark.parametrize("attention", ["softmax", "gla"])
+def test_generation_is_greedy_on_the_models_state_and_stops_at_the_first_stop(attention):
+    model = tiny_gpt(attention)
+    context = [3, 1, 4, 1, 5]
+    expected = letters(greedy_by_recompute(model, context, 6))
+    assert generate_until(model, context, [], letters, 6) == expected
+    stop = expected[3:5]
+    cut = expected[: expected.find(stop)]
+    assert generate_until(model, context, ["zzzz", stop], letters, 6) == cut
+    assert generate_until(model, context, [expected[0]], letters, 6) == ""
+    with pytest.raises(ValueError, match="start token"):
+        generate_until(model, [], ["."], letters, 3)
