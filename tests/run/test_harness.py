@@ -5,7 +5,6 @@ harness's scores are those our own scoring gives the same strings."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -72,21 +71,14 @@ def scored(tmp_path_factory):
         "generation_kwargs:\n  until: ['.']\n  max_gen_toks: 8\n"
         "metric_list:\n  - metric: exact_match\n"
     ))  # fmt: skip
-    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    env["HF_DATASETS_CACHE"] = str(folder / "cache")
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # offline, a cache of the test's own
+        patch.setenv("HF_DATASETS_OFFLINE", "1")
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("HF_DATASETS_CACHE", str(folder / "cache"))
         manager = TaskManager(include_path=str(folder))
         results = simple_evaluate(
             model=lm, tasks=["tlab_choice", "tlab_until"], task_manager=manager, num_fewshot=0
         )["results"]
-    finally:
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return lm, results
 
 

@@ -11,7 +11,8 @@
 Token ids in, so any tokenizer serves; ``model`` is any callable from ids (B, T) to
 next-token logits (B, T, V), as ``GPT`` is. A batch is right-padded: a causal model's
 logits at a position do not depend on what follows it, so a request scores the same in a
-batch as alone (the tests hold that to 1e-5).
+batch as alone (the tests hold that to 1e-5). The model is scored as it is given: in
+eval mode, as ``run.harness.TlabLM`` puts it.
 """
 
 from __future__ import annotations
@@ -26,17 +27,28 @@ Model = Callable[[Tensor], Tensor]
 Pair = tuple[Sequence[int], Sequence[int]]
 
 
+def check_context(context: Sequence[int]) -> None:
+    """Refuse an empty context: a text read from its start comes after a start token."""
+    if not context:
+        raise ValueError(
+            "a context has at least one token: give the model's start token (the harness's "
+            "prefix token) before a text that starts there"
+        )
+
+
+def device_of(model: Any) -> torch.device:
+    """Where a model's parameters are (the CPU for a callable without any)."""
+    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    return params[0].device if params else torch.device("cpu")
+
+
 def window(context: Sequence[int], continuation: Sequence[int], max_length: int) -> list[int]:
     """The model's input for a pair: the last ``max_length`` tokens of context and
     continuation, less the continuation's last (a continuation longer than the model's
     context keeps its last ``max_length`` tokens scored)."""
     if not continuation:
         raise ValueError("a continuation to score has at least one token")
-    if not context:
-        raise ValueError(
-            "a context has at least one token: give the model's start token (the harness's "
-            "prefix token) before a continuation that starts the text"
-        )
+    check_context(context)
     return [*context, *continuation][-(max_length + 1) : -1]
 
 
@@ -54,8 +66,7 @@ def loglikelihoods(
     scored = [min(len(c), max_length) for _, c in requests]
     order = sorted(range(len(requests)), key=lambda i: -len(inputs[i]))
     answers: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-    params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
-    device = params[0].device if params else torch.device("cpu")
+    device = device_of(model)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         width = len(inputs[chunk[0]])
@@ -116,22 +127,14 @@ def generate_until(
     cache or a recurrent state, past ``block_size`` as ``GPT.stream`` goes), as text
     (``decode``), cut before the first of the ``until`` sequences it contains; at most
     ``max_new_tokens`` tokens. An empty context is refused: give the start token."""
-    if not context:
-        raise ValueError("a context has at least one token: give the model's start token")
-    was_training = getattr(model, "training", False)
-    model.eval()
-    try:
-        params = list(model.parameters())
-        device = params[0].device if params else torch.device("cpu")
-        idx = torch.tensor([list(context)], device=device)
-        ids: list[int] = []
-        text = ""
-        for next_id in model.stream(idx, max_new_tokens, temperature=0.0):
-            ids.append(int(next_id[0]))
-            text = decode(ids)
-            cut = min((text.find(s) for s in until if s and s in text), default=-1)
-            if cut >= 0:
-                return text[:cut]
-        return text
-    finally:
-        model.train(was_training)
+    check_context(context)
+    idx = torch.tensor([list(context)], device=device_of(model))
+    ids: list[int] = []
+    text = ""
+    for next_id in model.stream(idx, max_new_tokens, temperature=0.0):
+        ids.append(int(next_id[0]))
+        text = decode(ids)
+        cut = min((text.find(s) for s in until if s and s in text), default=-1)
+        if cut >= 0:
+            return text[:cut]
+    return text
