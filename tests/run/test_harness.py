@@ -88,6 +88,7 @@ def test_a_pair_is_split_as_the_harness_splits_it():
     assert lm.pair("", "yes") == ([lm.prefix], encode("yes"))
 
 
+@pytest.mark.slow  # the harness indexes its thousands of task files first: 7 s
 def test_the_harness_multiple_choice_accuracy_is_our_scoring_of_each_choice(scored):
     lm, results = scored
     right = 0
@@ -98,6 +99,7 @@ def test_the_harness_multiple_choice_accuracy_is_our_scoring_of_each_choice(scor
     assert results["tlab_choice"]["acc,none"] == pytest.approx(right / len(CHOICES))
 
 
+@pytest.mark.slow
 def test_the_harness_generation_stops_where_ours_does(scored):
     lm, results = scored
     assert results["tlab_until"]["exact_match,none"] == pytest.approx(1 / 3)
