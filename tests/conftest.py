@@ -1,5 +1,6 @@
-"""Shared test set-up: offline logging, a scratch folder for prepared corpora,
-deterministic seeds, glibc's own malloc settings in the tests' processes."""
+"""Shared test set-up: offline logging and Hugging Face, scratch folders for prepared
+corpora and Hugging Face's caches, deterministic seeds, glibc's own malloc settings in the
+tests' processes."""
 
 import os
 import tempfile
@@ -13,6 +14,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # corpora the tests prepare (Tiny Shakespeare's among them) go to a scratch folder, not to
 # ~/.cache; the runs the tests start in processes of their own inherit it
 os.environ.setdefault("TLAB_CORPUS_DIR", tempfile.mkdtemp(prefix="tlab-corpora-"))
+# Hugging Face's libraries offline, their caches (data sets, the code of exported models)
+# in a scratch folder of this test session
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="tlab-hf-"))
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import gzip
 import hashlib
+import json
 import struct
 from pathlib import Path
 
@@ -110,4 +111,17 @@ def write_hf_tokenizer(path: Path, texts: list[str]) -> Path:
     )
     tokenizer.train_from_iterator(texts, trainer)
     tokenizer.save(str(path))
+    return path
+
+
+HARNESS_TASKS = Path(__file__).resolve().parent / "harness_tasks"  # the tests' harness tasks
+
+
+def write_task_corpus(folder: Path) -> Path:
+    """A text file of the characters the tests' harness tasks use, so that a char
+    tokenizer prepared on it reads them."""
+    rows = [line for f in HARNESS_TASKS.glob("*.jsonl") for line in f.read_text().splitlines()]
+    words = " ".join(json.dumps(json.loads(row)) for row in rows) + " xyz QZ"
+    path = folder / "corpus.txt"
+    path.write_text((words + "\n") * 20)
     return path

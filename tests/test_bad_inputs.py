@@ -18,6 +18,7 @@ from transformers_lab.check import main as check_main
 from transformers_lab.config import compose_config
 from transformers_lab.data import download
 from transformers_lab.eval import main as eval_main
+from transformers_lab.export import main as export_main
 from transformers_lab.run.fit import train
 from transformers_lab.sample import main as sample_main
 from transformers_lab.train import main as train_main
@@ -27,6 +28,7 @@ ENTRY_POINTS = {
     "train-bare": train_main,  # without SMALL (a model it does not fit)
     "eval": eval_main,
     "sample": sample_main,
+    "export": export_main,
     # the tools that name a kernel as the attention group does (attention/resolve.py)
     "check": lambda: sys.exit(check_main()),
     "bench": lambda: sys.exit(bench_kernels_main()),
@@ -543,8 +545,16 @@ CASES = [
         ["ckpt_path={passkey}", "eval_lengths=[128]", "split=test"],
         "NeedleDataModule has no test split; use split=val",
     ),
+    case(
+        "eval",
+        ["ckpt_path={passkey}", "harness.tasks=[piqa]"],
+        "was trained on NeedleDataModule, which has no text tokenizer: the harness takes",
+    ),
+    # tlab-export
+    case("export", ["ckpt_path={vit}", "out={tmp}/x"], "holds a ViT, not a language model"),
+    case("export", ["ckpt_path={vit}", "out={full}"], "exists and is not empty; give a new"),
     # tlab-sample
-    case("sample", ["ckpt_path={vit}"], "(DigitsDataModule) has no text tokenizer"),
+    case("sample", ["ckpt_path={vit}"], "holds a ViT, not a language model: tlab-sample"),
     case("sample", ["ckpt_path={junk}"], "is not a checkpoint"),
     case("sample", ["ckpt_path={planted}"], PLANTED),
     case("sample", ["ckpt_path={vit}", "temperature=-1"], "temperature must be >= 0, got -1"),
@@ -578,8 +588,10 @@ def files(tmp_path_factory) -> dict[str, str]:
     torch.save({"state_dict": {}, "x": Planted(root / "ran")}, root / "planted.ckpt")
     (root / "file").write_text("a file where a folder should be")
     (root / "empty").mkdir()
+    (root / "full").mkdir()
+    (root / "full" / "mine.txt").write_text("a folder that holds a file")
     (root / "locked").mkdir(mode=0o500)
-    names = ("junk.ckpt", "plain.ckpt", "planted.ckpt", "ran", "file", "empty", "locked")
+    names = ("junk.ckpt", "plain.ckpt", "planted.ckpt", "ran", "file", "empty", "full", "locked")
     paths = {name.split(".")[0]: str(root / name) for name in names}
     paths |= {run: str(root / run / "checkpoints" / "last.ckpt") for run in ("vit", "passkey")}
     return {"real": str(REAL), **paths}

@@ -28,12 +28,12 @@ FLOORS: list[set[str]] = [
     {"attention"},
     {"nn"},
     {"models", "data"},
-    {"tasks"},
+    {"tasks", "hf"},
     {"analysis"},
     {"run"},
     {"sweeps"},
     {"cli"},
-    {"bench", "train", "eval", "sample", "translate", "prepare", "check"},
+    {"bench", "train", "eval", "sample", "translate", "prepare", "check", "export"},
 ]
 FLOOR = {name: i for i, floor in enumerate(FLOORS) for name in floor}
 

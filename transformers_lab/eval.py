@@ -12,6 +12,17 @@ it at other lengths instead, the model rebuilt at each (``run.lengths``): the me
 named ``val/acc@256`` (``val/acc@256:d0.5`` at a needle depth) and written to
 ``lengths.csv`` in the run dir; ``loss_by_position`` writes ``loss_by_position.csv`` and
 ``.png``.
+
+``harness.tasks`` scores it on lm-evaluation-harness's tasks instead (``run.harness``):
+
+    tlab-eval ckpt_path=... harness.tasks=[lambada_openai,piqa]
+    tlab-eval ckpt_path=... harness=field          # the field's table, zero-shot
+    tlab-eval ckpt_path=... harness.tasks=[mine] harness.include_path=my_tasks/
+    tlab-eval sweep_dir=logs/train/multiruns/<time> harness=field   # a sweep's kernels
+
+The metrics are named ``harness/<task>/<metric>``, logged to the run's loggers and
+written with the harness's whole results to ``harness.json`` in the run dir. With
+``sweep_dir``, each kernel of the sweep is scored at its best rate (``sweeps.harness``).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from transformers_lab.config import CONF_DIR, migrate_targets
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.checkpoints import SavedCheckpoint, read_checkpoint
 from transformers_lab.run.components import check_split, restore, use_cpu
+from transformers_lab.run.harness import harness_table, score_checkpoint, write_results
 from transformers_lab.run.lengths import LengthOptions, evaluate_lengths, write_lengths
 from transformers_lab.run.preflight import check_config
 from transformers_lab.run.record import metrics_dict, print_metrics
@@ -43,12 +55,18 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     """The metrics of ``cfg.ckpt_path`` on ``cfg.split``."""
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
     migrate_targets(cfg)  # a _target_ of an earlier version, to its new home
+    if cfg.get("sweep_dir") and OmegaConf.is_missing(cfg, "ckpt_path"):
+        cfg.ckpt_path = None  # a sweep's checkpoints are its jobs'
     lengths = check_config(cfg)
     if cfg.split not in SPLITS:
         raise ConfigError(f"split={cfg.split} is not one of {', '.join(SPLITS)}")
+    if cfg.get("sweep_dir"):
+        return evaluate_sweep(cfg)
     checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
     use_cpu(cfg)
     L.seed_everything(cfg.seed, workers=True)
+    if cfg.get("harness") and cfg.harness.get("tasks") is not None:
+        return evaluate_on_harness(cfg, checkpoint)
     if lengths is not None:
         return evaluate_at_lengths(cfg, checkpoint, lengths)
     _, datamodule, task = restore(checkpoint, checkpoint.run_config(cfg.get("data")))
@@ -82,6 +100,46 @@ def evaluate_at_lengths(
     if positions:
         print(f"loss by position: {write_position_losses(positions, trained, out)}")
     return metrics
+
+
+def evaluate_on_harness(cfg: DictConfig, checkpoint: SavedCheckpoint) -> dict[str, float]:
+    """The checkpoint's scores on lm-evaluation-harness's tasks (``cfg.harness``): printed,
+    logged to the run's loggers, and written to ``harness.json`` in the run dir."""
+    options = cfg.harness
+    data = cfg.get("data")
+    metrics, results = score_checkpoint(checkpoint, cfg.ckpt_path, options, data)
+    trainer = None
+    try:
+        trainer = build_trainer(cfg, purpose="evaluate")
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=checkpoint.step)
+            logger.save()
+    finally:
+        finish_wandb(trainer)
+    report = options.get("report")
+    print(f"checkpoint: {cfg.ckpt_path} (epoch {checkpoint.epoch}, step {checkpoint.step})")
+    print(harness_table(metrics, None if report is None else OmegaConf.to_container(report)))
+    print(f"harness results: {write_results(results, Path(cfg.paths.output_dir))}")
+    return metrics
+
+
+def evaluate_sweep(cfg: DictConfig) -> dict[str, float]:
+    """A sweep's jobs at their cells' best rate on the harness's tasks (``sweeps.harness``)."""
+    if not cfg.get("harness") or cfg.harness.get("tasks") is None:
+        raise ConfigError(
+            "sweep_dir scores a sweep's checkpoints on lm-evaluation-harness's tasks: name "
+            "them, harness.tasks=[...] or harness=field"
+        )
+    from transformers_lab.sweeps.harness import score_sweep
+
+    trust = bool(cfg.get("trust_checkpoint"))
+    rows = score_sweep(cfg.sweep_dir, cfg.harness, trust, cfg.get("data"))
+    print(f"harness table: {Path(cfg.sweep_dir) / 'harness.md'}")
+    return {f"{row['choice']}|{k}": v for row in rows for k, v in row.items() if is_number(v)}
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="eval")

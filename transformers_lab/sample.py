@@ -20,12 +20,12 @@ from omegaconf import DictConfig
 
 from transformers_lab.cli import run_hydra, user_errors
 from transformers_lab.config import CONF_DIR, migrate_targets
-from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError, at_least
 from transformers_lab.models import GPT
 from transformers_lab.models.common import check_sampling
 from transformers_lab.run.checkpoints import read_checkpoint
 from transformers_lab.run.components import restore, use_cpu
+from transformers_lab.run.language import language_model
 from transformers_lab.run.preflight import check_config, typed_options
 
 
@@ -61,19 +61,9 @@ class SampleOptions:
 def load_generator(cfg: DictConfig) -> tuple[GPT, L.LightningDataModule]:
     """The GPT of the checkpoint (weights loaded) and the data module with its tokenizer."""
     checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
-    _, datamodule, task = restore(checkpoint, checkpoint.run_config(cfg.get("data")))
-    if not isinstance(datamodule, TextData):
-        raise ConfigError(
-            f"the checkpoint's data ({type(datamodule).__name__}) has no text tokenizer to "
-            f"sample with; tlab-sample takes checkpoints trained on text (shakespeare_char, "
-            f"shakespeare_bpe)"
-        )
-    if not isinstance(task.model, GPT):
-        raise ConfigError(
-            f"tlab-sample needs a GPT checkpoint; {cfg.ckpt_path} holds a "
-            f"{type(task.model).__name__}"
-        )
-    return task.model, datamodule
+    restored = restore(checkpoint, checkpoint.run_config(cfg.get("data")))
+    found = language_model(restored, cfg.ckpt_path, "tlab-sample")
+    return found.model, found.data
 
 
 # what a decoder writes for bytes that do not (yet) make a whole UTF-8 character

@@ -50,6 +50,10 @@ SKIPPED = {
     "optuna-dashboard": "a server that runs until stopped",
     "tlab-train model=gpt data=corpus 'data.sources=[hf:": "needs the Hugging Face hub (a saved "
     "data set's folder is a source that tests/data/test_corpus.py reads)",
+    "tlab-eval ckpt_path=.../best.ckpt harness=field": "needs the Hugging Face hub for the "
+    "tasks' data sets (the tests' own tasks run offline: the harness lines below)",
+    "tlab-eval sweep_dir=": "a sweep of language models: tests/sweeps/test_sweep_harness.py "
+    "scores one",
 }
 
 QUIET = ["trainer.enable_progress_bar=false", "logger=csv"]  # wandb: tested in test_train.py
@@ -124,6 +128,7 @@ BUDGET = [
     ("tlab-train", TINY),
     ("tlab-sample", ["max_new_tokens=20"]),
     ("tlab-eval", []),
+    ("tlab-export", []),
     ("tlab-translate", []),
     ("tlab-summarize", []),
 ]
@@ -293,6 +298,8 @@ def fill_in(command: str, runs: dict[str, Path]) -> str:
     """The command with each placeholder replaced by a run made here."""
     program = command.split()[0]
     model = {"tlab-sample": "gpt", "tlab-translate": "transformer"}.get(program, "vit")
+    if program == "tlab-export" or "harness" in command:  # a language model on text
+        model = "gpt"
     if "eval_lengths=" in command:  # scored at other lengths: a GPT with RoPE, on passkeys
         model = "needles"
     ckpts = runs[model] / "checkpoints"

@@ -369,7 +369,7 @@ def test_sample_refuses_a_checkpoint_that_is_not_a_language_model(tmp_path):
     run_train(tmp_path, [*SMALL, "trainer.max_epochs=1", "test=false"])
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     cfg = compose_run("sample", [f"ckpt_path={last}"], tmp_path / "sample")
-    with pytest.raises(ConfigError, match="text tokenizer"):
+    with pytest.raises(ConfigError, match="not a language model"):
         sample(cfg)
 
 

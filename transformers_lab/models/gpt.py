@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -249,36 +249,13 @@ class GPT(nn.Module):
         sample = functools.partial(
             sample_next, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
         )
-        limit = self.decode_limit()
-        if use_cache and limit is None:
-            yield from self.stream_on_state(idx, max_new_tokens, sample)
-            return
-        cache, cached = None, 0  # tokens held by the cache
-        for _ in range(max_new_tokens):
-            if not use_cache:
-                logits = self(idx[:, -self.block_size :])
-            elif cache is not None and cached < self.block_size:
-                logits, cache = self.forward_cached(idx[:, -1:], cache, offset=cached)
-                cached += 1
-            else:  # start, or the window slid: encode the last block_size tokens
-                context = idx[:, -self.block_size :]
-                logits, cache = self.forward_cached(context)
-                cached = context.shape[1]
-            next_id = sample(logits[:, -1])  # (B,)
-            idx = torch.cat([idx, next_id[:, None]], dim=1)
-            yield next_id
-
-    def stream_on_state(
-        self, idx: Tensor, max_new_tokens: int, sample: Callable[[Tensor], Tensor]
-    ) -> Iterator[Tensor]:
-        """``stream`` on the decoding state, past ``block_size`` too (``decode_limit`` is
-        None): the prompt read whole (``forward_on_state``), then a step a token."""
-        logits, cache = self.forward_on_state(idx)
-        for t in range(idx.shape[1], idx.shape[1] + max_new_tokens):
+        decoder = Decoder(self, use_cache)
+        logits = decoder.feed(idx)
+        for step in range(max_new_tokens):
             next_id = sample(logits[:, -1])  # (B,)
             yield next_id
-            if t < idx.shape[1] + max_new_tokens - 1:
-                logits, cache = self.forward_on_state(next_id[:, None], cache, offset=t)
+            if step < max_new_tokens - 1:
+                logits = decoder.feed(next_id[:, None])
 
     def forward_on_state(
         self, idx: Tensor, cache: list[Any] | None = None, offset: int = 0
@@ -324,6 +301,49 @@ class GPT(nn.Module):
         The sampling is ``stream``'s, with the same arguments."""
         tokens = self.stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator)
         return torch.cat([idx, *(next_id[:, None] for next_id in tokens)], dim=1)
+
+
+class Decoder:
+    """A GPT's decoding of a batch of sequences, as ``GPT.stream`` goes: ``feed(ids)``
+    reads the next tokens (B, n) and returns the logits (B, n, vocab) after each (after
+    the last ``block_size`` of them when the context is re-encoded). The exported model's
+    ``generate`` (``models.hf``) steps through the same object, so both decode alike.
+
+    - On the decoding state (``use_cache`` and ``decode_limit()`` is None): the state
+      carries on past ``block_size`` (``forward_on_state``).
+    - A model that cannot slide its state (positions from a table, a kernel's own
+      max_len): steps on its cache while the context fits in ``block_size``, then
+      re-encodes the last ``block_size`` tokens at each step.
+    - Without ``use_cache``: the last ``block_size`` tokens are read whole at each step.
+    """
+
+    def __init__(self, model: GPT, use_cache: bool = True) -> None:
+        model.refuse_bottleneck()
+        self.model, self.use_cache = model, use_cache
+        self.on_state = use_cache and model.decode_limit() is None
+        self.cache: list[Any] | None = None
+        self.read = 0  # tokens fed so far
+        self.cached = 0  # tokens the cache holds (off the decoding state)
+        self.seen: Tensor | None = None  # the tokens fed (off the decoding state)
+
+    def feed(self, ids: Tensor) -> Tensor:
+        model, n = self.model, ids.shape[1]
+        if self.on_state:
+            logits, self.cache = model.forward_on_state(ids, self.cache, offset=self.read)
+            self.read += n
+            return logits
+        self.read += n
+        self.seen = ids if self.seen is None else torch.cat([self.seen, ids], dim=1)
+        context = self.seen[:, -model.block_size :]
+        if not self.use_cache:
+            return model(context)[:, -n:]
+        if self.cache is not None and self.cached + n <= model.block_size:
+            logits, self.cache = model.forward_cached(ids, self.cache, offset=self.cached)
+            self.cached += n
+            return logits
+        logits, self.cache = model.forward_cached(context)  # the start, or the window slid
+        self.cached = context.shape[1]
+        return logits[:, -n:]
 
 
 class Bottleneck(nn.Module):

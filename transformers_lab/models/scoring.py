@@ -122,16 +122,21 @@ def generate_until(
     until: Sequence[str],
     decode: Callable[[list[int]], str],
     max_new_tokens: int,
+    stop_id: int | None = None,
 ) -> str:
     """The greedy continuation of ``context`` (``model.stream`` at temperature 0: a KV
     cache or a recurrent state, past ``block_size`` as ``GPT.stream`` goes), as text
-    (``decode``), cut before the first of the ``until`` sequences it contains; at most
-    ``max_new_tokens`` tokens. An empty context is refused: give the start token."""
+    (``decode``), cut before the first of the ``until`` sequences it contains, or before
+    the ``stop_id`` token (the end of text, as ``generate`` stops at its end-of-sequence
+    token); at most ``max_new_tokens`` tokens. An empty context is refused: give the start
+    token."""
     check_context(context)
     idx = torch.tensor([list(context)], device=device_of(model))
     ids: list[int] = []
     text = ""
     for next_id in model.stream(idx, max_new_tokens, temperature=0.0):
+        if int(next_id[0]) == stop_id:
+            break
         ids.append(int(next_id[0]))
         text = decode(ids)
         cut = min((text.find(s) for s in until if s and s in text), default=-1)
