@@ -42,8 +42,8 @@ def recipe(overrides: list[str], tmp: Path, vocab: int) -> dict:
 
 
 def exported(tmp: Path, name: str, overrides: list[str]):
-    """Our GPT (weights spread out, so that greedy decoding wanders) and its export as
-    transformers loads it."""
+    """Our GPT (its embedding spread out, so that the logits differ more between tokens)
+    and its export as transformers loads it."""
     from transformers import AutoModelForCausalLM
 
     from transformers_lab.hf.model import build_gpt
@@ -55,8 +55,7 @@ def exported(tmp: Path, name: str, overrides: list[str]):
     torch.manual_seed(0)
     gpt = build_gpt(spec).eval()
     with torch.no_grad():
-        for param in gpt.parameters():
-            param.normal_(0, 0.5)
+        gpt.tok.weight.normal_(0, 1.0)
     out = export(gpt, spec, tokenizer, 0, tmp / f"export_{name}")
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     return gpt, model, out
@@ -131,3 +130,26 @@ def test_an_export_never_writes_over_files(tmp_path):
         export(gpt, spec, Chars("abcd"), 0, tmp_path / "full")
     assert (tmp_path / "full" / "mine.txt").read_text() == "keep"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]  # nothing left beside it
+
+
+def every_setting() -> list[list[str]]:
+    """Every kernel of conf/attention, every position encoding, the layer parts."""
+    from transformers_lab.config import group_options
+
+    kernels = [[f"attention={name}"] for name in group_options("attention")]
+    positions = ["learned", "sinusoidal", "fourier", "alibi", "none"]
+    encodings = [["attention=softmax", f"model.pos_encoding={p}"] for p in positions]
+    parts = ["attention.short_conv=4", "attention.output_gate=true", "attention.qk_norm=true"]
+    return [*kernels, *encodings, *[["attention=gla", part] for part in parts]]
+
+
+@pytest.mark.slow  # 33 exports loaded by transformers: 40 s
+def test_every_kernel_position_encoding_and_layer_part_exports(tmp_path):
+    for i, overrides in enumerate(every_setting()):
+        gpt, model, _ = exported(tmp_path, str(i), overrides)
+        ids = torch.randint(0, gpt.lm_head.out_features, (2, BLOCK))
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, gpt(ids), atol=1e-5, rtol=0)
+        ours = gpt.generate(ids[:1, :3], 2 * BLOCK, temperature=0.0)
+        theirs = model.generate(ids[:1, :3], max_new_tokens=2 * BLOCK, do_sample=False)
+        assert theirs.tolist() == ours.tolist(), overrides

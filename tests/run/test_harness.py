@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from transformers_lab.config import compose_config
 from transformers_lab.errors import ConfigError
@@ -161,7 +162,7 @@ def test_the_harness_on_a_checkpoint_and_hflm_on_its_export_agree(checkpoint, tm
 
     from transformers_lab.eval import evaluate
     from transformers_lab.export import export_checkpoint
-    from transformers_lab.run.harness import check_tasks, task_manager
+    from transformers_lab.run.harness import check_tasks, run_tasks, task_manager
 
     harness = [f"harness.tasks=[{','.join(LOCAL)}]", f"harness.include_path={TASKS}"]
     harness += ["harness.batch_size=3", "logger=csv"]
@@ -175,6 +176,8 @@ def test_the_harness_on_a_checkpoint_and_hflm_on_its_export_agree(checkpoint, tm
     manager = task_manager(str(TASKS))
     with pytest.raises(ConfigError, match="the nearest: lambada_openai"):
         check_tasks(["lambada_openay"], manager)  # the harness's own index
+    with pytest.raises(ConfigError, match="the Hugging Face Hub cannot be reached"):
+        run_tasks(tiny_lm(), OmegaConf.create({"tasks": ["piqa"]}))  # offline (conftest)
     cfg = compose_config("export", [f"ckpt_path={checkpoint}", f"out={tmp_path / 'hf'}"], tmp_path)
     out = export_checkpoint(cfg)
     prefix = json.loads((out / "config.json").read_text())["tlab_prefix_token_id"]

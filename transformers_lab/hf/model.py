@@ -84,6 +84,16 @@ def build_gpt(recipe: dict[str, Any]) -> GPT:
     return model
 
 
+def unsaved_buffers(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """(name, buffer) of the buffers that are not in the ``state_dict``."""
+    return [
+        (f"{owner}.{key}" if owner else key, module._buffers[key])
+        for owner, module in model.named_modules()
+        for key in sorted(module._non_persistent_buffers_set)
+        if module._buffers.get(key) is not None
+    ]
+
+
 class TlabForCausalLM(PreTrainedModel, GenerationMixin):
     """``AutoModelForCausalLM``'s class for an export of ``tlab-export``."""
 
@@ -94,8 +104,26 @@ class TlabForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: TlabConfig) -> None:
         super().__init__(config)
         self.gpt = build_gpt(config.tlab_model)
+        # what the GPT computes as it is built and does not save (position tables, ALiBi
+        # slopes, decays), kept to put back after from_pretrained empties them
+        self._computed = {k: b.detach().clone() for k, b in unsaved_buffers(self.gpt)}
         self._tied_weights_keys = {f"gpt.{k}": f"gpt.{v}" for k, v in config.tied.items()}
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``from_pretrained``, then the buffers the GPT computed as it was
+        built put back: transformers leaves the buffers it does not load uninitialised."""
+        model = super().from_pretrained(*args, **kwargs)
+        model.restore_buffers()
+        return model
+
+    def restore_buffers(self) -> None:
+        for name, module_buffer in unsaved_buffers(self.gpt):
+            owner, _, key = name.rpartition(".")
+            module = self.gpt.get_submodule(owner)
+            computed = self._computed[name]
+            module._buffers[key] = computed.to(module_buffer.device, module_buffer.dtype)
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         """Nothing: the GPT initialises itself, and the weights are loaded over it."""
