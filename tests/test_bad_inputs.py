@@ -550,6 +550,11 @@ CASES = [
         ["ckpt_path={passkey}", "harness.tasks=[piqa]"],
         "was trained on NeedleDataModule, which has no text tokenizer: the harness takes",
     ),
+    case(
+        "eval",
+        ["ckpt_path={passkey}", "harness.tasks=[piqa]", "eval_lengths=[128]"],
+        "harness.tasks and eval_lengths are two evaluations",
+    ),
     # tlab-export
     case("export", ["ckpt_path={vit}", "out={tmp}/x"], "holds a ViT, not a language model"),
     case("export", ["ckpt_path={vit}", "out={full}"], "exists and is not empty; give a new"),

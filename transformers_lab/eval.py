@@ -60,12 +60,18 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     lengths = check_config(cfg)
     if cfg.split not in SPLITS:
         raise ConfigError(f"split={cfg.split} is not one of {', '.join(SPLITS)}")
+    harness = bool(cfg.get("harness")) and cfg.harness.get("tasks") is not None
+    if harness and lengths is not None:
+        raise ConfigError(
+            "harness.tasks and eval_lengths are two evaluations: the harness scores at the "
+            "model's own context; run them as two tlab-eval commands"
+        )
     if cfg.get("sweep_dir"):
         return evaluate_sweep(cfg)
     checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
     use_cpu(cfg)
     L.seed_everything(cfg.seed, workers=True)
-    if cfg.get("harness") and cfg.harness.get("tasks") is not None:
+    if harness:
         return evaluate_on_harness(cfg, checkpoint)
     if lengths is not None:
         return evaluate_at_lengths(cfg, checkpoint, lengths)
