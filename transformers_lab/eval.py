@@ -66,10 +66,10 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
             "harness.tasks and eval_lengths are two evaluations: the harness scores at the "
             "model's own context; run them as two tlab-eval commands"
         )
+    use_cpu(cfg)
     if cfg.get("sweep_dir"):
         return evaluate_sweep(cfg)
     checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
-    use_cpu(cfg)
     L.seed_everything(cfg.seed, workers=True)
     if harness:
         return evaluate_on_harness(cfg, checkpoint)

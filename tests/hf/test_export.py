@@ -93,6 +93,35 @@ def test_the_export_reads_and_decodes_as_ours(name, tmp_path):
     steps = [decoder.feed(prompt)[:, -1]]
     steps += [decoder.feed(ours[:, [t]])[:, -1] for t in range(5, ours.shape[1] - 1)]
     torch.testing.assert_close(torch.stack(theirs.logits), torch.stack(steps), atol=1e-5, rtol=0)
+    # without the cache, as ours: the last block_size tokens read again at each step
+    ours = gpt.generate(prompt, 2 * BLOCK, temperature=0.0, use_cache=False)
+    theirs = model.generate(prompt, max_new_tokens=2 * BLOCK, do_sample=False, use_cache=False)
+    assert theirs.tolist() == ours.tolist()
+
+
+def test_padded_rows_read_and_decode_as_each_row_alone(tmp_path):
+    """Left-padded prompts (HFLM's batches) decode as each prompt alone; right-padded rows
+    score as alone; the end of text past the vocabulary reads as the prefix token."""
+    gpt, model, _ = exported(tmp_path, "padded", KERNELS["softmax-rope"])
+    short, long = [5, 6, 7], [1, 2, 3, 4, 9, 10]
+    left = torch.tensor([[0, 0, 0, *short], long])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    out = model.generate(left, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    for row, prompt in enumerate([short, long]):
+        alone = gpt.generate(torch.tensor([prompt]), 12, temperature=0.0)[0, len(prompt) :]
+        assert out[row, 6:].tolist() == alone.tolist()
+    right = torch.tensor([[*short, 0, 0, 0], long])
+    with torch.no_grad():
+        logits = model(right, attention_mask=mask.flip(-1)).logits
+        torch.testing.assert_close(logits[0, :3], gpt(torch.tensor([short]))[0], atol=1e-5, rtol=0)
+        logits = model(left, attention_mask=mask).logits
+        torch.testing.assert_close(logits[0, 3:], gpt(torch.tensor([short]))[0], atol=1e-5, rtol=0)
+        eos = model.config.tlab_end_of_text
+        assert eos == gpt.lm_head.out_features  # Chars without an end of text of its own
+        read = model(torch.tensor([[eos, *short]])).logits
+        torch.testing.assert_close(read, gpt(torch.tensor([[0, *short]])), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="num_beams=2: this export decodes one sequence"):
+        model.generate(left[1:], num_beams=2, max_new_tokens=2)
 
 
 def test_the_export_s_tokenizer_is_ours(tmp_path):

@@ -129,6 +129,30 @@ def test_an_unknown_task_is_refused_with_the_nearest_names():
         task_names([])
 
 
+def test_the_results_are_flat_metrics_each_beside_its_standard_error():
+    from transformers_lab.run.harness import harness_metrics, harness_table
+
+    results = {
+        "results": {
+            "gsm": {"alias": "gsm", "exact_match,strict": 0.25, "exact_match_stderr,strict": 0.1},
+            "piqa": {"acc,none": 0.5, "acc_stderr,none": 0.05, "acc_norm,none": 0.6},
+        }
+    }
+    metrics = harness_metrics(results)
+    assert metrics == {
+        "harness/gsm/exact_match[strict]": 0.25,
+        "harness/gsm/exact_match_stderr[strict]": 0.1,
+        "harness/piqa/acc": 0.5,
+        "harness/piqa/acc_stderr": 0.05,
+        "harness/piqa/acc_norm": 0.6,
+    }
+    rows = harness_table(metrics, {"piqa": ["acc"]}).splitlines()[1:]
+    assert [r.split() for r in rows] == [
+        ["gsm", "exact_match[strict]", "0.2500", "0.1000"],
+        ["piqa", "acc", "0.5000", "0.0500"],
+    ]
+
+
 def test_a_task_whose_data_is_out_of_reach_is_one_line():
     from transformers_lab.run.harness import offline_refusal
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from torch import Tensor
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
@@ -29,7 +29,9 @@ MODEL_TYPE = "tlab_gpt"
 class TlabConfig(PretrainedConfig):
     """A GPT of ours: ``tlab_model``, its recipe (the model's Hydra config, sizes
     included); ``tied``, the parameter names the LM head shares with the embedding;
-    ``tlab_prefix_token_id``, the token a text is read after when nothing precedes it."""
+    ``tlab_prefix_token_id``, the token a text is read after when nothing precedes it;
+    ``tlab_end_of_text``, the tokenizer's end-of-sequence id where it is past the
+    vocabulary, read as that prefix token."""
 
     model_type = MODEL_TYPE
 
@@ -41,6 +43,7 @@ class TlabConfig(PretrainedConfig):
         tied: dict[str, str] | None = None,
         tlab_version: str = "",
         tlab_prefix_token_id: int = 0,
+        tlab_end_of_text: int | None = None,
         **kwargs: Any,
     ) -> None:
         self.tlab_model = tlab_model or {}
@@ -49,6 +52,8 @@ class TlabConfig(PretrainedConfig):
         self.tied = tied or {}
         self.tlab_version = tlab_version
         self.tlab_prefix_token_id = tlab_prefix_token_id  # read before a text with no context
+        self.tlab_end_of_text = tlab_end_of_text  # the tokenizer's end of sequence past the
+        # vocabulary (a tokenizer without one of its own): read as the prefix token
         kwargs.setdefault("tie_word_embeddings", bool(self.tied))
         super().__init__(**kwargs)
 
@@ -64,24 +69,68 @@ class TlabOutput(ModelOutput):
 
 
 class TlabState:
-    """The decoding state ``generate`` carries between steps: our ``Decoder``."""
+    """The decoding state ``generate`` carries between steps: our ``Decoder`` for the
+    batch, or one per row of a left-padded batch (the harness's ``HFLM`` pads prompts of
+    different lengths on the left), each row read from its first token, its pads never."""
 
-    def __init__(self, decoder: Decoder) -> None:
-        self.decoder = decoder
+    def __init__(self, gpt: GPT, mask: Tensor | None, use_cache: bool) -> None:
+        self.read = 0  # the columns of input_ids fed so far, pads included
+        self.pads = left_pads(mask)
+        count = 1 if self.pads is None else len(self.pads)
+        self.decoders = [Decoder(gpt, use_cache) for _ in range(count)]
 
-    @property
-    def read(self) -> int:
-        return self.decoder.read
+    def feed(self, ids: Tensor) -> Tensor:
+        """The logits of the columns ``ids`` (B, n): each row's, where it has them (the
+        last ``block_size`` where its context is read again), zero over its pads."""
+        start, n = self.read, ids.shape[1]
+        self.read += n
+        if self.pads is None:
+            return self.decoders[0].feed(ids)
+        out = None
+        for row, (decoder, pad) in enumerate(zip(self.decoders, self.pads, strict=True)):
+            skip = max(0, pad - start)
+            if skip >= n:
+                continue
+            logits = decoder.feed(ids[row : row + 1, skip:])
+            if out is None:
+                out = logits.new_zeros(ids.shape[0], n, logits.shape[-1])
+            out[row, n - logits.shape[1] :] = logits[0]
+        if out is None:
+            raise ValueError("every row of this batch is padding: give each at least one token")
+        return out
+
+
+def left_pads(mask: Tensor | None) -> list[int] | None:
+    """Each row's count of pads before its tokens, or None where no row has any; a mask
+    with pads after a row's tokens or between them is refused."""
+    if mask is None or bool(mask.all()):
+        return None
+    mask = mask.bool()
+    pads = (~mask).long().cumprod(-1).sum(-1)
+    for row, pad in zip(mask, pads.tolist(), strict=True):
+        if not bool(row[pad:].all()):
+            raise ValueError(
+                "this export decodes left-padded rows (tokenizer.padding_side='left'); a row "
+                "has padding after its first token"
+            )
+    return pads.tolist()
+
+
+def right_padded(mask: Tensor) -> bool:
+    """Whether every row's pads come after all of its tokens (or it has none)."""
+    mask = mask.bool()
+    ones = mask.long().cumprod(-1).sum(-1)
+    return bool((mask.sum(-1) == ones).all())
 
 
 def build_gpt(recipe: dict[str, Any]) -> GPT:
     """The GPT a recipe describes, on the CPU with real tensors: its buffers (position
     tables, ALiBi slopes, decays) are computed where it is built, not loaded."""
+    target = get_object(str(recipe.get("_target_", "")))
+    if not (isinstance(target, type) and issubclass(target, GPT)):
+        raise TypeError(f"the recipe's _target_ {recipe.get('_target_')!r} is not a GPT")
     with torch.device("cpu"):
-        model = instantiate(recipe, _convert_="all")
-    if not isinstance(model, GPT):
-        raise TypeError(f"the recipe builds a {type(model).__name__}, not a GPT")
-    return model
+        return instantiate(recipe, _convert_="all")
 
 
 def unsaved_buffers(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
@@ -145,29 +194,26 @@ class TlabForCausalLM(PreTrainedModel, GenerationMixin):
         labels: Tensor | None = None,
         use_cache: bool | None = None,
         cache: Any = None,
-        past_key_values: Any = None,
+        generating: bool = False,
         **kwargs: Any,
     ) -> TlabOutput:
-        """Logits (B, T, vocab) of ``input_ids``. With ``use_cache`` (``generate``) the
-        tokens are read on the decoding state, which comes back as ``cache``; without,
-        the whole input is read at once (at most ``block_size`` tokens where the model's
-        positions end there). Padding is refused: every row is read whole."""
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError(
-                "this export reads every token of every row: give unpadded rows (batch_size=1 "
-                "for rows of different lengths)"
-            )
-        state = cache if isinstance(cache, TlabState) else past_key_values
-        if not isinstance(state, TlabState):
-            state = None
-        if state is None and not use_cache:
-            reach = self.gpt.reach(input_ids.shape[1])
-            if input_ids.shape[1] > self.gpt.block_size and reach is not None:
-                raise ValueError(f"this model cannot read {input_ids.shape[1]} tokens: {reach}")
-            logits = self.gpt(input_ids)
+        """Logits (B, T, vocab) of ``input_ids``. In ``generate`` the tokens are read on
+        the decoding state (``TlabState``, our decoding with or without ``use_cache``),
+        which comes back as ``cache``. Called alone, the whole input is read at once, at
+        most ``block_size`` tokens where the model's positions end there; right-padded
+        rows are read as they are (a causal model's logits do not depend on what follows),
+        left-padded ones a row at a time. The tokenizer's end-of-sequence token, where it
+        is past the vocabulary, is read as the prefix token (``tlab_prefix_token_id``)."""
+        ids = self.readable(input_ids)
+        state = cache if isinstance(cache, TlabState) else None
+        if state is None and generating:
+            state = TlabState(self.gpt, attention_mask, use_cache=use_cache is not False)
+        if state is not None:
+            logits = state.feed(ids)
+        elif attention_mask is None or right_padded(attention_mask):
+            logits = self.read_whole(ids)
         else:
-            state = state or TlabState(Decoder(self.gpt, use_cache=True))
-            logits = state.decoder.feed(input_ids)
+            logits = TlabState(self.gpt, attention_mask, use_cache=False).feed(ids)
         loss = None
         if labels is not None:
             loss = torch.nn.functional.cross_entropy(
@@ -175,32 +221,30 @@ class TlabForCausalLM(PreTrainedModel, GenerationMixin):
             )
         return TlabOutput(loss=loss, logits=logits, cache=state)
 
-    @torch.no_grad()
-    def generate(
-        self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None, **kwargs: Any
-    ) -> Any:
-        """transformers' ``generate``; a left-padded batch (the harness's ``HFLM`` pads
-        prompts of different lengths) is decoded a row at a time, each row unpadded, and
-        put back in its place: the new tokens start at the padded prompt's end, the rows
-        padded after their end. ``max_length`` counts from the padded prompt, as for the
-        batch; a row's stopping criteria are its end-of-sequence and ``max_length``."""
-        if input_ids is None or attention_mask is None or bool(attention_mask.all()):
-            return super().generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        width = input_ids.shape[1]
-        if "max_length" in kwargs and "max_new_tokens" not in kwargs:
-            kwargs["max_new_tokens"] = kwargs.pop("max_length") - width
-        kwargs.pop("stopping_criteria", None)  # made for the batch; the harness cuts at stops
-        pad = kwargs.get("pad_token_id", self.generation_config.pad_token_id)
-        pad = self.config.eos_token_id if pad is None else pad
-        rows = []
-        for ids, mask in zip(input_ids, attention_mask.bool(), strict=True):
-            new = super().generate(input_ids=ids[mask][None], **kwargs)[0, int(mask.sum()) :]
-            rows.append(torch.cat([ids, new]))
-        longest = max(len(row) for row in rows)
-        out = input_ids.new_full((len(rows), longest), 0 if pad is None else pad)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = row
-        return out
+    def readable(self, input_ids: Tensor) -> Tensor:
+        """The ids the GPT reads: the end-of-sequence token past its vocabulary as the
+        prefix token."""
+        extra = self.config.tlab_end_of_text
+        if extra is None:
+            return input_ids
+        return input_ids.masked_fill(input_ids == extra, self.config.tlab_prefix_token_id)
+
+    def read_whole(self, ids: Tensor) -> Tensor:
+        reach = self.gpt.reach(ids.shape[1])
+        if ids.shape[1] > self.gpt.block_size and reach is not None:
+            raise ValueError(f"this model cannot read {ids.shape[1]} tokens: {reach}")
+        return self.gpt(ids)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``generate``, one sequence a prompt: beams would reorder the
+        decoding state, which is ours."""
+        for key in ("num_beams", "num_return_sequences"):
+            if int(kwargs.get(key) or 1) > 1:
+                raise ValueError(
+                    f"{key}={kwargs[key]}: this export decodes one sequence a prompt on its own "
+                    "decoding state (greedy or sampled); give each prompt its own row"
+                )
+        return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(
         self,
@@ -218,6 +262,7 @@ class TlabForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             state = None
         inputs = {"input_ids": input_ids, "use_cache": use_cache, "cache": state}
+        inputs["generating"] = True
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
         return inputs

@@ -5,10 +5,11 @@ the very tokenizer the model trained with, rebuilt from its saved state
 
 A token's string is its id in decimal ("65"). The end-of-text token that ends each
 training document is the export's end-of-sequence token, named ``<|endoftext|>``; a
-tokenizer without one (Tiny Shakespeare's characters) gets one past its vocabulary, which
-the model never writes nor reads: ``generate`` and the harness's ``HFLM`` need one to
-stop at. The token a text with no context is read after is the config's
-``tlab_prefix_token_id`` (``HFLM``'s ``prefix_token_id``).
+tokenizer without one (Tiny Shakespeare's characters) gets one past its vocabulary
+(``generate`` and the harness's ``HFLM`` need one), which the model never writes and
+reads as its prefix token (``tlab_prefix_token_id``, a newline there): ``HFLM`` reads a
+text with no context after the end-of-sequence token, as ``TlabLM`` reads it after the
+prefix.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class TlabTokenizer(PreTrainedTokenizer):
         self.names = {EOT: self.eos_id}
         kwargs.setdefault("eos_token", EOT)
         kwargs.setdefault("clean_up_tokenization_spaces", False)
+        kwargs.setdefault("padding_side", "left")  # generation pads prompts on the left
         super().__init__(**kwargs)
 
     @property

@@ -13,7 +13,7 @@ from typing import Any
 from transformers_lab.data.corpus.tokenizer import CorpusTokenizer
 from transformers_lab.errors import ConfigError
 from transformers_lab.hf.model import TlabConfig, TlabForCausalLM
-from transformers_lab.hf.tokenizer import TlabTokenizer, write_tokenizer_state
+from transformers_lab.hf.tokenizer import TlabTokenizer, end_of_text, write_tokenizer_state
 from transformers_lab.models.gpt import GPT
 
 CODE = "modeling_tlab.py"
@@ -70,6 +70,7 @@ def export(
         tied=tied_names(model),
         tlab_version=version,
         tlab_prefix_token_id=prefix,
+        tlab_end_of_text=None if eot is not None else end_of_text(tokenizer),
         eos_token_id=eot,
         auto_map=AUTO_MAP,
         architectures=["TlabForCausalLM"],

@@ -249,6 +249,8 @@ class GPT(nn.Module):
         sample = functools.partial(
             sample_next, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
         )
+        if max_new_tokens <= 0:
+            return
         decoder = Decoder(self, use_cache)
         logits = decoder.feed(idx)
         for step in range(max_new_tokens):

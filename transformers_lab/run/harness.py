@@ -226,17 +226,28 @@ def harness_metrics(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def is_stderr(name: str) -> bool:
+    """Whether a metric's name is a standard error's (``acc_stderr``, ``em_stderr[flex]``)."""
+    return name.split("[")[0].endswith("_stderr")
+
+
+def stderr_name(name: str) -> str:
+    """The name of a metric's standard error: ``acc`` -> ``acc_stderr``, a filter kept."""
+    metric, bracket, kept = name.partition("[")
+    return f"{metric}_stderr{bracket}{kept}"
+
+
 def harness_table(metrics: dict[str, float], report: dict[str, Any] | None = None) -> str:
     """The metrics as a table of task, metric, value and standard error; with ``report``
     ({task: [metrics]}, the field's preset) only the metrics the papers give."""
     rows = ["task                      metric               value      stderr"]
     for name, value in metrics.items():
         _, task, metric = name.split("/", 2)
-        if metric.endswith("_stderr") or metric.split("[")[0].endswith("_stderr"):
+        if is_stderr(metric):
             continue
         if report and task in report and metric not in list(report[task]):
             continue
-        stderr = metrics.get(f"harness/{task}/{metric}_stderr")
+        stderr = metrics.get(f"harness/{task}/{stderr_name(metric)}")
         shown = "" if stderr is None or math.isnan(stderr) else f"{stderr:.4f}"
         rows.append(f"{task:25} {metric:20} {value:10.4f} {shown:>10}")
     return "\n".join(rows)
@@ -257,8 +268,29 @@ def score_checkpoint(
     """A checkpoint on the harness's tasks (``options``: ``tlab-eval``'s ``harness``
     node): its metrics (``harness_metrics``) and the harness's whole results. ``data``
     overrides the checkpoint's data config (``+data.root=...``)."""
+    device = check_device(str(options.get("device") or "cpu"))
     restored = restore(checkpoint, checkpoint.run_config(data))
     found = language_model(restored, ckpt_path, "the harness")
-    found.model.to(options.get("device") or "cpu")
+    found.model.to(device)
     results = run_tasks(harness_model(found, int(options.get("batch_size") or 16)), options)
     return harness_metrics(results), results
+
+
+def check_device(device: str) -> str:
+    """``harness.device`` where this machine has it, or one line that says what it has."""
+    import torch
+
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(
+            f"harness.device={device} is no device: give cpu, cuda or cuda:<n>"
+        ) from None
+    if where.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0 or (where.index or 0) >= count:
+            raise ConfigError(
+                f"harness.device={device}: this machine has {count} CUDA GPU(s); give "
+                f"harness.device=cpu{' or cuda:<n> below ' + str(count) if count else ''}"
+            )
+    return device

@@ -18,20 +18,33 @@ import math
 from pathlib import Path
 from typing import Any
 
-from transformers_lab.errors import ConfigError
+from omegaconf import OmegaConf
+
+from transformers_lab.errors import ConfigError, UnknownChoice
 from transformers_lab.run.checkpoints import read_checkpoint
-from transformers_lab.run.harness import score_checkpoint, write_results
+from transformers_lab.run.harness import is_stderr, score_checkpoint, write_results
 from transformers_lab.run.record import read_record, write_record
-from transformers_lab.sweeps.report.cli import default_best_over, summarize
+from transformers_lab.sweeps.report.cli import default_best_over, summarize, summary_settings
 from transformers_lab.sweeps.report.collect import Run, collect, pick_metric, varying_keys
 from transformers_lab.sweeps.report.groups import best_in_cells, group_rows
 
 
-def chosen_runs(runs: list[Run]) -> tuple[list[Run], list[str], list[str]]:
-    """The finished jobs at each cell's best rate, the keys that make the groups and the
-    keys searched over (the rate)."""
+def saved_settings(folder: Path) -> dict[str, Any]:
+    """The sweep's own summary settings (its jobs' ``summary`` node: a preset's baseline,
+    its ``best_over``), as its summary was made with."""
+    for config in sorted(folder.glob("*/.hydra/config.yaml")):
+        return summary_settings(OmegaConf.load(config).get("summary"))
+    return summary_settings(None)
+
+
+def chosen_runs(
+    runs: list[Run], best_over: list[str] | None = None
+) -> tuple[list[Run], list[str], list[str]]:
+    """The finished jobs at each cell's best rate (``best_over``, the sweep's summary
+    setting; None: the rate where it is swept with more), the keys that make the groups
+    and the keys searched over."""
     metric, mode = pick_metric(runs, None)
-    over = default_best_over(runs)
+    over = default_best_over(runs) if best_over is None else list(best_over)
     keys = [k for k in varying_keys(runs) if k not in over]
     chosen = best_in_cells(runs, metric, mode, over) if over else {r.job for r in runs}
     kept = [r for r in runs if r.job in chosen and r.record.status == "ok"]
@@ -60,12 +73,13 @@ def score_sweep(
     if not folder.is_dir():
         raise ConfigError(f"sweep_dir={sweep_dir} is not a folder; give a multirun's dir")
     runs = collect(folder)
-    kept, keys, over = chosen_runs(runs)
+    settings = saved_settings(folder)
+    kept, keys, over = chosen_runs(runs, settings["best_over"])
     if not kept:
         raise ConfigError(f"sweep_dir={sweep_dir} has no finished job to score")
+    paths = [checkpoint_of(run) for run in kept]  # every one there before the first is scored
     names: list[str] = []
-    for run in kept:
-        path = checkpoint_of(run)
+    for run, path in zip(kept, paths, strict=True):
         print(f"scoring job {run.job} ({', '.join(run.values.values())}): {path}", flush=True)
         metrics, results = score_checkpoint(read_checkpoint(path, trust), path, options, data)
         job_dir = Path(run.record.run_dir or folder / run.job)
@@ -74,10 +88,13 @@ def score_sweep(
         record.metrics.update(metrics)
         run.record.metrics.update(metrics)
         write_record(job_dir, record)
-        names += [n for n in metrics if n not in names and not n.endswith("_stderr")]
+        names += [n for n in metrics if n not in names and not is_stderr(n)]
     rows = table_rows(kept, names, keys, over)
     write_tables(rows, names, folder)
-    summarize(folder)
+    try:
+        summarize(folder, **settings)
+    except UnknownChoice:  # a preset's baseline this sweep did not run, as its summary did
+        summarize(folder, **settings | {"baseline": None})
     return rows
 
 

@@ -221,6 +221,20 @@ def default_best_over(runs: Sequence[Any], shown: Sequence[str] = ()) -> list[st
     return over if len(swept) > len(over) else []
 
 
+def summary_settings(options: Any) -> dict[str, Any]:
+    """``summarize``'s settings from a sweep's ``summary`` node (``summary.baseline=...``,
+    ``summary.best_over=[...]``; a ``best_over`` of null: the rate where it is swept with
+    more)."""
+    options = options or {}
+    best = options.get("best_over")
+    return {
+        "baseline": options.get("baseline"),
+        "best_over": None if best is None else list(best),
+        "grid": list(options.get("grid") or ()),
+        "mean_over": list(options.get("mean_over") or ()),
+    }
+
+
 class SweepSummary(Callback):
     """Hydra callback (``hydra.callbacks.summary``): when a multirun ends, write its
     summary files and print the grouped table. A failure here never loses the jobs'
@@ -231,14 +245,7 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        options = config.get("summary") or {}  # summary.baseline=..., summary.best_over=[...]
-        best = options.get("best_over")  # null: the rate where it is swept with more
-        settings = {
-            "baseline": options.get("baseline"),
-            "best_over": None if best is None else list(best),
-            "grid": list(options.get("grid") or ()),
-            "mean_over": list(options.get("mean_over") or ()),
-        }
+        settings = summary_settings(config.get("summary"))
         try:
             try:
                 summary = summarize(sweep_dir, self.metric, self.mode, **settings)
