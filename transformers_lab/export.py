@@ -10,8 +10,7 @@ with, and ``modeling_tlab.py``, whose classes ``AutoModelForCausalLM`` and
     model = AutoModelForCausalLM.from_pretrained("exports/baby_gpt", trust_remote_code=True)
 
 The harness's own model reads it too: ``lm_eval --model hf --model_args
-pretrained=exports/baby_gpt,trust_remote_code=True,prefix_token_id=<the config's
-tlab_prefix_token_id>``.
+pretrained=exports/baby_gpt,trust_remote_code=True``.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ def export_checkpoint(cfg: DictConfig) -> Path:
     print(f"exported: {written}")
     print(
         "load it: AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True), "
-        f"AutoTokenizer likewise; HFLM: prefix_token_id={found.prefix}"
+        "AutoTokenizer likewise (transformers_lab installed: the model is built by our code)"
     )
     return written
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +18,7 @@ from omegaconf import OmegaConf
 from transformers_lab.config import compose_config
 from transformers_lab.errors import ConfigError
 from transformers_lab.models import GPT
-from transformers_lab.models.scoring import generate_until, loglikelihoods
+from transformers_lab.models.scoring import loglikelihoods
 from transformers_lab.run.fit import train
 
 from fake_data import HARNESS_TASKS as TASKS
@@ -47,76 +46,10 @@ def tiny_lm():
     return TlabLM(model, encode, decode, CONTEXT, prefix=ALPHA.index("."), batch_size=3)
 
 
-CHOICES = [
-    {"question": "is the sky blue?", "choices": ["yes", "no"], "answer": 0},
-    {"question": "is fire cold?", "choices": ["yes", "no"], "answer": 1},
-    {"question": "a b c", "choices": ["d", "x", "cat"], "answer": 0},
-    {"question": "", "choices": ["one", "two"], "answer": 1},
-]
-PROMPTS = ["the cat sat on", "once upon a", "to be or not"]
-
-
-def write_task(folder: Path, name: str, rows: list[dict], body: str) -> None:
-    data = folder / f"{name}.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    files = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-    (folder / f"{name}.yaml").write_text(f"task: {name}\n{files}test_split: test\n{body}")
-
-
-@pytest.fixture(scope="module")
-def scored(tmp_path_factory):
-    """The harness run once on a multiple-choice task and a generation with a stop."""
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
-    folder = tmp_path_factory.mktemp("tasks")
-    lm = tiny_lm()
-    # the first prompt's target is what the model writes, so that one of three matches
-    first = generate_until(lm.model, encode(PROMPTS[0]), ["."], decode, 8)
-    targets = [first, "zzz", "zzz"]
-    write_task(folder, "tlab_choice", CHOICES, (
-        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
-        "doc_to_target: '{{answer}}'\ndoc_to_choice: '{{choices}}'\n"
-        "metric_list:\n  - metric: acc\n"
-    ))  # fmt: skip
-    prompts = [{"prompt": p, "target": t} for p, t in zip(PROMPTS, targets, strict=True)]
-    write_task(folder, "tlab_until", prompts, (
-        "output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{target}}'\n"
-        "generation_kwargs:\n  until: ['.']\n  max_gen_toks: 8\n"
-        "metric_list:\n  - metric: exact_match\n"
-    ))  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:  # offline, a cache of the test's own
-        patch.setenv("HF_DATASETS_OFFLINE", "1")
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        patch.setenv("HF_DATASETS_CACHE", str(folder / "cache"))
-        manager = TaskManager(include_path=str(folder))
-        results = simple_evaluate(
-            model=lm, tasks=["tlab_choice", "tlab_until"], task_manager=manager, num_fewshot=0
-        )["results"]
-    return lm, results
-
-
 def test_a_pair_is_split_as_the_harness_splits_it():
     lm = tiny_lm()
     assert lm.pair("is it ", "yes") == (encode("is it"), encode(" yes"))
     assert lm.pair("", "yes") == ([lm.prefix], encode("yes"))
-
-
-@pytest.mark.slow  # the harness indexes its thousands of task files first: 7 s
-def test_the_harness_multiple_choice_accuracy_is_our_scoring_of_each_choice(scored):
-    lm, results = scored
-    right = 0
-    for doc in CHOICES:
-        pairs = [lm.pair(doc["question"], " " + choice) for choice in doc["choices"]]
-        values = [v for v, _ in loglikelihoods(lm.model, pairs, CONTEXT, batch_size=1)]
-        right += values.index(max(values)) == doc["answer"]
-    assert results["tlab_choice"]["acc,none"] == pytest.approx(right / len(CHOICES))
-
-
-@pytest.mark.slow
-def test_the_harness_generation_stops_where_ours_does(scored):
-    lm, results = scored
-    assert results["tlab_until"]["exact_match,none"] == pytest.approx(1 / 3)
 
 
 def test_an_unknown_task_is_refused_with_the_nearest_names():
@@ -179,13 +112,33 @@ def checkpoint(tmp_path_factory):
     return folder / "run" / "checkpoints" / "last.ckpt"
 
 
-@pytest.mark.slow  # a run, the harness's index of its tasks (7 s) and two harness runs
-def test_the_harness_on_a_checkpoint_and_hflm_on_its_export_agree(checkpoint, tmp_path):
-    from lm_eval import simple_evaluate
+@pytest.fixture(scope="module")
+def both(checkpoint, tmp_path_factory):
+    """The checkpoint as our harness model, and its export as the harness's ``HFLM``."""
     from lm_eval.models.huggingface import HFLM
 
-    from transformers_lab.eval import evaluate
     from transformers_lab.export import export_checkpoint
+    from transformers_lab.run.checkpoints import read_checkpoint
+    from transformers_lab.run.components import restore
+    from transformers_lab.run.harness import harness_model
+    from transformers_lab.run.language import language_model
+
+    folder = tmp_path_factory.mktemp("export")
+    cfg = compose_config("export", [f"ckpt_path={checkpoint}", f"out={folder / 'hf'}"], folder)
+    out = export_checkpoint(cfg)
+    saved = read_checkpoint(str(checkpoint))
+    restored = restore(saved, saved.run_config(None))
+    ours = harness_model(language_model(restored, str(checkpoint), "the harness"), 2)
+    hf = HFLM(pretrained=str(out), trust_remote_code=True, device="cpu", batch_size=3,
+              dtype="float32")  # fmt: skip
+    return ours, hf
+
+
+@pytest.mark.slow  # a run, the harness's index of its tasks (7 s) and two harness runs
+def test_the_harness_on_a_checkpoint_and_hflm_on_its_export_agree(checkpoint, both, tmp_path):
+    from lm_eval import simple_evaluate
+
+    from transformers_lab.eval import evaluate
     from transformers_lab.run.harness import check_tasks, run_tasks, task_manager
 
     harness = [f"harness.tasks=[{','.join(LOCAL)}]", f"harness.include_path={TASKS}"]
@@ -202,11 +155,14 @@ def test_the_harness_on_a_checkpoint_and_hflm_on_its_export_agree(checkpoint, tm
         check_tasks(["lambada_openay"], manager)  # the harness's own index
     with pytest.raises(ConfigError, match="the Hugging Face Hub cannot be reached"):
         run_tasks(tiny_lm(), OmegaConf.create({"tasks": ["piqa"]}))  # offline (conftest)
-    cfg = compose_config("export", [f"ckpt_path={checkpoint}", f"out={tmp_path / 'hf'}"], tmp_path)
-    out = export_checkpoint(cfg)
-    prefix = json.loads((out / "config.json").read_text())["tlab_prefix_token_id"]
-    hf = HFLM(pretrained=str(out), trust_remote_code=True, device="cpu", batch_size=3,
-              prefix_token_id=prefix, dtype="float32")  # fmt: skip
+    # the multiple choice's accuracy is our own scoring of each choice
+    lm, hf = both
+    right, docs = 0, [json.loads(line) for line in (TASKS / "tlab_choice.jsonl").open()]
+    for doc in docs:
+        pairs = [lm.pair(doc["question"], " " + choice) for choice in doc["choices"]]
+        values = [v for v, _ in loglikelihoods(lm.model, pairs, lm.max_length, batch_size=1)]
+        right += values.index(max(values)) == doc["answer"]
+    assert ours["harness/tlab_choice/acc"] == pytest.approx(right / len(docs))
     theirs = simple_evaluate(model=hf, tasks=LOCAL, task_manager=manager, bootstrap_iters=0)
     for task in LOCAL:
         for key, value in theirs["results"][task].items():
@@ -216,24 +172,11 @@ def test_the_harness_on_a_checkpoint_and_hflm_on_its_export_agree(checkpoint, tm
 
 
 @pytest.mark.slow
-def test_our_generations_are_hflm_s_on_the_export(checkpoint, tmp_path):
+def test_our_generations_are_hflm_s_on_the_export(both):
     """Greedy generation with stops, the prompts batched and left-padded by HFLM (the
-    export decodes each row alone): the same text."""
-    from lm_eval.models.huggingface import HFLM
-
-    from transformers_lab.export import export_checkpoint
-    from transformers_lab.run.checkpoints import read_checkpoint
-    from transformers_lab.run.components import restore
-    from transformers_lab.run.harness import harness_model
-    from transformers_lab.run.language import language_model
-
-    cfg = compose_config("export", [f"ckpt_path={checkpoint}", f"out={tmp_path / 'hf'}"], tmp_path)
-    out = export_checkpoint(cfg)
-    saved = read_checkpoint(str(checkpoint))
-    restored = restore(saved, saved.run_config(None))
-    ours = harness_model(language_model(restored, str(checkpoint), "the harness"), 2)
-    hf = HFLM(pretrained=str(out), trust_remote_code=True, device="cpu", batch_size=3,
-              prefix_token_id=ours.prefix, dtype="float32")  # fmt: skip
+    export decodes each row on its own state): the same text."""
+    ours, hf = both
+    assert hf.prefix_token_id == ours.prefix  # its end of sequence: the end of text
     # HFLM keeps max_length - max_gen_toks of a prompt (10 here): prompts within that
     prompts = ["All:\n", "ROMEO:\nWh", "a", "Speak, "]
     options = {"until": ["\n\n"], "max_gen_toks": 6}

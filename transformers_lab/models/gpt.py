@@ -309,7 +309,8 @@ class Decoder:
     """A GPT's decoding of a batch of sequences, as ``GPT.stream`` goes: ``feed(ids)``
     reads the next tokens (B, n) and returns the logits (B, n, vocab) after each (after
     the last ``block_size`` of them when the context is re-encoded). The exported model's
-    ``generate`` (``models.hf``) steps through the same object, so both decode alike.
+    ``generate`` (``transformers_lab.hf``) steps through the same object, so both decode
+    alike.
 
     - On the decoding state (``use_cache`` and ``decode_limit()`` is None): the state
       carries on past ``block_size`` (``forward_on_state``).
@@ -326,7 +327,7 @@ class Decoder:
         self.cache: list[Any] | None = None
         self.read = 0  # tokens fed so far
         self.cached = 0  # tokens the cache holds (off the decoding state)
-        self.seen: Tensor | None = None  # the tokens fed (off the decoding state)
+        self.seen: Tensor | None = None  # the last block_size tokens fed (off the state)
 
     def feed(self, ids: Tensor) -> Tensor:
         model, n = self.model, ids.shape[1]
@@ -335,8 +336,8 @@ class Decoder:
             self.read += n
             return logits
         self.read += n
-        self.seen = ids if self.seen is None else torch.cat([self.seen, ids], dim=1)
-        context = self.seen[:, -model.block_size :]
+        seen = ids if self.seen is None else torch.cat([self.seen, ids], dim=1)
+        context = self.seen = seen[:, -model.block_size :]  # all that is read again
         if not self.use_cache:
             return model(context)[:, -n:]
         if self.cache is not None and self.cached + n <= model.block_size:
