@@ -51,10 +51,14 @@ def chosen_runs(
     return kept, keys, over
 
 
-def checkpoint_of(run: Run) -> str:
-    """The job's best checkpoint (its last where it kept no best)."""
+def checkpoint_of(run: Run, folder: Path) -> str:
+    """The job's best checkpoint (its last where it kept no best), found in the job's dir
+    of ``folder`` where the path it saved is not there (a sweep moved, or run elsewhere)."""
     saved = run.record.checkpoints
     path = saved.get("best") or saved.get("last")
+    if path and not Path(path).is_file():
+        moved = folder / run.job / "checkpoints" / Path(path).name
+        path = str(moved) if moved.is_file() else path
     if not path or not Path(path).is_file():
         raise ConfigError(
             f"job {run.job} of the sweep kept no checkpoint to score ({path or 'none'}); "
@@ -77,12 +81,12 @@ def score_sweep(
     kept, keys, over = chosen_runs(runs, settings["best_over"])
     if not kept:
         raise ConfigError(f"sweep_dir={sweep_dir} has no finished job to score")
-    paths = [checkpoint_of(run) for run in kept]  # every one there before the first is scored
+    paths = [checkpoint_of(run, folder) for run in kept]  # all found before the first is scored
     names: list[str] = []
     for run, path in zip(kept, paths, strict=True):
         print(f"scoring job {run.job} ({', '.join(run.values.values())}): {path}", flush=True)
         metrics, results = score_checkpoint(read_checkpoint(path, trust), path, options, data)
-        job_dir = Path(run.record.run_dir or folder / run.job)
+        job_dir = folder / run.job  # where collect found it, wherever it ran
         write_results(results, job_dir)
         record = read_record(job_dir) or run.record
         record.metrics.update(metrics)
