@@ -250,17 +250,14 @@ class TlabForCausalLM(PreTrainedModel, GenerationMixin):
         self,
         input_ids: Tensor,
         cache: Any = None,
-        past_key_values: Any = None,
         attention_mask: Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
         """The tokens the state has not read yet, and the state."""
-        state = cache if isinstance(cache, TlabState) else past_key_values
-        if isinstance(state, TlabState):
+        state = cache if isinstance(cache, TlabState) else None
+        if state is not None:
             input_ids = input_ids[:, state.read :]
-        else:
-            state = None
         inputs = {"input_ids": input_ids, "use_cache": use_cache, "cache": state}
         inputs["generating"] = True
         if attention_mask is not None:

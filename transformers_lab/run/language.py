@@ -35,7 +35,10 @@ class LanguageModel:
         tokenizer = self.tokenizer
         if tokenizer is not None and tokenizer.eot_id is not None:
             return tokenizer.eot_id
-        newline = self.data.tokenize("\n")
+        try:
+            newline = self.data.tokenize("\n")
+        except ValueError:  # a character vocabulary without one
+            return 0
         return newline[0] if len(newline) == 1 else 0
 
 
