@@ -56,3 +56,33 @@ def test_attention_configs_are_every_option_of_the_group():
     configs = attention_configs()
     assert {"softmax", "fastmax", "linear", "cosformer"} <= set(configs)
     assert configs["fastmax"]["_target_"].endswith("FastmaxAttention")
+
+
+def test_the_tasks_of_a_several_task_srun_share_one_run_dir(monkeypatch, tmp_path):
+    """srun's tasks start at once, each composing its config: one run dir for all, named
+    by the job and step (found again when SLURM requeues the job), and Hydra's config of
+    each task but the first in a folder of its own. One task, or none: the usual name."""
+    from hydra import compose, initialize_config_dir
+
+    from transformers_lab.config import CONF_DIR
+
+    for key in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TLAB_ROOT", str(tmp_path))
+
+    def dirs() -> tuple[str, str]:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", return_hydra_config=True)
+        return cfg.hydra.run.dir.rsplit("/", 1)[1], cfg.hydra.output_subdir
+
+    alone = dirs()
+    assert not alone[0].startswith("slurm") and alone[1] == ".hydra"
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert not dirs()[0].startswith("slurm")  # one task: a job of the sweep launcher
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert dirs() == ("slurm-77.0", ".hydra")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    assert dirs() == ("slurm-77.0", ".hydra.rank1")

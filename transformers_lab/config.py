@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import logging
 import math
+import os
 import re
 import secrets
 import sys
@@ -47,6 +48,35 @@ def run_id() -> str:
     return secrets.token_hex(3)
 
 
+def srun_task() -> tuple[str, int] | None:
+    """Under ``srun`` with several tasks (a DDP job that SLURM starts, one task a device):
+    the step's name, ``<job>.<step>``, the same in every task and in the job SLURM runs
+    again after a requeue, and this task's rank; None otherwise."""
+    env = os.environ
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
+    if "SLURM_PROCID" not in env or "SLURM_JOB_ID" not in env or not tasks.isdigit():
+        return None
+    if int(tasks) <= 1:
+        return None
+    return f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', 'batch')}", int(env["SLURM_PROCID"])
+
+
+def run_stamp(name: str) -> str:
+    """``${run_stamp:<name>}``: a run dir's ``name`` (its start time and ``run_id``); in a
+    task of a several-task ``srun``, ``slurm-<job>.<step>``: one dir for all the tasks,
+    found again when SLURM requeues the job (``run.job`` resumes it)."""
+    task = srun_task()
+    return name if task is None else f"slurm-{task[0]}"
+
+
+def hydra_subdir() -> str:
+    """``${hydra_subdir:}``: where Hydra writes the composed config in the run dir:
+    ``.hydra``; ``.hydra.rank<k>`` for the other tasks of a several-task ``srun``, as
+    Lightning's own launcher does for the processes it starts."""
+    task = srun_task()
+    return ".hydra" if task is None or task[1] == 0 else f".hydra.rank{task[1]}"
+
+
 def epoch_steps(epochs: int, examples: int, batch_size: int) -> int:
     """``${epoch_steps:64,${data.train_examples},${data.batch_size}}``: the optimizer steps
     of ``epochs`` epochs on one device (a schedule's horizon given in epochs, as Zoology's
@@ -73,6 +103,8 @@ OmegaConf.register_new_resolver("multiples", multiples, replace=True)
 
 
 OmegaConf.register_new_resolver("run_id", run_id, use_cache=True, replace=True)
+OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True, replace=True)
+OmegaConf.register_new_resolver("hydra_subdir", hydra_subdir, use_cache=True, replace=True)
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ NO_GPU = "needs GPUs, which CI does not have"
 SKIPPED = {
     "tlab-train experiment=vit_mnist trainer=gpu": NO_GPU,
     "tlab-train trainer=ddp trainer.devices=4 experiment=gpt_shakespeare": NO_GPU,
-    "tlab-train trainer=ddp trainer.devices=8 +trainer.num_nodes=2 ...": NO_GPU
+    "tlab-train trainer=ddp trainer.devices=8 trainer.num_nodes=2 ...": NO_GPU
     + "; and several nodes",
     "tlab-train trainer=fsdp trainer.devices=4 experiment=gpt_shakespeare": NO_GPU,
     "tlab-train trainer=gpu trainer.precision=bf16-mixed compile=true": NO_GPU,
@@ -54,6 +54,9 @@ SKIPPED = {
     "tasks' data sets (the tests' own tasks run offline: the harness lines below)",
     "tlab-eval sweep_dir=": "a sweep of language models: tests/sweeps/test_sweep_harness.py "
     "scores one",
+    "tlab-train trainer=ddp trainer.devices=8 trainer.num_nodes=4": "a SLURM job on GPUs: "
+    "test_slurm.py runs its script on the tests' cluster, CPU tasks swapped in",
+    "tlab-train size=340m": NO_GPU + ", and a corpus of billions of tokens",
 }
 
 QUIET = ["trainer.enable_progress_bar=false", "logger=csv"]  # wandb: tested in test_train.py
@@ -77,6 +80,9 @@ BUDGET = [
         [*TINY, "attention=relu2,softmax", "seed=0", "optimizer.lr=1e-3"],
     ),
     ("tlab-train ckpt_path=", [*TINY, "trainer.max_epochs=4"]),  # one epoch more than saved
+    ("tlab-train experiment=baby_gpt trainer.max_tokens", [*QUIET, "trainer.max_tokens=15000"]),
+    ("python -m transformers_lab.bench.scale", ["--sizes", "340m", "--kernels", "softmax", "gla"]),
+    ("python -m transformers_lab.bench.throughput", ["--steps", "12", "--repeats", "1"]),
     ("tlab-train debug=", QUIET),
     (
         "tlab-train sweep=attention_kernels",
@@ -146,8 +152,8 @@ def page_commands(page: Path) -> list[str]:
 
 
 def program_start(command: str) -> str:
-    """The command without its leading ``VAR=value`` environment settings."""
-    return re.sub(r"^(\w+=\S+ )+", "", command)
+    """The command without its leading ``VAR=value`` environment settings and ``srun``."""
+    return re.sub(r"^(\w+=\S+ )*(srun )?", "", command)
 
 
 def runnable(command: str) -> bool:

@@ -576,3 +576,39 @@ def test_the_recorded_layer_names_tell_fastmax_p1_from_p2():
     assert layer_names(gpt("fastmax")) == ["fastmax(p=2)", "sliding_window(window=64)"]
     p1 = functools.partial(FastmaxAttention, p=1)
     assert layer_names(gpt(p1))[0] == "fastmax(p=1)"  # once recorded as "fastmax" alone
+
+
+def grads_of(build, inputs, loss_of, checkpointing: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = build(activation_checkpointing=checkpointing).train()
+    torch.manual_seed(1)  # the same dropout masks, drawn again in the recomputation
+    loss = loss_of(model, *inputs)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["gpt", "vit", "transformer"])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(name):
+    """Each block recomputed in the backward pass, dropout on: what is kept changes, the
+    loss and every gradient do not; a block that recomputes keeps only its input."""
+    builds = {
+        "gpt": (lambda **o: GPT(40, 16, n_layer=2, n_head=2, d_model=16, dropout=0.2, **o),
+                (torch.randint(0, 40, (2, 16)),), lambda m, x: m(x).square().mean()),
+        "vit": (lambda **o: ViT(image_size=8, patch_size=4, d_model=16, n_head=2,
+                                dropout=0.2, **o),
+                (torch.randn(2, 1, 8, 8),), lambda m, x: m(x).square().mean()),
+        "transformer": (lambda **o: Transformer(30, 30, d_model=16, n_head=2, n_encoder_layers=1,
+                                                n_decoder_layers=2, dropout=0.2, **o),
+                        (torch.randint(3, 30, (2, 7)), torch.randint(3, 30, (2, 5))),
+                        lambda m, s, t: m(s, t).square().mean()),
+    }  # fmt: skip
+    build, inputs, loss_of = builds[name]
+    plain_loss, plain = grads_of(build, inputs, loss_of, False)
+    loss, grads = grads_of(build, inputs, loss_of, True)
+    assert loss == pytest.approx(plain_loss, abs=1e-6)
+    for key, grad in plain.items():
+        assert torch.allclose(grads[key], grad, atol=1e-6), key
+    blocks = [m for m in build(activation_checkpointing=True).modules() if hasattr(m, "recompute")]
+    assert blocks and all(b.recompute for b in blocks)
+    with pytest.raises(TypeError, match="activation_checkpointing must be true or false"):
+        build(activation_checkpointing="yes")

@@ -358,6 +358,21 @@ class AttentionKernel(nn.Module):
         value_dim = self.head_dim if value_dim is None else value_dim
         return self.n_head * n * (self.qk_dim + value_dim)
 
+    def flops(self, n: int, causal: bool = True, value_dim: int | None = None) -> int:
+        """Floating-point operations of one forward and backward pass over ``n`` tokens,
+        one sequence, all heads: the count a run's model FLOPs and MFU add up
+        (``models.gpt.GPT.flops_per_token``). A kernel that forms scores computes q . k and
+        uses each score on a value, 2 (Dk + Dv) a query-key pair forward and twice that
+        backward, over the pairs it sees (``pairs``): n (n + 1) / 2 causal, n^2 both ways.
+        Softmax's grows with n a token; a linear kernel's (its own count) does not."""
+        value_dim = self.head_dim if value_dim is None else value_dim
+        per_pair = 6 * (self.qk_dim + value_dim) * self.keys_per_token
+        return per_pair * self.pairs(n, causal) * self.n_head
+
+    def pairs(self, n: int, causal: bool) -> int:
+        """The query-key pairs of a sequence of ``n`` tokens that the kernel scores."""
+        return n * (n + 1) // 2 if causal else n * n
+
     def decode(
         self,
         q: Tensor,

@@ -25,6 +25,7 @@ class DeltaNetAttention(GatedKernel):
     """
 
     name = "deltanet"
+    delta_rule = True
     unit_keys = True  # its layer L2-normalises them (qk_norm)
     formula = "S ← S(I − βkkᵀ) + βvkᵀ, o = S q/√d, β = σ(w·x), causal"
     gate_inputs: ClassVar[dict[str, GateInput]] = {"beta": GateInput("sigmoid")}

@@ -29,6 +29,7 @@ class GatedDeltaNetAttention(GatedKernel):
     """
 
     name = "gated_deltanet"
+    delta_rule = True
     unit_keys = True  # its layer L2-normalises them (qk_norm)
     formula = "S ← αS(I − βkkᵀ) + βvkᵀ, o = S q/√d, α, β from x, causal"
     gate_inputs: ClassVar[dict[str, GateInput]] = {

@@ -34,6 +34,7 @@ class KDAAttention(GatedKernel):
     """
 
     name = "kda"
+    delta_rule = True
     unit_keys = True  # its layer L2-normalises them (qk_norm)
     formula = "S ← Diag(α)S, S += βk(v − Sᵀk)ᵀ, o = Sᵀq/√d, α per key channel, causal"
 

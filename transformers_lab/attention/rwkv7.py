@@ -54,6 +54,7 @@ class RWKV7Attention(GatedKernel):
     """
 
     name = "rwkv7"
+    delta_rule = True
     formula = "S ← Diag(w)S − κ̂a(κ̂ᵀS) + k′vᵀ, o = (Sᵀr + (r·k′r_k)v)/√d, w, a per channel, causal"
 
     def __init__(

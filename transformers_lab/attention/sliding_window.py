@@ -184,6 +184,12 @@ class SlidingWindowAttention(AttentionKernel):
 
     # ------------------------------------------------------------ decoding
 
+    def pairs(self, n: int, causal: bool) -> int:
+        """The pairs inside the window: W or fewer keys a query."""
+        w = min(self.window, n)
+        before = w * (w + 1) // 2 + (n - w) * w  # the key itself and the W - 1 before it
+        return before if causal else 2 * before - n
+
     def state_size(self, n: int, value_dim: int | None = None) -> int:
         """The ring buffer: W keys and values a head, whatever n."""
         value_dim = self.head_dim if value_dim is None else value_dim

@@ -16,6 +16,7 @@ from transformers_lab.nn.multihead import (
     refuse_noncausal,
     refuse_short_positions,
 )
+from transformers_lab.nn.parts import ShortConvolution
 
 Hybrid = Sequence[Any] | Mapping[int, Any] | None
 
@@ -75,6 +76,31 @@ def layer_names(model: nn.Module) -> list[str] | None:
         options += mixer.parts.switched_on()
         names.append(f"{kernel.name}({', '.join(options)})" if options else kernel.name)
     return names
+
+
+def flops_per_token(model: nn.Module, blocks: Sequence[nn.Module], n: int) -> float:
+    """Floating-point operations of one forward and backward pass a token, in windows of
+    ``n`` tokens: 6 a weight of every linear layer a token passes through (2 forward, 4
+    backward; the LM head's tied weight counted once, as a product), and each layer's
+    mixer's own count over the window (its kernel's ``flops``: softmax's grows with n, a
+    linear kernel's does not), shared by its tokens. Embedding lookups, norms and
+    elementwise work are not counted: the convention of PaLM's model FLOPs, which
+    nanoGPT's MFU follows."""
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    mixing = sum(mixer_flops(block.mixer, n) for block in blocks)
+    return 6 * weights + mixing / n
+
+
+def mixer_flops(mixer: nn.Module, n: int) -> int:
+    """A mixer's own FLOPs over a window of ``n`` tokens, forward and backward: its
+    attention kernel's count, causal; its short convolutions' depthwise products, 6 K a
+    channel and token. A mixer of the user's without a kernel counts its linear layers
+    only."""
+    kernel = getattr(mixer, "kernel", None)
+    total = kernel.flops(n, causal=True) if callable(getattr(kernel, "flops", None)) else 0
+    for conv in (m for m in mixer.modules() if isinstance(m, ShortConvolution)):
+        total += 6 * conv.weight.numel() * n
+    return total
 
 
 def check_sizes(dropout: float, **counts: int) -> None:

@@ -16,6 +16,7 @@ from transformers_lab.nn import (
     PositionalEncoding,
     TokenEmbedding,
     activation,
+    checkpoint_blocks,
 )
 
 POOLINGS = ("cls", "mean", "none")
@@ -45,6 +46,8 @@ class EncoderClassifier(nn.Module):
         attention: kernel factory or kernel name.
         hybrid: each layer's attention, where they differ, as in GPT
             (``models.common.layer_choices``).
+        activation_checkpointing: recompute each block's activations in the backward
+            pass, as in GPT.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class EncoderClassifier(nn.Module):
         pad_id: int | None = None,
         attention: KernelFactory | str = "softmax",
         hybrid: Hybrid = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         check_sizes(dropout, n_layer=n_layer, n_head=n_head, d_model=d_model)
@@ -129,6 +133,7 @@ class EncoderClassifier(nn.Module):
             )
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=0.02)
+        checkpoint_blocks(self, activation_checkpointing)
 
     def features(
         self, x: Tensor, key_padding_mask: Tensor | None = None

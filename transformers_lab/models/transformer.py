@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from transformers_lab.attention import Memory
 from transformers_lab.models.common import block_stack, check_sizes, final_norm, reorder_cache
-from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding
+from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding, checkpoint_blocks
 
 
 def check_beam(beam_size: int) -> None:
@@ -44,6 +44,8 @@ class Transformer(nn.Module):
             masked out of every attention.
         attention: kernel of the encoder and decoder self-attention.
         cross_attention: kernel of the decoder's cross-attention; None means ``attention``.
+        activation_checkpointing: recompute each block's activations in the backward
+            pass, as in GPT.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class Transformer(nn.Module):
         eos_id: int = 2,
         attention: KernelFactory | str = "softmax",
         cross_attention: KernelFactory | str | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         check_sizes(
@@ -118,6 +121,7 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(module.weight)
         if tie_output:
             self.out.weight = self.tgt_tok.weight
+        checkpoint_blocks(self, activation_checkpointing)
 
     def embed(self, tokens: Tensor, table: nn.Embedding, offset: int = 0) -> Tensor:
         """Embeddings scaled by sqrt(d_model), plus positions, for ids (B, T)."""

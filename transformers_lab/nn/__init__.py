@@ -12,6 +12,7 @@ from transformers_lab.nn.layers import (
     PositionalEncoding,
     TokenEmbedding,
     activation,
+    checkpoint_blocks,
     sinusoidal_table,
 )
 from transformers_lab.nn.multihead import (
@@ -35,6 +36,7 @@ __all__ = [
     "TokenEmbedding",
     "activation",
     "as_kernel_factory",
+    "checkpoint_blocks",
     "sinusoidal_table",
     "weight_decay_groups",
 ]

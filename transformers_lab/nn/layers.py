@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from transformers_lab.attention import AttentionKernel, call_with_heads
 from transformers_lab.errors import must_be
@@ -267,6 +268,17 @@ def migrate_block_keys(state_dict: dict[str, Any], prefix: str | None = None) ->
     return renamed
 
 
+def checkpoint_blocks(model: nn.Module, on: bool) -> None:
+    """Activation checkpointing of every ``Block`` of ``model`` (``on``), or none: the
+    models' ``activation_checkpointing`` option. Memory for activations then grows with
+    one block's, not the stack's, for one more forward pass of each block."""
+    if not isinstance(on, bool):
+        raise TypeError(f"activation_checkpointing must be true or false, got {on!r}")
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.recompute = on
+
+
 class Block(nn.Module):
     """A transformer layer: self-attention, optional cross-attention, and an MLP, each a
     residual sub-layer with its own LayerNorm, before (pre-norm) or after (post-norm).
@@ -331,6 +343,10 @@ class Block(nn.Module):
         migrate_block_keys(state_dict, prefix)  # a checkpoint of an earlier version (attn)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
+    # activation checkpointing: the block's activations are recomputed in the backward
+    # pass rather than kept (``checkpoint_blocks``)
+    recompute = False
+
     def forward(
         self,
         x: Tensor,
@@ -341,8 +357,24 @@ class Block(nn.Module):
         memory_padding_mask: Tensor | None = None,
     ) -> Tensor:
         """x (B, N, d_model); memory (B, M, d_model) or its projected (k, v) for the
-        cross-attention. Masks are (B, N) and (B, M), True at padding."""
+        cross-attention. Masks are (B, N) and (B, M), True at padding. With ``recompute``,
+        under autograd, only the block's input is kept for the backward pass, which runs
+        the block again (the random state of its dropout restored: the same gradients)."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(
+                self._forward, x, causal, key_padding_mask, memory, memory_padding_mask,
+                use_reentrant=False,
+            )  # fmt: skip
+        return self._forward(x, causal, key_padding_mask, memory, memory_padding_mask)
 
+    def _forward(
+        self,
+        x: Tensor,
+        causal: bool,
+        key_padding_mask: Tensor | None,
+        memory: Context,
+        memory_padding_mask: Tensor | None,
+    ) -> Tensor:
         def self_attention(h: Tensor) -> Tensor:
             return self.mixer(h, causal=causal, key_padding_mask=key_padding_mask)
 

@@ -29,6 +29,7 @@ from transformers_lab.config import (
     expand_hybrid,
     instantiation_refusals,
     option_classes,
+    srun_task,
 )
 from transformers_lab.data.base import TextData
 from transformers_lab.errors import ConfigError
@@ -83,7 +84,7 @@ def build_datamodule(
         state = checkpoint.state_of(datamodule) if checkpoint is not None else None
         if state:
             datamodule.load_state_dict(state)
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        if local_rank() == 0:
             datamodule.prepare_data()
             datamodule.setup("fit")  # every split: the modules here set up all at once
     except ConfigError:
@@ -91,6 +92,14 @@ def build_datamodule(
     except REFUSALS as exc:
         raise ConfigError(where + data_refusal(config, exc)) from exc
     return datamodule
+
+
+def local_rank() -> int:
+    """This process's rank on its machine: torchrun's and Lightning's ``LOCAL_RANK``, or
+    SLURM's ``SLURM_LOCALID`` in a task of a several-task ``srun``."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return int(os.environ.get("SLURM_LOCALID", 0)) if srun_task() is not None else 0
 
 
 def check_split(data: DictConfig | L.LightningDataModule, split: str) -> None:

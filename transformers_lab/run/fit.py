@@ -1,10 +1,10 @@
 """One run, fit and tested as its config says (``fit_and_test``), a line a step as a run
 takes them: an earlier version's ``_target_`` followed (``config``), the config checked
 before any data is read (``preflight``), the checkpoint it resumes read once and held to
-it (``checkpoints``), data, model and task built (``components``), the trainer with its
-loggers, W&B named (``trainer``), fit and test (here), the evaluation past the trained
-length (``lengths``), and its ``Outcome`` (``record``).
-``tlab-train`` runs it as a job (``run.job``), which reads the checkpoint."""
+it (``checkpoints``), a budget in tokens made steps (``budget``), data, model and task
+built (``components``), the trainer with its loggers, W&B named (``trainer``), fit and
+test (here), the evaluation past the trained length (``lengths``), and its ``Outcome``
+(``record``). ``tlab-train`` runs it as a job (``run.job``), which reads the checkpoint."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig
 
 from transformers_lab.config import migrate_targets
+from transformers_lab.run import budget
 from transformers_lab.run.callbacks.safety import StopOnSignal
 from transformers_lab.run.checkpoints import Resume, SavedCheckpoint, resume_from
 from transformers_lab.run.components import Components, build_components
@@ -49,8 +50,10 @@ def fit_and_test(
     migrate_targets(cfg)  # a _target_ of an earlier version, to its new home
     lengths = check_config(cfg)  # everything that can be refused before any data is read
     resume = resume_from(cfg, checkpoint)  # and the checkpoint's config held to this one
+    token_plan = budget.apply(cfg, resume.checkpoint)  # a budget in tokens, as steps
     parts = build_components(cfg, resume, fingerprint=True)
     trainer = build_trainer(cfg, callbacks, task=parts.task, resumed=resume.checkpoint)
+    budget.check_world(token_plan, trainer.world_size)
     try:
         fitted = fit(cfg, parts, trainer, resume)
     finally:

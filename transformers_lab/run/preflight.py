@@ -27,12 +27,13 @@ from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
-from hydra.utils import get_object
+from hydra.utils import get_object, instantiate
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT, _PRECISION_INPUT_STR
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.config import CONF_DIR, unknown_option
+from transformers_lab.config import CONF_DIR, instantiation_refusals, unknown_option
 from transformers_lab.errors import ConfigError
+from transformers_lab.run import budget
 from transformers_lab.run.components import build_on_meta
 from transformers_lab.run.lengths import LengthOptions, length_options
 from transformers_lab.tasks.schedules import RULES as SCHEDULE_RULES
@@ -109,6 +110,7 @@ RULES: dict[str, Expect] = {
     "trainer.max_epochs": NULL | NO_LIMIT | POSITIVE_INT,
     "trainer.min_epochs": NULL | COUNT,
     "trainer.max_steps": NO_LIMIT | POSITIVE_INT,
+    "trainer.num_nodes": POSITIVE_INT,
     "trainer.precision": PRECISION,
     "trainer.gradient_clip_val": NULL | NON_NEGATIVE,
     "trainer.accumulate_grad_batches": POSITIVE_INT,
@@ -182,12 +184,21 @@ def check_missing(cfg: DictConfig) -> None:
         raise ConfigError(f"{missing[0]} is required: give {missing[0]}=... on the command line")
 
 
+OUR_CALLBACKS = "transformers_lab.run.callbacks."  # built here: constructors that read nothing
+
+
 def check_components(cfg: DictConfig) -> None:
-    """Every logger and callback entry names a class to build (``_target_``)."""
+    """Every logger and callback entry names a class to build (``_target_``); this
+    package's own callbacks are built once, so that their constructors refuse a setting
+    (the throughput's hardware) before the data is read."""
     for group in ("logger", "callbacks"):
         for name, node in (cfg.get(group) or {}).items():
             if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):
                 raise unknown_option(group, name)
+    for name, node in (cfg.get("callbacks") or {}).items():
+        if node is not None and str(node._target_).startswith(OUR_CALLBACKS):
+            with instantiation_refusals(f"callbacks.{name}"):
+                instantiate(node)
 
 
 # ---------------------------------------------------------------- from the signatures
@@ -373,6 +384,7 @@ def check_config(cfg: DictConfig) -> LengthOptions | None:
     check_schedule(cfg.get("scheduler"))
     trainer = cfg.get("trainer") or {}
     check_accelerator(trainer)
+    budget.plan_of(cfg)  # a budget in tokens that cannot be met
     if trainer.get("max_epochs") == -1 and trainer.get("max_steps") == -1:
         raise ConfigError("trainer.max_epochs=-1 with trainer.max_steps=-1 never stops; set one")
     stopper = (cfg.get("callbacks") or {}).get("early_stopping")

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers_lab.config import instantiation_refusals
 from transformers_lab.errors import ConfigError
 from transformers_lab.files import atomic_write
+from transformers_lab.run.budget import TOKEN_KEYS
 from transformers_lab.run.checkpoints.saved import WANDB_ID
 from transformers_lab.run.overrides import (
     SEED_KEYS,
@@ -98,8 +99,9 @@ def build_trainer(
         # without our ModelCheckpoint, Lightning would otherwise add a default one
         checkpointing = any(isinstance(c, ModelCheckpoint) for c in built)
         extra.update(callbacks=built, logger=loggers or False, enable_checkpointing=checkpointing)
+    lightning_options = {k: v for k, v in cfg.trainer.items() if k not in TOKEN_KEYS}
     with lightning_refusals(), instantiation_refusals("trainer"):
-        trainer = instantiate(cfg.trainer, **{**extra, **options})
+        trainer = instantiate(OmegaConf.create(lightning_options), **{**extra, **options})
     if task is not None:
         log_hyperparameters(cfg, task, trainer)
     return trainer

@@ -81,7 +81,8 @@ class SplitTotals(nn.Module):
         return (sums[0] / count).float(), (sums[1] / count).float()
 
 
-PLAIN_ATTRIBUTES = ("_current_fx_name", "checked_norm")  # set every step: see __setattr__
+PLAIN_ATTRIBUTES = ("_current_fx_name", "checked_norm", "tokens_seen")  # see __setattr__
+TOKENS_SEEN = "tlab_tokens"  # a checkpoint's entry: the training tokens seen before it
 
 
 class Task(L.LightningModule):
@@ -131,6 +132,7 @@ class Task(L.LightningModule):
         self.layers = layer_names(model)  # each layer's mixer as built, for the job record
         self.totals = SplitTotals()  # of the validation or test split under way
         self.checked_norm: CheckedNorm | None = None  # from NonFiniteGuard, for the clipping
+        self.tokens_seen = 0  # training tokens, all processes (``batch_tokens``), resumed too
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Lightning sets the hook under way twice around every hook call, some 60 times a
@@ -168,6 +170,18 @@ class Task(L.LightningModule):
         if loop.batch_progress.is_last_batch:
             return True
         return 0 < trainer.max_steps <= trainer.global_step + 1
+
+    def batch_tokens(self, batch: Any) -> int:
+        """The tokens of a training batch on this process: the ids the model reads, where
+        its input is a tensor of token ids (B x T); 0 where it is not (images)."""
+        x = batch[0] if isinstance(batch, list | tuple) else batch
+        integer = isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())
+        return x.numel() if integer else 0
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Count the batch's tokens, every process's (their batches are of one size), as
+        it starts: a checkpoint, written after a batch ends, counts it."""
+        self.tokens_seen += self.batch_tokens(batch) * self.trainer.world_size
 
     def configure_optimizers(self) -> Any:
         # the partial's weight_decay goes to the decayed group only
@@ -283,6 +297,12 @@ class Task(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.run_config is not None:
             checkpoint["tlab_config"] = self.run_config
+        checkpoint[TOKENS_SEEN] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A resumed run counts on from the tokens its checkpoint had (an earlier version's
+        checkpoint, which has none: from 0)."""
+        self.tokens_seen = int(checkpoint.get(TOKENS_SEEN, 0))
 
 
 # settings of an optimizer's constructor that are not per-group hyperparameters

@@ -68,6 +68,7 @@ class ClassificationTask(Task):
         checkpoint["best_acc"] = self.best_acc  # a resumed run goes on from it
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
         self.best_acc = checkpoint.get("best_acc", self.best_acc)
 
     def on_test_epoch_start(self) -> None:

@@ -29,10 +29,21 @@ def check_schedule(warmup_steps: int, max_steps: int | None, min_lr_ratio: float
 
 
 def warmup_cosine(
-    optimizer: Optimizer, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1
+    optimizer: Optimizer,
+    warmup_steps: int,
+    max_steps: int,
+    min_lr_ratio: float = 0.1,
+    warmup_tokens: float | None = None,
 ) -> LambdaLR:
     """Linear warm-up to the base learning rate over ``warmup_steps``, then a cosine decay
-    to ``min_lr_ratio`` times it at ``max_steps`` (constant after), as in nanoGPT."""
+    to ``min_lr_ratio`` times it at ``max_steps`` (constant after), as in nanoGPT.
+    ``warmup_tokens`` is the warm-up in tokens, which a run budgeted in tokens makes
+    ``warmup_steps`` before the schedule is built (``run.budget``)."""
+    if warmup_tokens is not None:
+        raise ValueError(
+            f"warmup_tokens={warmup_tokens} needs the run's batch in tokens to become steps "
+            "(tlab-train with trainer.batch_tokens or trainer.max_tokens); give warmup_steps"
+        )
     check_schedule(warmup_steps, max_steps, min_lr_ratio)
 
     def factor(step: int) -> float:

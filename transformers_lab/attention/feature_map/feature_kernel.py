@@ -351,6 +351,10 @@ class FeatureKernel(AttentionKernel):
         per_token = 12 * f * dv1 + (2 * c * (4 * e + 3 * dv1) if causal else 0)
         return (per_token * padded + self.feature_flops() * n) * self.n_head
 
+    def flops(self, n: int, causal: bool = True, value_dim: int | None = None) -> int:
+        """Its ``matmul_flops``: the same for every n a token, chunks aside."""
+        return self.matmul_flops(n, causal, value_dim)
+
     def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Memory:
         """The factorised state of every key: reading it costs O(1) in the memory length."""
         self.check_inputs(k[:, :, :1], k, v, key_padding_mask)

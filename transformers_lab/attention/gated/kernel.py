@@ -54,6 +54,7 @@ class GatedKernel(AttentionKernel):
     constant_state = True
     causal_only = True
     fused_backends = ("fla",)
+    delta_rule = False  # reads each key's old value from the state before writing it
 
     def __init__(
         self,
@@ -346,6 +347,17 @@ class GatedKernel(AttentionKernel):
 
     def memory(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> Any:
         raise ValueError(self.noncausal_refusal())
+
+    def flops(self, n: int, causal: bool = True, value_dim: int | None = None) -> int:
+        """The recurrence's work, the same a token whatever n: each key written into the
+        state S (Dk x Dv), 2 Dk Dv, and with the delta rule first read from it, 2 Dk Dv
+        more; each query read from it, 2 Dk Dv; forward, and twice that backward. The
+        decay's elementwise work is not counted, nor the chunked path's in-chunk blocks
+        (a form of the same sum)."""
+        value_dim = self.head_dim if value_dim is None else value_dim
+        state = self.qk_dim * value_dim
+        per_key = 2 * state * (2 if self.delta_rule else 1)
+        return 3 * (per_key * self.keys_per_token + 2 * state) * n * self.n_head
 
     def state_size(self, n: int, value_dim: int | None = None) -> int:
         """The state S: H Dk Dv numbers, whatever n."""

@@ -101,6 +101,7 @@ RESUME_MAY_CHANGE = (
     "task.sample_every",
     "task.sample_tokens",
     "model.attention.backend",  # the gated kernels' fla or our chunk loop: one recurrence
+    "model.activation_checkpointing",  # recomputed or kept: the same gradients
 )
 
 

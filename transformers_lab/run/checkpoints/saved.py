@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers_lab.config import moved_targets
 from transformers_lab.errors import ConfigError
 from transformers_lab.nn.layers import migrate_block_keys
+from transformers_lab.tasks.base import TOKENS_SEEN
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,13 @@ class SavedCheckpoint:
     def step(self) -> int | None:
         step = self.contents.get("global_step")
         return None if step is None else int(step)
+
+    @property
+    def tokens(self) -> int | None:
+        """The training tokens seen up to this checkpoint, all processes together (None:
+        a checkpoint of an earlier version, which did not count them)."""
+        tokens = self.contents.get(TOKENS_SEEN)
+        return int(tokens) if isinstance(tokens, int | float) else None
 
     @property
     def epoch(self) -> int | None:
