@@ -105,6 +105,27 @@ CASES = [
         ["attention=linear", "attention.backend=flex"],
         "linear: attention.backend=flex is not a fused kernel for linear (it takes auto, loop, fla",
     ),
+    # scaling out (docs/training.md, Scaling out)
+    case(
+        "train-bare",
+        ["experiment=baby_gpt", "trainer.max_tokens=100"],
+        "trainer.max_tokens=100 is below one optimizer step of 768 tokens",
+    ),
+    case(
+        "train-bare",
+        ["experiment=baby_gpt", "trainer.batch_tokens=1000"],
+        "trainer.batch_tokens=1,000 is no whole number of micro-batches: one is data.batch_size",
+    ),
+    case(
+        "train",
+        ["trainer=fsdp_cpu", "trainer.devices=1"],
+        "trainer=fsdp shards the model over processes, and this run has 1: give trainer.devices",
+    ),
+    case(
+        "train",
+        ["callbacks.throughput.hardware=A9000"],
+        "hardware='A9000' is not in the table of peaks (B200, H200",
+    ),
     case("train", ["model.dropout=-0.1"], "model.dropout must be a number in [0, 1), got -0.1"),
     case("train", ["attention.dropout=1.5"], "attention: dropout must be in [0, 1), got 1.5"),
     case("train", ["model.d_model=33"], "d_model=33 must be divisible by n_head=2"),

@@ -81,32 +81,125 @@ def test_ddp_cpu_last_checkpoint_holds_the_final_state(ddp_run):
     assert last["global_step"] == 42  # 2 epochs of 1328 digits / (2 processes x 32)
 
 
-def test_two_processes_train_as_one_process_on_the_combined_batch(ddp_run, tmp_path, monkeypatch):
-    """Rank r's i-th batch is perm[64 i + r :: 2] of DistributedSampler's permutation, so
-    one process reading that permutation in batches of 64 sees the union of the two
-    ranks' batches; the mean of the two gradients is its gradient."""
-    run_dir, _ = ddp_run
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """One process on the combined batch: rank r's i-th batch is perm[64 i + r :: 2] of
+    DistributedSampler's permutation, so one process reading that permutation in batches
+    of 64 sees the union of the two ranks' batches; the mean of the two gradients is its
+    gradient."""
+    run_dir = tmp_path_factory.mktemp("one") / "run"
 
     def combined_batches(self: DigitsDataModule) -> ResumableLoader:
         self.setup()
         order = DistributedSampler(self.train_set, num_replicas=1, rank=0, shuffle=True)
         return ResumableLoader(self.train_set, batch_size=64, sampler=order)
 
-    monkeypatch.setattr(DigitsDataModule, "train_dataloader", combined_batches)
-    train(compose_config("train", [*RUN, "data.batch_size=64"], tmp_path / "one"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DigitsDataModule, "train_dataloader", combined_batches)
+        train(compose_config("train", [*RUN, "data.batch_size=64"], run_dir))
+    return run_dir
+
+
+def assert_trains_as(run_dir: Path, one: Path) -> None:
+    """The same losses and accuracies, logged at the same steps, as ``one``."""
     for key in ("train/loss", "val/loss", "val/acc"):
-        two, one = logged(run_dir, key), logged(tmp_path / "one", key)
-        assert [s for s, _ in two] == [s for s, _ in one] and len(one) >= 2
-        assert [v for _, v in two] == pytest.approx([v for _, v in one], abs=TOLERANCE), key
-    two = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-    one = torch.load(tmp_path / "one" / "checkpoints" / "last.ckpt", weights_only=True)
-    for name, tensor in one["state_dict"].items():
+        two, ones = logged(run_dir, key), logged(one, key)
+        assert [s for s, _ in two] == [s for s, _ in ones] and len(ones) >= 2
+        assert [v for _, v in two] == pytest.approx([v for _, v in ones], abs=TOLERANCE), key
+
+
+def assert_same_weights(two: dict, one: dict) -> None:
+    for name, tensor in one.items():
         if name.endswith("qkv_proj.bias"):  # not the key bias: its true gradient is 0 (it
             # shifts a query's scores equally), so Adam turns the float noise of either
             # sum into full-size steps (measured 3e-3 apart)
             keys = slice(len(tensor) // 3, 2 * len(tensor) // 3)
             two[name][keys], tensor[keys] = 0.0, 0.0
         assert torch.allclose(two[name], tensor, atol=TOLERANCE / 10, rtol=0), name
+
+
+def test_two_processes_train_as_one_process_on_the_combined_batch(ddp_run, one_process):
+    run_dir, _ = ddp_run
+    assert_trains_as(run_dir, one_process)
+    two = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    one = torch.load(one_process / "checkpoints" / "last.ckpt", weights_only=True)
+    assert_same_weights(two, one["state_dict"])
+
+
+# ------------------------------------------------------------------ FSDP (FSDP2 over gloo)
+
+
+class SaveRestoredWeights(L.Callback):
+    """Every process gathers the whole model as training starts (after a resume's
+    restore), and the first saves it to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        whole = get_model_state_dict(pl_module, options=StateDictOptions(full_state_dict=True))
+        if trainer.global_rank == 0:
+            torch.save(whole, self.path)
+
+
+def tlab_train(*overrides: str, pythonpath: bool = False) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "transformers_lab.train", *overrides]
+    env = {**os.environ, "WANDB_MODE": "offline", **({"PYTHONPATH": HERE} if pythonpath else {})}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory) -> Path:
+    """trainer=fsdp_cpu, each block recomputed in the backward pass."""
+    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    tlab_train("trainer=fsdp_cpu", *RUN, "model.activation_checkpointing=true",
+               f"hydra.run.dir={run_dir}")  # fmt: skip
+    return run_dir
+
+
+def test_fsdp_with_activation_checkpointing_trains_as_one_process(fsdp_run, one_process, tmp_path):
+    """FSDP2 in float32 over 2 CPU processes, each block sharded and recomputed: the
+    losses and accuracies of one plain process on the combined batch, and its weights;
+    the checkpoints are folders of both processes' parts, which tlab-eval reads whole."""
+    from transformers_lab.run.checkpoints.saved import is_sharded, read_checkpoint
+
+    assert_trains_as(fsdp_run, one_process)
+    last, best = (fsdp_run / "checkpoints" / f"{k}.ckpt" for k in ("last", "best"))
+    assert is_sharded(last) and len(list(last.glob("*.distcp"))) == 2
+    one = torch.load(one_process / "checkpoints" / "last.ckpt", weights_only=True)
+    assert_same_weights(read_checkpoint(last).state_dict, one["state_dict"])
+    cfg = compose_config("eval", [f"ckpt_path={best}", "logger=csv"], tmp_path / "eval")
+    assert evaluate(cfg)["val/acc"] == pytest.approx(max(a for _, a in logged(fsdp_run, "val/acc")))
+
+
+def test_a_sharded_checkpoint_resumes_onto_three_processes(fsdp_run, tmp_path):
+    """The 2 processes' last.ckpt read back by 3, in the field's precision (parameters
+    gathered in bf16, gradients reduced in float32): the whole model as the processes hold
+    it once restored is the checkpoint's, and the run trains its third epoch on."""
+    from transformers_lab.run.checkpoints.saved import read_checkpoint
+
+    last = fsdp_run / "checkpoints" / "last.ckpt"
+    restored = tmp_path / "restored.pt"
+    tlab_train(
+        "trainer=fsdp_cpu", "trainer.devices=3", *RUN, "trainer.max_epochs=3",
+        "trainer.strategy.params=bf16", "trainer.precision=bf16-mixed",
+        f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'run'}",
+        f"+callbacks.restored._target_={__name__}.{SaveRestoredWeights.__qualname__}",
+        f"+callbacks.restored.path={restored}", pythonpath=True,
+    )  # fmt: skip
+    saved = read_checkpoint(last).state_dict
+    whole = torch.load(restored, weights_only=True)
+    assert set(whole) == set(saved)
+    for name, tensor in saved.items():
+        assert torch.equal(whole[name], tensor), name
+    resumed = read_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert resumed.step == 42 + -(-1328 // (3 * 32))  # an epoch more, on 3 processes
+    losses = [v for _, v in logged(tmp_path / "run", "train/loss")]
+    assert len(losses) == 14 and all(0 < v < 2.4 for v in losses)  # trained on, finite
 
 
 class SignalTheGroupAt(L.Callback):

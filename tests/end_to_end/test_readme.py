@@ -57,6 +57,9 @@ SKIPPED = {
     "tlab-train trainer=ddp trainer.devices=8 trainer.num_nodes=4": "a SLURM job on GPUs: "
     "test_slurm.py runs its script on the tests' cluster, CPU tasks swapped in",
     "tlab-train size=340m": NO_GPU + ", and a corpus of billions of tokens",
+    "tlab-train trainer=fsdp trainer.devices=8 size=340m": NO_GPU,
+    "tlab-train trainer=fsdp_cpu": "2 processes for 30 s: tests/end_to_end/test_distributed.py "
+    "trains with it against one process",
 }
 
 QUIET = ["trainer.enable_progress_bar=false", "logger=csv"]  # wandb: tested in test_train.py

@@ -177,3 +177,19 @@ def test_an_unknown_hardware_name_is_refused_before_the_data_is_read(tmp_path):
     )
     with pytest.raises(ConfigError, match="hardware='A9000' is not in the table of peaks"):
         fit_and_test(cfg)
+
+
+# ------------------------------------------------------------------ FSDP's settings
+
+
+def test_fsdp_on_one_process_and_an_unknown_dtype_are_refused_in_one_line(tmp_path):
+    from transformers_lab.run.distributed import Sharded
+
+    cfg = compose_config("train", ["trainer=fsdp_cpu", "trainer.devices=1"], tmp_path)
+    with pytest.raises(ConfigError, match="trainer=fsdp shards the model over processes, and"):
+        fit_and_test(cfg)
+    with pytest.raises(ValueError, match="params must be one of bf16, fp16, fp32, got 'bf8'"):
+        Sharded(params="bf8")
+    cfg = compose_config("train", ["trainer=fsdp_cpu", "trainer.strategy.params=bf8"], tmp_path)
+    with pytest.raises(ConfigError, match="params must be one of bf16, fp16, fp32"):
+        fit_and_test(cfg)

@@ -1,68 +1,112 @@
-"""Fully sharded data parallel as this project runs it (``fsdp``, ``trainer=fsdp``): every
-block of the model wrapped and sharded on its own, parameters gathered in bf16 for the
-forward and backward passes, gradients reduced and the optimizer run in float32, and
-checkpoints written sharded, each process its own part, read back onto any number of
-processes."""
+"""Fully sharded data parallel as this project runs it (``Sharded``, ``trainer=fsdp``):
+PyTorch's FSDP2 (``fully_shard``) through Lightning's ``ModelParallelStrategy``, every
+block of the model sharded as a unit of its own and the model around them, parameters
+gathered in bf16 for the forward and backward passes while gradients are reduced and the
+optimizer steps in float32, and checkpoints written sharded (a folder, each process its
+part) that any number of processes reads back. FSDP2 runs on CPU processes over gloo too,
+which the tests do (``trainer=fsdp_cpu``, float32)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
 
 from transformers_lab.errors import must_be
 from transformers_lab.nn import Block
 
-# the dtypes of FSDP's parameters in the forward and backward passes (``param_dtype``);
-# gradients are reduced, and the optimizer steps, in float32 whatever this is
-PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-SHARDINGS = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "hybrid": "HYBRID_SHARD"}
-STATE_DICTS = ("sharded", "full")
+# the dtypes of the parameters in the forward and backward passes; gradients are reduced,
+# and the optimizer steps on its float32 copy, whatever this is
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def fsdp(
-    params: str = "bf16",
-    sharding: str = "full",
-    state_dict: str = "sharded",
-    cpu_offload: bool = False,
-    **options: Any,
-) -> FSDPStrategy:
-    """Lightning's FSDP strategy with each ``Block`` its own unit.
+def one_process_refusal(world_size: int) -> str | None:
+    """Why FSDP cannot run on ``world_size`` processes (None: it can)."""
+    if world_size > 1:
+        return None
+    return (
+        "trainer=fsdp shards the model over processes, and this run has 1: give "
+        "trainer.devices=N with N >= 2 (trainer.num_nodes for more machines), or train on "
+        "one device with trainer=gpu or trainer=cpu"
+    )
+
+
+class Sharded(ModelParallelStrategy):
+    """FSDP2 over every process (no tensor parallelism), each ``Block`` a unit.
 
     Args:
-        params: the dtype parameters are gathered in for the passes: ``bf16`` (the field's:
-            reductions and the optimizer's master weights stay float32), ``fp16``, or
-            ``fp32`` (none: what the CPU tests compare with plain training).
-        sharding: ``full`` (parameters, gradients and optimizer state sharded: ZeRO-3),
-            ``grad_op`` (gradients and optimizer state: ZeRO-2) or ``hybrid`` (full
-            within a node, replicated across nodes: HSDP).
-        state_dict: ``sharded`` (each process writes its part of a checkpoint folder,
-            which any number of processes reads back) or ``full`` (one file, gathered on
-            the first process: what tlab-eval and tlab-export read as they are).
-        cpu_offload: keep the sharded parameters in CPU memory between their uses.
-        options: more of ``FSDPStrategy``'s arguments.
+        params: the dtype the parameters are gathered in for the passes: ``bf16`` (the
+            field's: reductions and the optimizer's master weights stay float32),
+            ``fp16`` or ``fp32`` (what the CPU tests compare with plain training).
+        reshard_after_forward: free each block's gathered parameters after its forward
+            pass and gather them again for the backward (ZeRO-3); false keeps them
+            (ZeRO-2: more memory, less communication).
+        cpu_offload: keep the shards, gradients and optimizer state in CPU memory.
+        sharded_checkpoint: each process writes its part of a checkpoint folder (true), or
+            the first process one whole file (false: what any tool reads).
+        options: more of ``ModelParallelStrategy``'s arguments.
     """
-    if params not in PARAM_DTYPES:
-        raise ValueError(must_be("params", f"one of {', '.join(PARAM_DTYPES)}", params))
-    if sharding not in SHARDINGS:
-        raise ValueError(must_be("sharding", f"one of {', '.join(SHARDINGS)}", sharding))
-    if state_dict not in STATE_DICTS:
-        raise ValueError(must_be("state_dict", f"one of {', '.join(STATE_DICTS)}", state_dict))
-    mixed = None
-    if PARAM_DTYPES[params] is not None:
-        from torch.distributed.fsdp import MixedPrecision
 
-        mixed = MixedPrecision(
-            param_dtype=PARAM_DTYPES[params],
-            reduce_dtype=torch.float32,
-            buffer_dtype=torch.float32,
+    def __init__(
+        self,
+        params: str = "bf16",
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        sharded_checkpoint: bool = True,
+        **options: Any,
+    ) -> None:
+        if params not in PARAM_DTYPES:
+            raise ValueError(must_be("params", f"one of {', '.join(PARAM_DTYPES)}", params))
+        switches = {
+            "reshard_after_forward": reshard_after_forward,
+            "cpu_offload": cpu_offload,
+            "sharded_checkpoint": sharded_checkpoint,
+        }
+        for name, value in switches.items():
+            if not isinstance(value, bool):
+                raise ValueError(must_be(name, "true or false", value))
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=sharded_checkpoint,
+            **options,
         )
-    return FSDPStrategy(
-        auto_wrap_policy={Block},
-        mixed_precision=mixed,
-        sharding_strategy=SHARDINGS[sharding],
-        state_dict_type=state_dict,
-        cpu_offload=cpu_offload,
-        **options,
-    )
+        self.params = params
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+
+    def setup_environment(self) -> None:
+        # every process shards the data: one data-parallel group of all of them
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        if (why := one_process_refusal(self._data_parallel_size)) is not None:
+            raise ValueError(why)
+        super().setup_environment()
+
+    def shard(self, model: nn.Module) -> None:
+        """``fully_shard`` each block of ``model``, then the model (its embeddings, head and
+        norms), over the data-parallel mesh; a model already sharded is left as it is."""
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
+
+        if isinstance(model, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        options: dict[str, Any] = {
+            "mesh": mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=PARAM_DTYPES[self.params], reduce_dtype=torch.float32
+            ),
+        }
+        if self.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        for module in model.modules():
+            if isinstance(module, Block):
+                fully_shard(module, **options)
+        fully_shard(model, **options)

@@ -205,7 +205,7 @@ def checkpoint_path(trainer: L.Trainer, which: str) -> str | None:
     nothing, still sets ``last_model_path``) is None."""
     callback = trainer.checkpoint_callback
     path = getattr(callback, which, "") if callback is not None else ""
-    if path and "://" not in path and not Path(path).is_file():
+    if path and "://" not in path and not Path(path).exists():  # a file, or a sharded folder
         return None
     return path or None
 

@@ -117,7 +117,7 @@ def resume_own_checkpoint(cfg: DictConfig) -> None:
     stopped (else it starts afresh)."""
     folder = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
     last = Path(folder or Path(cfg.paths.output_dir) / "checkpoints") / "last.ckpt"
-    if last.is_file():
+    if last.exists():  # a file, or a sharded checkpoint's folder
         why = "SLURM requeued this job" if requeued() else "skip_finished=true"
         say(f"resuming from {last} ({why}: this job was stopped before it ended)")
         with open_dict(cfg):

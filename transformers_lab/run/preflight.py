@@ -35,6 +35,7 @@ from transformers_lab.config import CONF_DIR, instantiation_refusals, unknown_op
 from transformers_lab.errors import ConfigError
 from transformers_lab.run import budget
 from transformers_lab.run.components import build_on_meta
+from transformers_lab.run.distributed import one_process_refusal
 from transformers_lab.run.lengths import LengthOptions, length_options
 from transformers_lab.tasks.schedules import RULES as SCHEDULE_RULES
 
@@ -141,6 +142,8 @@ def check_rules(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be {expect.text}, got {shown(value)}")
 
 
+SHARDED = "transformers_lab.run.distributed.Sharded"  # trainer=fsdp's strategy
+
 # the torch devices each of Lightning's GPU accelerators runs on
 GPU_ACCELERATORS = {"gpu": ("cuda", "mps"), "cuda": ("cuda",), "mps": ("mps",)}
 
@@ -157,6 +160,20 @@ def check_accelerator(trainer: Any) -> None:
             f"machine ({' or '.join(devices)}); use trainer=cpu to train on the CPU, or run "
             "where a GPU is"
         )
+
+
+def check_sharding(trainer: Any) -> None:
+    """FSDP (``run.distributed.Sharded``) is built once, its constructor refusing its
+    settings, and shards over two processes or more."""
+    strategy = trainer.get("strategy")
+    target = strategy.get("_target_") if isinstance(strategy, DictConfig) else None
+    if target != SHARDED:
+        return
+    with instantiation_refusals("trainer.strategy"):
+        instantiate(strategy)
+    world = budget.processes(trainer)
+    if world is not None and (why := one_process_refusal(world)) is not None:
+        raise ConfigError(why)
 
 
 def check_schedule(scheduler: Any) -> None:
@@ -384,6 +401,7 @@ def check_config(cfg: DictConfig) -> LengthOptions | None:
     check_schedule(cfg.get("scheduler"))
     trainer = cfg.get("trainer") or {}
     check_accelerator(trainer)
+    check_sharding(trainer)
     budget.plan_of(cfg)  # a budget in tokens that cannot be met
     if trainer.get("max_epochs") == -1 and trainer.get("max_steps") == -1:
         raise ConfigError("trainer.max_epochs=-1 with trainer.max_steps=-1 never stops; set one")

@@ -183,6 +183,14 @@ class Task(L.LightningModule):
         it starts: a checkpoint, written after a batch ends, counts it."""
         self.tokens_seen += self.batch_tokens(batch) * self.trainer.world_size
 
+    def configure_model(self) -> None:
+        """Under a strategy that shards the model (``run.distributed.Sharded``, FSDP2),
+        shard it: Lightning calls this once the processes are up, before the optimizer is
+        built. Any other strategy leaves the model as it is."""
+        shard = getattr(self._trainer.strategy, "shard", None) if self._trainer else None
+        if callable(shard):
+            shard(self.model)
+
     def configure_optimizers(self) -> Any:
         # the partial's weight_decay goes to the decayed group only
         keywords = getattr(self.optimizer_factory, "keywords", {})

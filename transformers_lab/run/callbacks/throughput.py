@@ -160,9 +160,9 @@ class Throughput(L.Callback):
         now, tokens = self.now(trainer), pl_module.tokens_seen
         seconds, new = now - self.last - self.paused, tokens - self.last_tokens
         self.last, self.last_tokens, self.paused = now, tokens, 0.0
-        pl_module.log("train/tokens", float(tokens))
-        if seconds <= 0 or new <= 0:
+        if seconds <= 0 or new <= 0:  # a batch of images: no tokens to count
             return
+        pl_module.log("train/tokens", float(tokens))
         rate = new / seconds
         pl_module.log("perf/tokens_per_s", rate, prog_bar=True)
         flops = self.flops_per_token(pl_module, self.window)

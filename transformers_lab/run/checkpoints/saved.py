@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +39,42 @@ RENAMED_KEYS = {("model", "max_len"): "block_size", ("data", "max_len"): "block_
 WANDB_ID = "wandb_id"  # a run dir's file: the wandb run its job logs to, resumes included
 
 
+SHARDED_META = "meta.pt"  # a sharded checkpoint's (a folder's) file of all but the tensors
+
+
 def checkpoint_file(path: str | Path) -> Path:
     """``path`` if a file is there, else a ``ConfigError`` that says what to give."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}; {GIVE_CHECKPOINT}")
     return path
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint: a folder of every process's part of the
+    tensors (PyTorch's distributed checkpoint) and ``meta.pt`` (``trainer=fsdp``)."""
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file() and (path / SHARDED_META).is_file()
+
+
+def sharded_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The model's weights of a sharded checkpoint, whole, read in this one process from
+    every process's part (the optimizer's state is left on disk)."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(path))
+    prefix = "state_dict."
+    tensors = {
+        key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    state = {"state_dict": tensors}
+    with warnings.catch_warnings():  # that it reads in one process: what it is asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load(state, storage_reader=reader, no_dist=True)
+    return state["state_dict"]
 
 
 def load_file(path: str | Path, trust: bool = False, mmap: bool = True) -> Any:
@@ -161,8 +192,15 @@ class SavedCheckpoint:
 
 def read_checkpoint(path: str | Path, trust: bool = False) -> SavedCheckpoint:
     """A checkpoint read once (``load_file``), with a clear error when the file is not
-    there or is not a checkpoint; an earlier version's names are migrated in place."""
-    contents = load_file(path, trust)
+    there or is not a checkpoint; an earlier version's names are migrated in place. A
+    sharded checkpoint (a folder, ``trainer=fsdp``) is read whole in this process."""
+    sharded = is_sharded(path)
+    contents = load_file(Path(path) / SHARDED_META if sharded else path, trust)
+    if sharded and isinstance(contents, dict):
+        try:
+            contents["state_dict"] = sharded_weights(Path(path))
+        except Exception as exc:  # a torn or foreign folder
+            raise ConfigError(f"{path}: its shards cannot be read ({first_line(exc)})") from exc
     if not isinstance(contents, dict):
         raise ConfigError(
             f"{path} is not a checkpoint (it holds a {type(contents).__name__}); {GIVE_CHECKPOINT}"

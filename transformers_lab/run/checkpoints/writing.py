@@ -92,11 +92,14 @@ class Checkpoint(ModelCheckpoint):
     def moved_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` with its best checkpoints copied into this callback's dirpath."""
         moved = {p: str(Path(self.dirpath) / Path(p).name) for p in state["best_k_models"]}
-        moved = {old: new for old, new in moved.items() if Path(old).is_file()}
+        moved = {old: new for old, new in moved.items() if Path(old).exists()}
         if rank_zero_only.rank == 0 and moved:
             Path(self.dirpath).mkdir(parents=True, exist_ok=True)
-            for old, new in moved.items():
-                shutil.copy2(old, new)
+            for old, new in moved.items():  # a file, or a sharded checkpoint's folder
+                if Path(old).is_dir():
+                    shutil.copytree(old, new, dirs_exist_ok=True)
+                else:
+                    shutil.copy2(old, new)
         return {
             **state,
             "dirpath": self.dirpath,
