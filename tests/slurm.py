@@ -18,11 +18,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import lightning as L
 
 from transformers_lab.sweeps.slurm_launcher import ENDED
 
@@ -221,3 +224,56 @@ def start(timeout: float = 30) -> Cluster:
         said = said.strip()[-500:]
         raise RuntimeError(f"the test cluster did not start: {said}\n{logs}") from None
     return cluster
+
+
+# ------------------------------------------------------------------ what the SLURM tests share
+
+# tests/sweeps (the test modules) and tests/ (this file, whose callback a job names)
+TESTS_ON_PATH = os.pathsep.join(
+    [str(Path(__file__).parent / "sweeps"), str(Path(__file__).parent), *sys.path]
+)
+
+
+class Paced(L.Callback):
+    """Mark that the job trains (``training-<seed>`` in ``$TLAB_TEST_MARKS``) and take
+    ``$TLAB_TEST_PACE`` seconds a batch, so that a signal finds it training; the same
+    command line runs at full speed when a resumed sweep sets the pace to 0."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        marks = Path(os.environ["TLAB_TEST_MARKS"])
+        (marks / f"training-{self.seed}").touch()
+        if task := os.environ.get("SLURM_ARRAY_TASK_ID"):  # a worker of an array job
+            (marks / f"task-{task}").touch()
+        time.sleep(float(os.environ.get("TLAB_TEST_PACE", "0")))
+
+
+def paced(cluster, tmp_path: Path, pace: str) -> tuple[Path, dict[str, str]]:
+    """The folder the ``Paced`` callback marks, and the environment of a sweep on the test
+    cluster whose jobs take ``pace`` seconds a batch."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": pace,
+           "PYTHONPATH": TESTS_ON_PATH}  # fmt: skip
+    return marks, env
+
+
+def wait_for(done, timeout: float, what: str, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the sweep ended before {what}: {out[-2000:]}{err[-3000:]}")
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.5)
+
+
+def swapped(script: str, swaps: list[tuple[str, str]]) -> str:
+    """The script with each of its settings swapped for the test's: each must be there once,
+    so that the test follows the doc."""
+    for old, new in swaps:
+        assert script.count(old) == 1, (old, script)
+        script = script.replace(old, new)
+    return script

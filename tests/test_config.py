@@ -66,7 +66,8 @@ def test_the_tasks_of_a_several_task_srun_share_one_run_dir(monkeypatch, tmp_pat
 
     from transformers_lab.config import CONF_DIR
 
-    for key in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
+    for key in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+                "SLURM_STEP_ID"):  # fmt: skip
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TLAB_ROOT", str(tmp_path))
 
@@ -79,10 +80,12 @@ def test_the_tasks_of_a_several_task_srun_share_one_run_dir(monkeypatch, tmp_pat
     assert not alone[0].startswith("slurm") and alone[1] == ".hydra"
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_PROCID", "0")
-    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert not dirs()[0].startswith("slurm")  # a batch script's command, not srun's tasks
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
     assert not dirs()[0].startswith("slurm")  # one task: a job of the sweep launcher
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
-    monkeypatch.setenv("SLURM_STEP_ID", "0")
     assert dirs() == ("slurm-77.0", ".hydra")
     monkeypatch.setenv("SLURM_PROCID", "1")
     assert dirs() == ("slurm-77.0", ".hydra.rank1")

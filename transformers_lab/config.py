@@ -53,12 +53,11 @@ def srun_task() -> tuple[str, int] | None:
     the step's name, ``<job>.<step>``, the same in every task and in the job SLURM runs
     again after a requeue, and this task's rank; None otherwise."""
     env = os.environ
-    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
-    if "SLURM_PROCID" not in env or "SLURM_JOB_ID" not in env or not tasks.isdigit():
+    # srun's own variables: a batch script's commands (no srun) share neither
+    keys = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
+    if not all(env.get(k, "").isdigit() for k in keys) or int(env["SLURM_STEP_NUM_TASKS"]) <= 1:
         return None
-    if int(tasks) <= 1:
-        return None
-    return f"{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', 'batch')}", int(env["SLURM_PROCID"])
+    return f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}", int(env["SLURM_PROCID"])
 
 
 def run_stamp(name: str) -> str:

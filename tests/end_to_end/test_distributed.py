@@ -178,8 +178,10 @@ def test_fsdp_with_activation_checkpointing_trains_as_one_process(fsdp_run, one_
 
 def test_a_sharded_checkpoint_resumes_onto_three_processes(fsdp_run, tmp_path):
     """The 2 processes' last.ckpt read back by 3, in the field's precision (parameters
-    gathered in bf16, gradients reduced in float32): the whole model as the processes hold
-    it once restored is the checkpoint's, and the run trains its third epoch on."""
+    gathered in bf16, gradients reduced in float32) and as ZeRO-2 (each block's gathered
+    parameters kept from its forward pass to its backward): the whole model as the
+    processes hold it once restored is the checkpoint's, and the run trains its third
+    epoch on."""
     from transformers_lab.run.checkpoints.saved import read_checkpoint
 
     last = fsdp_run / "checkpoints" / "last.ckpt"
@@ -187,6 +189,8 @@ def test_a_sharded_checkpoint_resumes_onto_three_processes(fsdp_run, tmp_path):
     tlab_train(
         "trainer=fsdp_cpu", "trainer.devices=3", *RUN, "trainer.max_epochs=3",
         "trainer.strategy.params=bf16", "trainer.precision=bf16-mixed",
+        "trainer.strategy.reshard_after_forward=false",  # ZeRO-2
+        "trainer.gradient_clip_val=1.0",  # the presets clip: a norm of sharded gradients
         f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'run'}",
         f"+callbacks.restored._target_={__name__}.{SaveRestoredWeights.__qualname__}",
         f"+callbacks.restored.path={restored}", pythonpath=True,

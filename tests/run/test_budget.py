@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -71,6 +72,7 @@ def test_the_processes_a_trainer_config_counts():
     assert budget.processes({"devices": "auto", "accelerator": "cpu"}) == 1
     assert budget.processes({"devices": [0, 1], "accelerator": "gpu"}) == 2
     assert budget.processes({"devices": "4"}) == 4
+    assert budget.processes({"devices": "0,1", "num_nodes": 2}) == 4  # indices, as a string
 
 
 def test_a_token_budget_is_refused_before_any_data_is_read(tmp_path):
@@ -105,13 +107,19 @@ def test_the_budget_ends_a_run_at_its_token_across_a_resume(tmp_path, monkeypatc
     more, 768 tokens in the last checkpoint; the warm-up in tokens becomes steps of each."""
     fake_data_root(tmp_path / "data", monkeypatch)
     warmup = "scheduler.warmup_tokens=128"
-    first = compose_config("train", [*TINY, "trainer.max_tokens=300", warmup], tmp_path / "a")
+    peak = "callbacks.throughput.peak_tflops=0.001"  # 1 GFLOP/s: MFU is rate x FLOPs / 1e9
+    first = compose_config("train", [*TINY, "trainer.max_tokens=300", warmup, peak], tmp_path / "a")
     result = fit_and_test(first)
     assert first.trainer.max_steps == 4 and first.scheduler.warmup_steps == 2
     last = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True)
     assert (last["global_step"], last["tlab_tokens"]) == (4, 256)
     assert logged(tmp_path / "a", "train/tokens") == [64, 128, 192, 256]
-    assert result.metrics["perf/tokens_per_s"] > 0  # the run's mean, in its result
+    rate = result.metrics["perf/tokens_per_s"]  # the run's means, in its result
+    with torch.device("meta"):
+        vocab = last["state_dict"]["model.tok.weight"].shape[0]
+        model = instantiate(first.model, vocab_size=vocab, block_size=16)
+    flops = model.flops_per_token(16)
+    assert rate > 0 and result.metrics["perf/mfu"] == pytest.approx(rate * flops / 1e9, rel=1e-4)
     again = [
         *TINY, "trainer.max_tokens=768", "trainer.batch_tokens=128", warmup,
         f"ckpt_path={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}",
@@ -121,7 +129,7 @@ def test_the_budget_ends_a_run_at_its_token_across_a_resume(tmp_path, monkeypatc
     assert second.trainer.accumulate_grad_batches == 2 and second.scheduler.warmup_steps == 1
     last = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt", weights_only=True)
     assert (last["global_step"], last["tlab_tokens"]) == (8, 768)
-    assert logged(tmp_path / "b", "train/tokens")[-1] == 768
+    assert logged(tmp_path / "b", "train/tokens") == [384, 512, 640, 768]  # a step, 2 batches
 
 
 # ------------------------------------------------------------------ FLOPs and the peak
@@ -188,8 +196,30 @@ def test_fsdp_on_one_process_and_an_unknown_dtype_are_refused_in_one_line(tmp_pa
     cfg = compose_config("train", ["trainer=fsdp_cpu", "trainer.devices=1"], tmp_path)
     with pytest.raises(ConfigError, match="trainer=fsdp shards the model over processes, and"):
         fit_and_test(cfg)
-    with pytest.raises(ValueError, match="params must be one of bf16, fp16, fp32, got 'bf8'"):
+    with pytest.raises(ValueError, match="params must be one of bf16, fp32, got 'bf8'"):
         Sharded(params="bf8")
     cfg = compose_config("train", ["trainer=fsdp_cpu", "trainer.strategy.params=bf8"], tmp_path)
-    with pytest.raises(ConfigError, match="params must be one of bf16, fp16, fp32"):
+    with pytest.raises(ConfigError, match="params must be one of bf16, fp32"):
         fit_and_test(cfg)
+
+
+class Planted:
+    """Pickled, a call of ``exec``: what a crafted index of a sharded checkpoint holds."""
+
+    def __reduce__(self):
+        return (exec, ("raise SystemExit('ran')",))
+
+
+def test_a_sharded_checkpoint_whose_index_would_run_code_is_refused(tmp_path):
+    """PyTorch reads a sharded checkpoint's index with plain pickle: ours reads it with
+    only the types such an index holds."""
+    import pickle
+
+    from transformers_lab.run.checkpoints.saved import read_checkpoint
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    torch.save({"global_step": 3}, folder / "meta.pt")
+    (folder / ".metadata").write_bytes(pickle.dumps(Planted()))
+    with pytest.raises(ConfigError, match=r"\.metadata asks to run builtins\.exec as it loads"):
+        read_checkpoint(folder)

@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import lightning as L
 import pytest
 
 from transformers_lab.errors import ConfigError
@@ -23,8 +22,9 @@ from transformers_lab.sweeps import study as st
 from transformers_lab.sweeps.slurm_launcher import ENDED, time_limit_minutes
 
 import postgres
+from slurm import paced, swapped, wait_for
 
-HERE = Path(__file__).parent  # this file (its callback by module name) and tests/
+HERE = Path(__file__).parent  # this file and tests/ (slurm.py: its callback by module name)
 SWEEPS_DOC = HERE.parents[1] / "docs" / "sweeps.md"
 TESTS_ON_PATH = os.pathsep.join([str(HERE), str(HERE.parent), *sys.path])
 
@@ -45,23 +45,7 @@ ON_THE_TEST_CLUSTER = [
     "hydra.launcher.mem_gb=1",
     "hydra.launcher.poll_s=1",
 ]
-PACED = ["+callbacks.pace._target_=test_slurm.Paced", "+callbacks.pace.seed=${seed}"]
-
-
-class Paced(L.Callback):
-    """Mark that the job trains (``training-<seed>`` in ``$TLAB_TEST_MARKS``) and take
-    ``$TLAB_TEST_PACE`` seconds a batch, so that a signal finds it training; the same
-    command line runs at full speed when a resumed sweep sets the pace to 0."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
-        marks = Path(os.environ["TLAB_TEST_MARKS"])
-        (marks / f"training-{self.seed}").touch()
-        if task := os.environ.get("SLURM_ARRAY_TASK_ID"):  # a worker of an array job
-            (marks / f"task-{task}").touch()
-        time.sleep(float(os.environ.get("TLAB_TEST_PACE", "0")))
+PACED = ["+callbacks.pace._target_=slurm.Paced", "+callbacks.pace.seed=${seed}"]
 
 
 def tlab_train(*args: str, cwd: Path, env: dict[str, str], wait: bool = True):
@@ -89,26 +73,6 @@ def job_log(job_dir: Path) -> str:
     a line about one job names its dir."""
     submitit = job_dir.parent / ".submitit"
     return "\n".join(p.read_text() for p in sorted(submitit.glob("*/*_log.*")))
-
-
-def paced(cluster, tmp_path: Path, pace: str) -> tuple[Path, dict[str, str]]:
-    """The folder the ``Paced`` callback marks, and the environment of a sweep on the test
-    cluster whose jobs take ``pace`` seconds a batch."""
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    env = {**cluster.env(), "TLAB_TEST_MARKS": str(marks), "TLAB_TEST_PACE": pace,
-           "PYTHONPATH": TESTS_ON_PATH}  # fmt: skip
-    return marks, env
-
-
-def wait_for(done, timeout: float, what: str, proc=None) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        if proc is not None and proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"the sweep ended before {what}: {out[-2000:]}{err[-3000:]}")
-        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
-        time.sleep(0.5)
 
 
 # ------------------------------------------------------------------ bad input, one line each
@@ -354,15 +318,6 @@ def array_job_script() -> str:
         r"```bash\n(#!/bin/bash\n#SBATCH --array.*?)```", SWEEPS_DOC.read_text(), re.S
     )
     (script,) = blocks
-    return script
-
-
-def swapped(script: str, swaps: list[tuple[str, str]]) -> str:
-    """The script with each of its settings swapped for the test's: each must be there once,
-    so that the test follows the doc."""
-    for old, new in swaps:
-        assert script.count(old) == 1, (old, script)
-        script = script.replace(old, new)
     return script
 
 

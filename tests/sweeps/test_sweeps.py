@@ -391,8 +391,9 @@ def by_choice(md: str) -> str:
 
 
 def comparable(row: dict[str, str]) -> dict[str, str]:
-    """A summary.csv row without what differs between two runs of one job (time, dirs)."""
-    return {k: v for k, v in row.items() if k not in ("time_s",)}
+    """A summary.csv row without what differs between two runs of one job: its times
+    (``time_s``, and the throughput a run measures: ``perf/``)."""
+    return {k: v for k, v in row.items() if k != "time_s" and not k.startswith("perf/")}
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,8 @@ class RWKV7Attention(GatedKernel):
 
     name = "rwkv7"
     delta_rule = True
+    # a key's read of the state, and its two writes (the a-term and k' v^T)
+    state_products_per_key = 3
     formula = "S ← Diag(w)S − κ̂a(κ̂ᵀS) + k′vᵀ, o = (Sᵀr + (r·k′r_k)v)/√d, w, a per channel, causal"
 
     def __init__(

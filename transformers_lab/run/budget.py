@@ -58,12 +58,14 @@ def processes(trainer: Any) -> int | None:
     devices, nodes = trainer.get("devices", "auto"), whole(trainer.get("num_nodes", 1) or 1)
     if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
         devices = int(devices)
+    elif isinstance(devices, str) and "," in devices:  # "0,1": the devices by index
+        devices = [d for d in devices.split(",") if d.strip()]
     if devices in ("auto", -1):
         gpu = str(trainer.get("accelerator", "auto")) in ("auto", "gpu", "cuda")
         per_node = torch.cuda.device_count() if gpu and torch.cuda.is_available() else 1
     elif whole(devices) is not None and devices >= 1:
         per_node = int(devices)
-    elif isinstance(devices, list | tuple) or hasattr(devices, "__len__"):
+    elif not isinstance(devices, str) and hasattr(devices, "__len__"):  # a list of indices
         per_node = len(devices)
     else:
         return None
@@ -151,6 +153,12 @@ def plan_of(cfg: DictConfig, checkpoint: Any = None) -> TokenPlan | None:
                 "trainer.batch_tokens or trainer.max_tokens, or scheduler.warmup_steps"
             )
         return None
+    scheduler = cfg.get("scheduler")
+    warmup = scheduler.get("warmup_tokens") if isinstance(scheduler, DictConfig) else None
+    if warmup is not None and (whole(warmup) is None or whole(warmup) < 0):
+        raise ConfigError(
+            f"scheduler.warmup_tokens must be a whole number of tokens >= 0, got {warmup!r}"
+        )
     world = processes(trainer)
     if world is None:
         raise ConfigError(
@@ -191,10 +199,10 @@ def apply(cfg: DictConfig, checkpoint: Any = None) -> TokenPlan | None:
 
 def describe(token_plan: TokenPlan, max_tokens: Any = None) -> str:
     """The plan in one line, for the run's log."""
+    processes = f"{token_plan.processes} process{'es' if token_plan.processes > 1 else ''}"
     step = (
         f"{token_plan.step_tokens:,} tokens a step ({token_plan.batch_size} x "
-        f"{token_plan.window} tokens x {token_plan.processes} processes x "
-        f"{token_plan.accumulate} accumulated)"
+        f"{token_plan.window} tokens x {processes} x {token_plan.accumulate} accumulated)"
     )
     if token_plan.max_steps is None:
         return f"token budget: {step}"

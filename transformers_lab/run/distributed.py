@@ -8,6 +8,8 @@ which the tests do (``trainer=fsdp_cpu``, float32)."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +21,9 @@ from transformers_lab.nn import Block
 
 # the dtypes of the parameters in the forward and backward passes; gradients are reduced,
 # and the optimizer steps on its float32 copy, whatever this is
-PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# (no fp16: without a loss scaler, which Lightning's strategy does not take, its gradients
+# underflow)
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def one_process_refusal(world_size: int) -> str | None:
@@ -38,15 +42,18 @@ class Sharded(ModelParallelStrategy):
 
     Args:
         params: the dtype the parameters are gathered in for the passes: ``bf16`` (the
-            field's: reductions and the optimizer's master weights stay float32),
-            ``fp16`` or ``fp32`` (what the CPU tests compare with plain training).
+            field's: reductions and the optimizer's master weights stay float32) or
+            ``fp32`` (what the CPU tests compare with plain training).
         reshard_after_forward: free each block's gathered parameters after its forward
             pass and gather them again for the backward (ZeRO-3); false keeps them
             (ZeRO-2: more memory, less communication).
         cpu_offload: keep the shards, gradients and optimizer state in CPU memory.
-        sharded_checkpoint: each process writes its part of a checkpoint folder (true), or
-            the first process one whole file (false: what any tool reads).
         options: more of ``ModelParallelStrategy``'s arguments.
+
+    Checkpoints are folders: each process writes its part, and ``meta.pt`` the rest
+    (``run.checkpoints.saved.is_sharded``), into a folder beside the target that the
+    first process then renames into place: a process killed while it writes leaves the
+    last complete checkpoint as it was.
     """
 
     def __init__(
@@ -54,23 +61,18 @@ class Sharded(ModelParallelStrategy):
         params: str = "bf16",
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
-        sharded_checkpoint: bool = True,
         **options: Any,
     ) -> None:
         if params not in PARAM_DTYPES:
             raise ValueError(must_be("params", f"one of {', '.join(PARAM_DTYPES)}", params))
-        switches = {
-            "reshard_after_forward": reshard_after_forward,
-            "cpu_offload": cpu_offload,
-            "sharded_checkpoint": sharded_checkpoint,
-        }
+        switches = {"reshard_after_forward": reshard_after_forward, "cpu_offload": cpu_offload}
         for name, value in switches.items():
             if not isinstance(value, bool):
                 raise ValueError(must_be(name, "true or false", value))
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
-            save_distributed_checkpoint=sharded_checkpoint,
+            save_distributed_checkpoint=True,
             **options,
         )
         self.params = params
@@ -83,6 +85,26 @@ class Sharded(ModelParallelStrategy):
         if (why := one_process_refusal(self._data_parallel_size)) is not None:
             raise ValueError(why)
         super().setup_environment()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        staging, old = (path.with_name(f"{path.name}.{end}") for end in ("partial", "old"))
+        if self.global_rank == 0:
+            for leftover in (staging, old):  # of a save that was killed
+                shutil.rmtree(leftover, ignore_errors=True)
+        self.barrier()
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            if path.is_dir():
+                path.rename(old)
+            elif path.exists():  # a checkpoint file of another strategy
+                path.unlink()
+            staging.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier()
 
     def shard(self, model: nn.Module) -> None:
         """``fully_shard`` each block of ``model``, then the model (its embeddings, head and

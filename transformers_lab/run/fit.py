@@ -122,11 +122,15 @@ def pruned_step(trainer: L.Trainer) -> int | None:
 def nothing_left_to_train(cfg: DictConfig, step: int) -> str:
     """What a resumed run that trained no step says: its checkpoint had already reached
     the trainer's limits (a finished run, resumed without raising them)."""
-    limits = f"max_epochs={cfg.trainer.max_epochs}, max_steps={cfg.trainer.max_steps}"
+    if cfg.trainer.get("max_tokens") is not None:  # the budget set the steps
+        limits, raise_ = f"max_tokens={cfg.trainer.max_tokens}", "trainer.max_tokens"
+    else:
+        limits = f"max_epochs={cfg.trainer.max_epochs}, max_steps={cfg.trainer.max_steps}"
+        raise_ = "trainer.max_epochs or trainer.max_steps"
     return (
         f"nothing left to train: {cfg.ckpt_path} is at global step {step}, where the "
-        f"trainer's {limits} end the run; raise trainer.max_epochs or trainer.max_steps to "
-        "train further (no new last.ckpt is written)"
+        f"trainer's {limits} end the run; raise {raise_} to train further (no new "
+        "last.ckpt is written)"
     )
 
 

@@ -356,8 +356,13 @@ class GatedKernel(AttentionKernel):
         (a form of the same sum)."""
         value_dim = self.head_dim if value_dim is None else value_dim
         state = self.qk_dim * value_dim
-        per_key = 2 * state * (2 if self.delta_rule else 1)
+        per_key = 2 * state * self.state_products_per_key
         return 3 * (per_key * self.keys_per_token + 2 * state) * n * self.n_head
+
+    @property
+    def state_products_per_key(self) -> int:
+        """The state-sized products a key costs: its write, and the delta rule's read."""
+        return 2 if self.delta_rule else 1
 
     def state_size(self, n: int, value_dim: int | None = None) -> int:
         """The state S: H Dk Dv numbers, whatever n."""

@@ -136,7 +136,7 @@ class Throughput(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.last is None:
+        if self.last is None and hasattr(pl_module, "tokens_seen"):  # a task of ours
             self.last, self.last_tokens = self.now(trainer), pl_module.tokens_seen
         x = batch[0] if isinstance(batch, list | tuple) else batch
         if isinstance(x, torch.Tensor) and x.dim() >= 2:
@@ -152,11 +152,19 @@ class Throughput(L.Callback):
             self.paused_at = None
 
     def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         logs = getattr(pl_module, "logs_train_step", None)
         if self.last is None or (callable(logs) and not logs()):
             return
+        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if (batch_idx + 1) % trainer.accumulate_grad_batches and not last_batch:
+            return  # a micro-batch within an optimizer step: measured at the step's end
         now, tokens = self.now(trainer), pl_module.tokens_seen
         seconds, new = now - self.last - self.paused, tokens - self.last_tokens
         self.last, self.last_tokens, self.paused = now, tokens, 0.0

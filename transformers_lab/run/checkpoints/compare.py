@@ -167,11 +167,11 @@ def check_weights(
     options ``changed`` from its own (``key: old -> new``, as ``check_resume`` returns
     them; or those of the config ``against``, the run rebuilt), else the tensors that
     differ."""
-    own, saved = module.state_dict(), checkpoint.state_dict
+    own, saved = module.state_dict(), checkpoint.shapes
     mismatched = [
         key
         for key in sorted(set(own) | set(saved))
-        if key not in own or key not in saved or own[key].shape != saved[key].shape
+        if key not in own or key not in saved or own[key].shape != saved[key]
     ]
     if not mismatched:
         return

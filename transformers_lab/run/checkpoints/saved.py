@@ -40,6 +40,7 @@ WANDB_ID = "wandb_id"  # a run dir's file: the wandb run its job logs to, resume
 
 
 SHARDED_META = "meta.pt"  # a sharded checkpoint's (a folder's) file of all but the tensors
+SHARDED_FROM = "tlab_sharded"  # a read checkpoint's entry: where its weights are, unread
 
 
 def checkpoint_file(path: str | Path) -> Path:
@@ -57,23 +58,83 @@ def is_sharded(path: str | Path) -> bool:
     return path.is_dir() and (path / ".metadata").is_file() and (path / SHARDED_META).is_file()
 
 
-def sharded_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The model's weights of a sharded checkpoint, whole, read in this one process from
-    every process's part (the optimizer's state is left on disk)."""
-    from torch.distributed.checkpoint import FileSystemReader, load
+# what the index of a sharded checkpoint (``.metadata``, a pickle) may name besides PyTorch's
+# checkpoint classes (``torch.distributed.checkpoint.*``) and its dtypes
+METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                    ("collections", "OrderedDict")}  # fmt: skip
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """The index of a sharded checkpoint unpickled with only the types such an index holds
+    (``METADATA_GLOBALS``): PyTorch reads it with plain pickle, which runs whatever a
+    crafted file names."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (
+            module.startswith("torch.distributed.checkpoint.")
+            or dtype
+            or ((module, name) in METADATA_GLOBALS)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+def sharded_reader(path: Path, trust: bool = False) -> Any:
+    """PyTorch's reader of a sharded checkpoint, its index read by ``MetadataUnpickler``
+    unless the run trusts the folder; a crafted index is refused as ``load_file`` refuses
+    a crafted file."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if trust:
+                return super().read_metadata(*args, **kwargs)
+            with open(path / ".metadata", "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:  # as PyTorch's own reader
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    reader = CheckedReader(str(path))
+    try:
+        reader.metadata = reader.read_metadata()
+    except pickle.UnpicklingError as exc:
+        named = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        raise ConfigError(
+            f"{path}/.metadata asks to run {named[1] if named else 'code'} as it loads: "
+            "refused, as such a file can run any code; if you trust whoever made it, load it "
+            "with trust_checkpoint=true"
+        ) from None
+    return reader
+
+
+def sharded_shapes(path: Path, trust: bool = False) -> dict[str, torch.Tensor]:
+    """The model's tensors of a sharded checkpoint as its index gives them, on the meta
+    device: their names, shapes and dtypes, nothing read (``sharded_weights`` reads them)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = FileSystemReader(str(path))
     prefix = "state_dict."
-    tensors = {
-        key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in reader.read_metadata().state_dict_metadata.items()
+    return {
+        key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
+        for key, meta in sharded_reader(path, trust).metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
-    state = {"state_dict": tensors}
+
+
+def sharded_weights(path: Path, trust: bool = False) -> dict[str, torch.Tensor]:
+    """The model's weights of a sharded checkpoint, whole, read in this one process from
+    every process's part (the optimizer's state is left on disk)."""
+    from torch.distributed.checkpoint import load
+
+    shapes = sharded_shapes(path, trust)
+    state = {"state_dict": {k: torch.empty_like(v, device="cpu") for k, v in shapes.items()}}
     with warnings.catch_warnings():  # that it reads in one process: what it is asked
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load(state, storage_reader=reader, no_dist=True)
+        load(state, storage_reader=sharded_reader(path, trust), no_dist=True)
     return state["state_dict"]
 
 
@@ -156,7 +217,19 @@ class SavedCheckpoint:
 
     @property
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights; a sharded checkpoint's are read whole the first time they
+        are asked for (a resume reads none: each process reads its part)."""
+        sharded = self.contents.get(SHARDED_FROM)
+        if sharded is not None:
+            weights = sharded_weights(Path(sharded["path"]), sharded["trust"])
+            self.contents["state_dict"] = weights
+            del self.contents[SHARDED_FROM]
         return self.contents.get("state_dict", {})
+
+    @property
+    def shapes(self) -> dict[str, torch.Size]:
+        """Each tensor's shape, by name, without reading a sharded checkpoint's weights."""
+        return {k: v.shape for k, v in self.contents.get("state_dict", {}).items()}
 
     @property
     def run_dir(self) -> Path:
@@ -197,10 +270,13 @@ def read_checkpoint(path: str | Path, trust: bool = False) -> SavedCheckpoint:
     sharded = is_sharded(path)
     contents = load_file(Path(path) / SHARDED_META if sharded else path, trust)
     if sharded and isinstance(contents, dict):
-        try:
-            contents["state_dict"] = sharded_weights(Path(path))
+        try:  # the tensors' shapes: the weights are read when asked (``state_dict``)
+            contents["state_dict"] = sharded_shapes(Path(path), trust)
+        except ConfigError:
+            raise
         except Exception as exc:  # a torn or foreign folder
             raise ConfigError(f"{path}: its shards cannot be read ({first_line(exc)})") from exc
+        contents[SHARDED_FROM] = {"path": str(path), "trust": trust}
     if not isinstance(contents, dict):
         raise ConfigError(
             f"{path} is not a checkpoint (it holds a {type(contents).__name__}); {GIVE_CHECKPOINT}"
