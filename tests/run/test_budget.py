@@ -223,3 +223,21 @@ def test_a_sharded_checkpoint_whose_index_would_run_code_is_refused(tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(Planted()))
     with pytest.raises(ConfigError, match=r"\.metadata asks to run builtins\.exec as it loads"):
         read_checkpoint(folder)
+
+
+def test_a_requeued_job_finds_a_sharded_checkpoint_a_killed_save_left_aside(tmp_path):
+    """A sharded save renames the old folder aside before it moves the new one in; killed
+    between the two, the job's checkpoint is at last.ckpt.old, which a requeued job resumes
+    from (and the next save puts back)."""
+    from omegaconf import open_dict
+
+    from transformers_lab.run.job import resume_own_checkpoint
+
+    aside = tmp_path / "checkpoints" / "last.ckpt.old"
+    aside.mkdir(parents=True)
+    cfg = compose_config("train", [], tmp_path)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path)
+        cfg.callbacks.model_checkpoint.dirpath = str(tmp_path / "checkpoints")
+    resume_own_checkpoint(cfg)
+    assert cfg.ckpt_path == str(aside)

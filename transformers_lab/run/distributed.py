@@ -53,7 +53,8 @@ class Sharded(ModelParallelStrategy):
     Checkpoints are folders: each process writes its part, and ``meta.pt`` the rest
     (``run.checkpoints.saved.is_sharded``), into a folder beside the target that the
     first process then renames into place: a process killed while it writes leaves the
-    last complete checkpoint as it was.
+    last complete checkpoint as it was (killed between the two renames, at
+    ``<name>.old``, which a requeued job resumes from and the next save puts back).
     """
 
     def __init__(
@@ -92,6 +93,8 @@ class Sharded(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         staging, old = (path.with_name(f"{path.name}.{end}") for end in ("partial", "old"))
         if self.global_rank == 0:
+            if old.is_dir() and not path.exists():  # a save killed between its renames
+                old.rename(path)
             for leftover in (staging, old):  # of a save that was killed
                 shutil.rmtree(leftover, ignore_errors=True)
         self.barrier()

@@ -117,6 +117,9 @@ def resume_own_checkpoint(cfg: DictConfig) -> None:
     stopped (else it starts afresh)."""
     folder = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath", default=None)
     last = Path(folder or Path(cfg.paths.output_dir) / "checkpoints") / "last.ckpt"
+    moved = last.with_name("last.ckpt.old")  # a sharded save killed between its renames
+    if not last.exists() and moved.is_dir():  # read where it is: every process alike
+        last = moved
     if last.exists():  # a file, or a sharded checkpoint's folder
         why = "SLURM requeued this job" if requeued() else "skip_finished=true"
         say(f"resuming from {last} ({why}: this job was stopped before it ended)")
