@@ -83,11 +83,14 @@ def test_ddp_cpu_last_checkpoint_holds_the_final_state(ddp_run):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
-    """One process on the combined batch: rank r's i-th batch is perm[64 i + r :: 2] of
-    DistributedSampler's permutation, so one process reading that permutation in batches
-    of 64 sees the union of the two ranks' batches; the mean of the two gradients is its
-    gradient."""
-    run_dir = tmp_path_factory.mktemp("one") / "run"
+    return train_one_process_on_the_combined_batch(tmp_path_factory.mktemp("one") / "run")
+
+
+def train_one_process_on_the_combined_batch(run_dir: Path) -> Path:
+    """``RUN`` on one process on the combined batch, into ``run_dir``: rank r's i-th batch
+    is perm[64 i + r :: 2] of DistributedSampler's permutation, so one process reading
+    that permutation in batches of 64 sees the union of the two ranks' batches; the mean
+    of the two gradients is its gradient. (The SLURM DDP test's reference too.)"""
 
     def combined_batches(self: DigitsDataModule) -> ResumableLoader:
         self.setup()

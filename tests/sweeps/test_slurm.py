@@ -396,13 +396,6 @@ def test_the_docs_array_job_shares_one_postgresql_study_and_survives_a_cancelled
 # ------------------------------------------------------------------ DDP inside a SLURM job
 
 TRAINING_DOC = HERE.parents[1] / "docs" / "training.md"
-# a small ViT on digits, 2 epochs: 200 validation and 1328 training digits, even, so two
-# processes repeat no sample (tests/end_to_end/test_distributed.py)
-DIGITS = [
-    "trainer.max_epochs=2", "logger=csv", "trainer.enable_progress_bar=false",
-    "trainer.log_every_n_steps=1", "model.d_model=32", "model.n_layer=1", "model.n_head=2",
-    "test=false", "data.val_fraction=0.1113",
-]  # fmt: skip
 
 
 def ddp_job_script() -> str:
@@ -414,37 +407,16 @@ def ddp_job_script() -> str:
     return script
 
 
-def one_process_on_the_combined_batch(tmp_path: Path, monkeypatch) -> Path:
-    """The run of one process that reads, in batches of 64, what two processes read in
-    batches of 32: rank r's i-th batch is perm[64 i + r :: 2] of DistributedSampler's
-    permutation, so the union of the two is 64 consecutive samples of it."""
-    from torch.utils.data import DistributedSampler
-
-    from transformers_lab.config import compose_config
-    from transformers_lab.data import DigitsDataModule
-    from transformers_lab.data.base import ResumableLoader
-    from transformers_lab.run.fit import train
-
-    def combined_batches(self: DigitsDataModule) -> ResumableLoader:
-        self.setup()
-        order = DistributedSampler(self.train_set, num_replicas=1, rank=0, shuffle=True)
-        return ResumableLoader(self.train_set, batch_size=64, sampler=order)
-
-    monkeypatch.setattr(DigitsDataModule, "train_dataloader", combined_batches)
-    train(compose_config("train", [*DIGITS, "data.batch_size=64"], tmp_path / "one"))
-    return tmp_path / "one"
-
-
 @pytest.mark.slow
 def test_the_docs_ddp_job_trains_as_one_process_and_resumes_after_a_requeue(
-    slurm_cluster, tmp_path, monkeypatch
+    slurm_cluster, tmp_path
 ):
     """The docs' sbatch script on this cluster's one node: 2 srun tasks (--ntasks-per-node=2)
     become one DDP job of 2 CPU processes over gloo, Lightning reading SLURM's environment.
     While it trains, ``scontrol requeue``: both tasks stop with last.ckpt, SLURM runs the
     job again, and it resumes from its own checkpoint in its own run dir. Its loss curve
     over the 42 steps, across the resume, is one process's on the combined batch."""
-    from transformers_lab.run.curves import history
+    from tests.end_to_end.test_distributed import RUN, train_one_process_on_the_combined_batch
 
     marks, env = paced(slurm_cluster, tmp_path, "0.3")
     script = swapped(
@@ -460,7 +432,7 @@ def test_the_docs_ddp_job_trains_as_one_process_and_resumes_after_a_requeue(
              "trainer=ddp_cpu trainer.devices=2 trainer.num_nodes=1"),
             ("paths.log_dir=/shared/logs", f"paths.log_dir={tmp_path / 'logs'}"),
             ("size=340m attention=gated_deltanet 'data.sources=[/shared/corpus]'",
-             " ".join([*DIGITS, "data.batch_size=32", *PACED]).replace("${seed}", "0")),
+             " ".join([*RUN, *PACED]).replace("${seed}", "0")),
         ],
     )  # fmt: skip
     (tmp_path / "ddp.sh").write_text(script)
@@ -489,7 +461,7 @@ def test_the_docs_ddp_job_trains_as_one_process_and_resumes_after_a_requeue(
 
     rows, resumes = history(run_dir)
     assert len(resumes) == 1 and 0 < resumes[0] < 42, resumes
-    one_rows, _ = history(one_process_on_the_combined_batch(tmp_path, monkeypatch))
+    one_rows, _ = history(train_one_process_on_the_combined_batch(tmp_path / "one"))
     for key, logged in (("train/loss", 42), ("val/loss", 2)):  # every step, every epoch
         two = [(r["step"], r[key]) for r in rows if key in r]
         one = [(r["step"], r[key]) for r in one_rows if key in r]

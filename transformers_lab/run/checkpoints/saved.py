@@ -89,7 +89,14 @@ def sharded_reader(path: Path, trust: bool = False) -> Any:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class CheckedReader(FileSystemReader):
+        read: Any = None  # the index, once read: PyTorch's load asks for it again
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if self.read is None:
+                self.read = self.unpickled(*args, **kwargs)
+            return self.read
+
+        def unpickled(self, *args: Any, **kwargs: Any) -> Any:
             if trust:
                 return super().read_metadata(*args, **kwargs)
             with open(path / ".metadata", "rb") as f:
@@ -112,15 +119,17 @@ def sharded_reader(path: Path, trust: bool = False) -> Any:
     return reader
 
 
-def sharded_shapes(path: Path, trust: bool = False) -> dict[str, torch.Tensor]:
-    """The model's tensors of a sharded checkpoint as its index gives them, on the meta
-    device: their names, shapes and dtypes, nothing read (``sharded_weights`` reads them)."""
+def sharded_shapes(path: Path, trust: bool = False, reader: Any = None) -> dict[str, torch.Tensor]:
+    """The model's tensors of a sharded checkpoint as its index gives them (read by
+    ``reader`` where one is given), on the meta device: their names, shapes and dtypes,
+    nothing read (``sharded_weights`` reads them)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    reader = reader or sharded_reader(path, trust)
     prefix = "state_dict."
     return {
         key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
-        for key, meta in sharded_reader(path, trust).metadata.state_dict_metadata.items()
+        for key, meta in reader.metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
 
@@ -130,11 +139,12 @@ def sharded_weights(path: Path, trust: bool = False) -> dict[str, torch.Tensor]:
     every process's part (the optimizer's state is left on disk)."""
     from torch.distributed.checkpoint import load
 
-    shapes = sharded_shapes(path, trust)
+    reader = sharded_reader(path, trust)  # the index read once, for the shapes and the load
+    shapes = sharded_shapes(path, trust, reader)
     state = {"state_dict": {k: torch.empty_like(v, device="cpu") for k, v in shapes.items()}}
     with warnings.catch_warnings():  # that it reads in one process: what it is asked
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load(state, storage_reader=sharded_reader(path, trust), no_dist=True)
+        load(state, storage_reader=reader, no_dist=True)
     return state["state_dict"]
 
 
