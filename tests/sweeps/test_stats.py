@@ -204,10 +204,12 @@ def test_a_sweep_over_rates_keeps_each_choice_at_its_best_rate_by_default(tmp_pa
     assert groups["attention=fastmax"]["won"] == {"optimizer.lr": "1e-2"}
     md = (sweep / "summary.md").read_text()
     assert "| choice | best optimizer.lr | runs ok |" in md
-    assert "| attention=fastmax | 1e-2 | 3/3 |" in md
+    # a grid of 2 rates: every best is on its edge, and marked so
+    assert "| attention=fastmax | 1e-2 (highest) ^ | 3/3 |" in md
     print_summary(summary)
     printed = capsys.readouterr().out
-    assert "| choice | best optimizer.lr | runs ok |" in printed and "| 1e-3 |" in printed
+    assert "| choice | best optimizer.lr | runs ok |" in printed
+    assert "| 1e-3 (lowest) ^ |" in printed
     every = summarize(sweep, best_over=[])
     assert (
         len(every["groups"]) == 4 and "best optimizer.lr" not in (sweep / "summary.md").read_text()
@@ -303,7 +305,7 @@ def test_tlab_summarize_takes_the_baseline_and_the_grid(tmp_path, capsys):
     args = [str(sweep), "--best-over", "optimizer.lr", "--baseline", "attention=softmax"]
     assert summary_module.main(args) == 0
     out = capsys.readouterr().out
-    assert "| attention=fastmax | 1e-2 | 3/3 |" in out and "(paired t)" in out
+    assert "| attention=fastmax | 1e-2 (highest) ^ | 3/3 |" in out and "(paired t)" in out
     assert summary_module.main([str(sweep), "--best-over"]) == 0  # none: every rate
     assert "| attention=fastmax optimizer.lr=1e-2 | 3/3 |" in capsys.readouterr().out
     assert summary_module.main([str(sweep), "--baseline", "attention=nope"]) == 2

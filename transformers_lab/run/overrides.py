@@ -119,23 +119,31 @@ def sweep_resume(
     if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
         return None
     sweep_dir = Path(str(hydra_cfg.sweep.dir))
+    if "study_name" in (hydra_cfg.sweeper or {}):
+        return [
+            "resume its study with",
+            sweep_command(sweep_dir),
+            "(this trial is given up, its slot asked again)",
+        ]
+    command = sweep_command(sweep_dir, ["skip_finished=true"])
+    return ["finish its sweep with", command, f"({resumes})"]
+
+
+def sweep_command(sweep_dir: Path, extra: Sequence[str] = ()) -> str:
+    """The command line that runs a multirun again into its own dir, from its saved
+    ``multirun.yaml``: its overrides (its ``hydra.*`` ones included, such as the search
+    path of the user's configs), its sweep dir, and ``extra`` (which replace the saved
+    overrides of the same keys)."""
     path = sweep_dir / "multirun.yaml"
     saved = OmegaConf.load(path) if path.is_file() else OmegaConf.create()
     # as given: an override's ${...} is the job's to resolve (+callbacks.x.seed=${seed})
     given = OmegaConf.to_container(saved, resolve=False).get("hydra", {}).get("overrides", {})
     # the user's hydra.* overrides too: hydra.searchpath finds their kernels' configs
     master = [str(o) for part in ("hydra", "task") for o in given.get(part, ())]
-    kept = [o for o in master if override_key(o) not in RESUME_SETS]
-    words = ["-m", *kept, f"hydra.sweep.dir={sweep_dir}"]
-    if "study_name" in (hydra_cfg.sweeper or {}):
-        command = " ".join(shlex.quote(w) for w in words)
-        return [
-            "resume its study with",
-            f"tlab-train {command}",
-            "(this trial is given up, its slot asked again)",
-        ]
-    command = " ".join(shlex.quote(w) for w in [*words, "skip_finished=true"])
-    return ["finish its sweep with", f"tlab-train {command}", f"({resumes})"]
+    replaced = {*RESUME_SETS, *(override_key(o) for o in extra)}
+    kept = [o for o in master if override_key(o) not in replaced]
+    words = ["-m", *kept, f"hydra.sweep.dir={sweep_dir}", *extra]
+    return "tlab-train " + " ".join(shlex.quote(w) for w in words)
 
 
 def sweep_parameters(sweep_dir: Path) -> set[str]:

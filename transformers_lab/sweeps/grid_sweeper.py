@@ -7,11 +7,20 @@ dirs it started with, not from those a command line adds with
 every built-in kernel and silently left the user's out. This sweeper asks with the
 search path. It is the default (``conf/hydra/default.yaml``); a preset that overrides
 ``hydra/sweeper`` (``sweep=lr_optuna``) replaces it.
+
+``hydra.sweeper.grow=N`` grows the grid past its edge: once the grid's jobs are done, each
+choice whose best value of the summary's searched keys (``summary.best_over``, by default
+the rate) is the lowest or highest the grid tried gets the next value past it, each of the
+winning value's seeds, numbered on from the sweep's jobs (``report.edges``). Round after
+round, until every best lies inside its grid or N rounds have run; the sweep says which.
+Run into an old sweep's dir with ``skip_finished=true``, it grows that sweep: its finished
+jobs are kept, and a next value that a round already ran is not run again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from hydra.core.object_type import ObjectType
@@ -19,6 +28,9 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
+
+from transformers_lab.errors import ConfigError
+from transformers_lab.run.record import say
 
 BASIC = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
@@ -54,9 +66,18 @@ class GridSweeper(Sweeper):
     the basic sweeper as Hydra's plugins loaded it (their module is their own copy, so a
     subclass of an imported one would not be theirs)."""
 
-    def __init__(self, max_batch_size: int | None = None, params: Any = None) -> None:
+    def __init__(
+        self, max_batch_size: int | None = None, params: Any = None, grow: int = 0
+    ) -> None:
+        if not isinstance(grow, int) or isinstance(grow, bool) or grow < 0:
+            raise ConfigError(
+                f"hydra.sweeper.grow must be the most rounds to grow the grid by, an integer "
+                f">= 0, got {grow!r}; e.g. hydra.sweeper.grow=3"
+            )
         basic = Plugins.instance().class_name_to_class[BASIC]
         self.basic = basic(max_batch_size=max_batch_size, params=params)
+        self.grow = grow
+        self.config: DictConfig | None = None
 
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
@@ -66,6 +87,67 @@ class GridSweeper(Sweeper):
             loader = SearchPathLoader(hydra_context.config_loader, searchpath)
             hydra_context = dataclasses.replace(hydra_context, config_loader=loader)
         self.basic.setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        self.config = config
 
     def sweep(self, arguments: list[str]) -> Any:
-        return self.basic.sweep(arguments)
+        returns = self.basic.sweep(arguments)
+        if self.grow:
+            returns = [*returns, *self.grow_grid()]
+        return returns
+
+    def grow_grid(self) -> list[Any]:
+        """Run the next value past each edge of the grid, round after round (``grow``)."""
+        from transformers_lab.sweeps.report.cli import summary_settings
+        from transformers_lab.sweeps.report.edges import find_edges, grow_jobs
+
+        assert self.config is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        returns = []
+        for round_ in range(self.grow + 1):
+            runs, metric, mode, over = searched(
+                sweep_dir, summary_settings(self.config.get("summary"))
+            )
+            edges = find_edges(runs, metric, mode, over) if over else []
+            if not edges:
+                say(
+                    f"grow: every best {' and '.join(over) or 'value'} lies inside its grid"
+                    + (f" after {round_} round(s)" if round_ else "")
+                )
+                return returns
+            jobs = grow_jobs(edges, runs)
+            if round_ == self.grow or not jobs:
+                still = "; ".join(map(str, edges))
+                why = f"its bound of {self.grow} round(s)" if jobs else "no next value to run"
+                say(f"grow: stopped at {why}; still on the edge: {still}")
+                return returns
+            number = next_job_number(sweep_dir)
+            new = [g.overrides for g in jobs if g.rerun is None]
+            again = [g for g in jobs if g.rerun is not None]
+            say(
+                f"grow: round {round_ + 1}, {len(jobs)} job(s) past the edge of "
+                f"{len(edges)} choice(s): {len(new)} numbered from {number}"
+                + (f", {len(again)} run again in their own dirs" if again else "")
+            )
+            for job in again:  # stopped midway: in its own dir, where it resumes
+                assert job.rerun is not None
+                returns.append(self.basic.launcher.launch([job.overrides], int(job.rerun.name)))
+            if new:
+                returns.append(self.basic.launcher.launch(new, initial_job_idx=number))
+        return returns
+
+
+def searched(sweep_dir: Path, settings: dict[str, Any]) -> tuple[list[Any], str, str, list[str]]:
+    """The sweep's runs, its metric and mode, and the keys its summary searches over."""
+    from transformers_lab.sweeps.report.cli import default_best_over
+    from transformers_lab.sweeps.report.collect import collect, pick_metric
+
+    runs = collect(sweep_dir)
+    metric, mode = pick_metric(runs, None)
+    best = settings["best_over"]
+    return runs, metric, mode, default_best_over(runs) if best is None else list(best)
+
+
+def next_job_number(sweep_dir: Path) -> int:
+    """The number after every job dir of the sweep."""
+    numbers = [int(p.name) for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+    return max([-1, *numbers]) + 1

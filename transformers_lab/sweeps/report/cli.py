@@ -36,13 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.errors import UnknownChoice, UnknownMetric
 from transformers_lab.files import atomic_write
-from transformers_lab.run.overrides import SEED_KEYS, override_key, override_map
+from transformers_lab.run.overrides import SEED_KEYS, override_key, override_map, sweep_command
 from transformers_lab.run.record import RESULT_FILE, STATUSES
 from transformers_lab.sweeps.report.collect import collect, default_out, pick_metric, varying_keys
+from transformers_lab.sweeps.report.edges import edge_note, find_edges
 from transformers_lab.sweeps.report.groups import (
     against_baseline,
     best_in_cells,
@@ -124,6 +125,9 @@ def summarize(
         for row in rows:
             row["best of cell"] = "yes" if row["job"] in chosen and row["status"] == "ok" else ""
     groups = group_rows(grouped, metric, keys, by_source, over)
+    edges = find_edges(runs, metric, mode, over, by_source) if over else []
+    for g in groups:
+        g["edges"] = {e.key: e.side for e in edges if e.cell == g["cell"]}
     groups.sort(
         key=lambda g: (g["mean"] is None, -(g["mean"] or 0) if mode == "max" else g["mean"] or 0)
     )
@@ -167,6 +171,7 @@ def summarize(
         "",
         *grouping_notes(over, baseline, groups, metric, by_default=best_over is None),
         *([" ".join(notes), ""] if notes else []),
+        *edge_note(edges, grow_command(dirs)),
         markdown_table(
             [group_cells(g, metric) for g in groups],
             ["choice", *won_columns(over), "runs ok", f"final {metric}", f"best {metric}"]
@@ -191,6 +196,7 @@ def summarize(
     return {
         "metric": metric,
         "mode": mode,
+        "edges": edges,
         "jobs": rows,
         "groups": groups,
         "grid": grid_table,
@@ -198,6 +204,21 @@ def summarize(
         "lengths": length_points,
         "out": out,
     }
+
+
+GROW_ROUNDS = 3  # the rounds the summary's command grows a grid by, at most
+
+
+def grow_command(dirs: Sequence[Path]) -> str | None:
+    """The command that runs the next values past the grid's edges into the one sweep dir
+    given (its own command line, ``hydra.sweeper.grow``); None for several dirs, or a dir
+    that no grid sweeper ran."""
+    if len(dirs) != 1 or not (dirs[0] / "multirun.yaml").is_file():
+        return None
+    sweeper = OmegaConf.load(dirs[0] / "multirun.yaml").hydra.sweeper
+    if "grow" not in sweeper:  # an Optuna study, or a sweep of an older version
+        return None
+    return sweep_command(dirs[0], ["skip_finished=true", f"hydra.sweeper.grow={GROW_ROUNDS}"])
 
 
 # what a summary keeps the best value of by default: each choice at its best learning rate

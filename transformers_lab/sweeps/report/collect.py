@@ -31,6 +31,7 @@ class Run:
     record: JobRecord
     values: dict[str, str] = field(default_factory=dict)
     identity: dict[str, str] | None = None
+    dir: Path | None = None
 
     def same_as(self, ignore: Sequence[str] = ()) -> tuple:
         """The key of its group: its settings that change between runs (its labels where
@@ -100,7 +101,7 @@ def collect(*dirs: str | Path) -> list[Run]:
                 record.metrics = last_csv_metrics(run_dir)
             several = len(dirs) > 1 and run_dir != source
             job = f"{source.name}/{run_dir.name}" if several else run_dir.name
-            runs.append(Run(job, source.name, record))
+            runs.append(Run(job, source.name, record, dir=run_dir))
             found.append((record.overrides, run_dir))
     unique_jobs(runs, [d for _, d in found])
     for run, (values, identity) in zip(runs, labelled_values(found), strict=True):

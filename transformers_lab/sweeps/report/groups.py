@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from transformers_lab.errors import UnknownChoice
@@ -15,43 +16,65 @@ from transformers_lab.sweeps.report.stats import best_of, compare, interval, met
 from transformers_lab.sweeps.report.tables import natural
 
 
-def best_in_cells(
+@dataclass
+class Cell:
+    """A cell of a searched grid: its runs by their setting of the searched keys, and the
+    setting that stands for it (None where no run of the cell finished)."""
+
+    settings: dict[tuple, list[Run]]
+    winner: tuple | None
+
+
+def grid_cells(
     runs: Sequence[Run], metric: str, mode: str, over: Sequence[str], by_source: bool = False
-) -> set[str]:
-    """The jobs that stand for their cell: runs that differ only in the ``over`` keys (a
-    learning-rate grid) and their seeds form a cell, and the setting of the ``over`` keys
-    whose finished runs have the best mean stands for it, with all its runs (a seed that
-    failed there too). (The best rate of each seed apart would pick each seed's luckiest
-    rate, and overstate the cell.) The means are over the seeds that every setting of the
-    cell ran, and a setting that did not finish all of them stands behind those that did:
-    a seed added later at the winning rate joins its runs and leaves the choice as it was,
-    and a rate that failed on most seeds does not win on the one it finished. Without
-    such seeds, the mean of each setting's finished runs decides. A cell with no finished
-    run stands as it is. The cells span the dirs given (a grid run in parts, or single
-    runs' dirs), each dir's own with ``by_source``, as the groups do."""
-    cells: dict[tuple, dict[tuple, list[Run]]] = {}
+) -> dict[tuple, Cell]:
+    """The cells of a grid searched over the ``over`` keys, keyed as ``group_rows`` keys
+    its groups (the dir given, with ``by_source``, and the settings that are not searched).
+
+    Runs that differ only in the ``over`` keys (a learning-rate grid) and their seeds form a
+    cell, and the setting of the ``over`` keys whose finished runs have the best mean
+    stands for it, with all its runs (a seed that failed there too). (The best rate of
+    each seed apart would pick each seed's luckiest rate, and overstate the cell.) The
+    means are over the seeds that every setting of the cell ran, and a setting that did
+    not finish all of them stands behind those that did: a seed added later at the winning
+    rate joins its runs and leaves the choice as it was, and a rate that failed on most
+    seeds does not win on the one it finished. Without such seeds, the mean of each
+    setting's finished runs decides. The cells span the dirs given (a grid run in parts,
+    or single runs' dirs), each dir's own with ``by_source``, as the groups do."""
+    grouped: dict[tuple, dict[tuple, list[Run]]] = {}
     for run in runs:
-        cell = run.same_as(ignore=over)
         setting = tuple(run.values.get(k) for k in over)
-        source = run.source if by_source else ""
-        cells.setdefault((source, cell), {}).setdefault(setting, []).append(run)
-    chosen = set()
-    for settings in cells.values():
-        key = seed_keys(list(settings.values()))
-        common = set.intersection(*({key[r.job] for r in m} for m in settings.values()))
+        key = (run.source if by_source else "", run.same_as(ignore=over))
+        grouped.setdefault(key, {}).setdefault(setting, []).append(run)
+    cells = {}
+    for key, settings in grouped.items():
+        seeds = seed_keys(list(settings.values()))
+        common = set.intersection(*({seeds[r.job] for r in m} for m in settings.values()))
         finished = {
             setting: [r for r in members if metric in r.record.metrics and r.record.status == "ok"]
             for setting, members in settings.items()
         }
         finished = {k: v for k, v in finished.items() if v}
-        complete = {s: v for s, v in finished.items() if common <= {key[r.job] for r in v}}
+        complete = {s: v for s, v in finished.items() if common <= {seeds[r.job] for r in v}}
         if common and complete:
-            scored = {s: [r for r in v if key[r.job] in common] for s, v in complete.items()}
+            scored = {s: [r for r in v if seeds[r.job] in common] for s, v in complete.items()}
         else:
             scored = finished
         means = [statistics.fmean(r.record.metrics[metric] for r in v) for v in scored.values()]
         index = best_of(means, mode)
-        best = [settings[list(scored)[index]]] if index is not None else settings.values()
+        cells[key] = Cell(settings, list(scored)[index] if index is not None else None)
+    return cells
+
+
+def best_in_cells(
+    runs: Sequence[Run], metric: str, mode: str, over: Sequence[str], by_source: bool = False
+) -> set[str]:
+    """The jobs that stand for their cell of the grid searched over ``over``
+    (``grid_cells``): the winning setting's runs; every run of a cell with no finished
+    run, which stands as it is."""
+    chosen = set()
+    for cell in grid_cells(runs, metric, mode, over, by_source).values():
+        best = cell.settings.values() if cell.winner is None else [cell.settings[cell.winner]]
         chosen |= {r.job for members in best for r in members}
     return chosen
 
@@ -71,12 +94,12 @@ def group_rows(
     the ``ignore`` keys its runs had (the winners of a searched grid); the choice's
     parameter count and decoding state."""
     bounds = metric_range(metric)
-    groups: dict[tuple[str, str], list[Run]] = {}
+    groups: dict[tuple, list[Run]] = {}
     for run in runs:
         key = (run.source if by_source else "", run.same_as(ignore))
         groups.setdefault(key, []).append(run)
     rows = []
-    for members in groups.values():
+    for key, members in groups.items():
         ok = [r for r in members if r.record.status == "ok"]
         seeded = by_seed([r for r in ok if metric in r.record.metrics])
         seeds = {key: r.record.metrics[metric] for key, r in seeded.items()}
@@ -87,6 +110,7 @@ def group_rows(
         spread = interval(finals, bounds) if finals else None
         rows.append(
             {
+                "cell": key,  # grid_cells' key of its cell, where a grid was searched
                 "choice": choice_of(members[0], keys, by_source),
                 "values_of": choice_values(members[0], keys, by_source),
                 # the setting of the searched keys that won its cell (several: none finished)

@@ -142,7 +142,8 @@ def won_columns(over: Sequence[str]) -> list[str]:
 def group_cells(g: dict[str, Any], metric: str) -> dict[str, Any]:
     """One row of the grouped table."""
     off = g.get("params_off")
-    won = g.get("won", {})
+    edges = g.get("edges", {})
+    won = {k: v + (f" ({edges[k]}) ^" if k in edges else "") for k, v in g.get("won", {}).items()}
     row = {
         "choice": g["choice"],
         **dict(zip(won_columns(won), won.values(), strict=True)),
