@@ -4,6 +4,7 @@ exit code 2 and one ``error:`` line on stderr that names the mistake, with no tr
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import urllib.error
 from pathlib import Path
@@ -174,6 +175,46 @@ CASES = [
         "summary.best_over: optimizer.lrr is no key of the config (did you mean optimizer.lr?)",
     ),
     case("train", ["summary.mean_over=[dta]"], "summary.mean_over: dta is no key of the config"),
+    # a key where a list of keys is meant: it was read letter by letter, after every job
+    case(
+        "train",
+        ["-m", "seed=0,1", "summary.best_over=optimizer.lr"],
+        "summary.best_over is a list of keys, got 'optimizer.lr'; write it in brackets: "
+        "summary.best_over=[optimizer.lr] (job 0: ",
+    ),
+    case("train", ["summary.mean_over=data"], "summary.mean_over is a list of keys, got 'data'"),
+    # a sweep's value refused before any of its jobs runs, naming the job
+    case(
+        "train",
+        ["-m", "optimizer.lr=1e-3,-1"],
+        "optimizer.lr must be a number > 0, got -1 (job 1: ",
+    ),
+    # a launcher: given to one run (it was ignored), or with options that run nothing
+    case("train", ["launcher=joblib"], "launcher=joblib launches the jobs of a multirun"),
+    case(
+        "train",
+        ["-m", "seed=0,1", "launcher=joblib", "hydra.launcher.n_jobs=0"],
+        "hydra.launcher.n_jobs=0 runs no job: give how many jobs run at once",
+    ),
+    case(
+        "train",
+        ["-m", "seed=0,1", "launcher=slurm", "hydra.launcher.timeout_min=1"],
+        "hydra.launcher.signal_delay_s=120 must be a number of seconds above 0 and at most "
+        "the time limit (1 min) less a minute",
+    ),
+    case(
+        "train",
+        ["-m", "seed=0,1", "launcher=slurm", "hydra.launcher.timeout_min=soon"],
+        "hydra.launcher.timeout_min='soon' is no time limit",
+    ),
+    # lengths and depths past the trained length: every wrong value named; a scalar
+    case("train", ["eval_lengths=[0,-5]"], "each length must be an integer >= 1; 0 and -5 are"),
+    case(
+        "train",
+        ["eval_lengths=[64]", "eval_depths=0.5"],
+        "eval_depths=0.5 is not a list: write the depths in brackets, e.g. eval_depths=[0.5]",
+    ),
+    case("eval", ["ckpt_path={vit}", "seed=-1"], "seed must be an integer >= 0, got -1"),
     # the model against its data
     case(
         "train",
@@ -212,7 +253,8 @@ CASES = [
         "val_fraction=1.5 must be in (0, 1)",
     ),
     case("train", ["data=mnist", "data.download=false"], "is missing and downloads are off"),
-    case("train", ["data=shakespeare_char"], "could not download"),  # offline: no network
+    # offline: no network
+    case("train", ["model=gpt", "data=shakespeare_char"], "could not download"),
     # checkpoints to resume from
     case(
         "train",
@@ -341,8 +383,8 @@ CASES = [
     case(
         "train",
         ["model=vit", "data=mnist", "data.as_sequence=true", "$TLAB_DATA_DIR={real}"],
-        "model=vit (ViT) cannot take data=mnist: the data provides vocab_size, block_size, "
-        "num_classes but ViT has no block_size, vocab_size; use model=encoder",
+        "model=vit (ViT) cannot take data=mnist: the data provides block_size, num_classes, "
+        "vocab_size but ViT has no block_size, vocab_size; use model=encoder",
         marks=NEEDS_MNIST,
     ),
     case(
@@ -384,7 +426,7 @@ CASES = [
     ),
     case(  # refused as the tokenizer is built, when the data is set up
         "train",
-        ["data=shakespeare_bpe", "data.bpe_file={junk}", "$TLAB_DATA_DIR={real}"],
+        ["model=gpt", "data=shakespeare_bpe", "data.bpe_file={junk}", "$TLAB_DATA_DIR={real}"],
         "data=shakespeare_bpe (ShakespeareBPEDataModule) refuses data.bpe_file='{junk}': "
         "bpe_file={junk} is not a .tiktoken ranks file",
         marks=pytest.mark.skipif(
@@ -558,7 +600,8 @@ CASES = [
     case(
         "eval",
         ["ckpt_path={passkey}", "eval_lengths=[128]", "eval_depths=[0,2]"],
-        "eval_depths=[0, 2]: each depth must be in [0, 1]",
+        "eval_depths: each depth must be a number in [0, 1] (0: the haystack's start, 1: its "
+        "end); 2 is not",
     ),
     case("eval", ["ckpt_path={vit}", "eval_lengths=[64]"], "scores a GPT (language model"),
     case(
@@ -641,6 +684,7 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
             monkeypatch.setenv(*arg[1:].split("=", 1))
         else:
             overrides.append(arg)
+    overrides.sort(key=lambda arg: arg != "-m")  # Hydra's flag before the overrides
     monkeypatch.setattr(sys, "argv", [f"tlab-{entry}", *overrides])
     with pytest.raises(SystemExit) as exit_:
         ENTRY_POINTS[entry]()
@@ -650,3 +694,51 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
     assert len(errors) == 1 and message.format(**files, tmp=tmp_path) in errors[0], err
     assert "Traceback" not in err
     assert not Path(files["ran"]).exists(), "a checkpoint's pickle ran code"
+    left = [str(p) for p in (tmp_path / "logs").glob("*/*/*")]  # logs/<task>/runs/<run>
+    if "/proc/" not in " ".join(args):  # the machine's refusal (OSError): the run is kept
+        assert not left, f"a refused run left its dir: {left}"
+
+
+@pytest.mark.parametrize(("entry", "args", "message"), [
+    ("train", ["optimizer.lr=-1"], "optimizer.lr must be a number > 0, got -1"),
+    ("train", ["-m", "seed=0,1", "trainer.max_steps=0"], "trainer.max_steps must be -1"),
+    ("eval", ["ckpt_path=x.ckpt", "trainer.precision=8"], "trainer.precision must be one of"),
+    ("sample", ["ckpt_path=x.ckpt", "num_samples=0"], "num_samples must be an integer >= 1"),
+])  # fmt: skip
+def test_a_mistake_in_a_value_is_refused_before_torch_is_imported(entry, args, message, tmp_path):
+    """What needs no constructor is refused before torch and Lightning are imported (about
+    a second, where importing them takes 6 s or more), and leaves no run dir."""
+    code = (
+        f"import sys\nsys.argv = ['tlab-{entry}', *{args!r}]\n"
+        f"from transformers_lab.{entry} import main\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n"
+        "    print(exc.code, sorted(m for m in ('torch', 'lightning') if m in sys.modules))\n"
+    )
+    env = {**os.environ, "TLAB_ROOT": str(tmp_path), "WANDB_MODE": "offline"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "2 []", proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not list((tmp_path / "logs").glob("*/*/*")), "a refused run left its dir"
+
+
+def test_a_model_that_cannot_take_the_data_is_refused_before_the_data_is_drawn(
+    monkeypatch, tmp_path, capsys
+):
+    """At LRA's own sizes, drawing ListOps takes minutes: the model is held to the sizes
+    the data will give before any of it is drawn."""
+    from transformers_lab.data.lra import LRADataModule
+
+    def drawn(self):
+        raise AssertionError("the data was drawn before the model was refused")
+
+    monkeypatch.setattr(LRADataModule, "generate", drawn)
+    monkeypatch.setenv("TLAB_ROOT", str(tmp_path))
+    for model in ("gpt", "vit"):
+        monkeypatch.setattr(sys, "argv", ["tlab-train", f"model={model}", "data=lra_listops"])
+        with pytest.raises(SystemExit) as exit_:
+            train_main()
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"model={model}" in err, err
+        assert "cannot take data=lra_listops" in err and "use model=encoder" in err

@@ -8,6 +8,7 @@ import contextlib
 import difflib
 import os
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -204,6 +205,39 @@ def file_error(exc: OSError) -> str:
         "written, and that the disk has room (run dirs: TLAB_ROOT or hydra.run.dir=; data: "
         "TLAB_DATA_DIR or data.root=)"
     )
+
+
+# what a run writes into its dir before it trains a step: Hydra's config and log, the
+# job's record, its loggers' folders (no checkpoint)
+FRESH_RUN_FILES = (".hydra", "result.json", "csv", "tensorboard", "wandb")
+
+
+@contextlib.contextmanager
+def refusals_leave_no_run_dir() -> Iterator[None]:
+    """A single run refused (a ``ConfigError``, a ``DataFileError``, an interpolation that
+    fails) takes its run dir away with it, where the dir holds nothing but what a run
+    writes before it trains (``FRESH_RUN_FILES``, its log; no checkpoint): a mistake
+    leaves nothing to clear up, and a dir that a run used before is kept whole."""
+    try:
+        yield
+    except (ConfigError, DataFileError, InterpolationResolutionError):
+        remove_fresh_run_dir()
+        raise
+
+
+def remove_fresh_run_dir() -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
+        return  # a sweep's job dir records its failure
+    out = Path(HydraConfig.get().runtime.output_dir)
+    entries = list(out.iterdir()) if out.is_dir() else []
+    if not entries or not all(p.name in FRESH_RUN_FILES or p.suffix == ".log" for p in entries):
+        return
+    for entry in entries:
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    out.rmdir()
 
 
 @contextlib.contextmanager

@@ -23,6 +23,16 @@ def at_least(least: int, **values: object) -> None:
             raise ValueError(must_be(key, f"an integer >= {least}", value))
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Refuse sampling options that draw nothing sensible (raises ``ValueError``)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 (or None for no cut), got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 class ConfigError(ValueError):
     """A configuration that cannot work; the message says what to change."""
 

@@ -29,22 +29,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.analysis.positions import write_position_losses
-from transformers_lab.cli import run_hydra, user_errors
+from transformers_lab.cli import refusals_leave_no_run_dir, run_hydra, user_errors
 from transformers_lab.config import CONF_DIR, migrate_targets
 from transformers_lab.errors import ConfigError
-from transformers_lab.run.checkpoints import SavedCheckpoint, read_checkpoint
-from transformers_lab.run.components import check_split, restore, use_cpu
-from transformers_lab.run.harness import harness_table, score_checkpoint, write_results
-from transformers_lab.run.lengths import LengthOptions, evaluate_lengths, write_lengths
-from transformers_lab.run.preflight import check_config
-from transformers_lab.run.record import metrics_dict, print_metrics
-from transformers_lab.run.trainer import build_trainer, finish_wandb
+from transformers_lab.run.values import LengthOptions, check_values
+
+if TYPE_CHECKING:
+    from transformers_lab.run.checkpoints import SavedCheckpoint
+
+# torch, Lightning and the run's code are imported once the values are checked (in the
+# functions below): a mistake in a value is refused in about a second
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +52,17 @@ SPLITS = ("val", "test")
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """The metrics of ``cfg.ckpt_path`` on ``cfg.split``."""
+    import lightning as L
+
+    from transformers_lab.run.checkpoints import read_checkpoint
+    from transformers_lab.run.components import check_split, restore, use_cpu
+    from transformers_lab.run.preflight import check_config
+    from transformers_lab.run.record import metrics_dict, print_metrics
+    from transformers_lab.run.trainer import build_trainer, finish_wandb
+
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
+    sweep_or_checkpoint(cfg)
     migrate_targets(cfg)  # a _target_ of an earlier version, to its new home
-    if cfg.get("sweep_dir") and OmegaConf.is_missing(cfg, "ckpt_path"):
-        cfg.ckpt_path = None  # a sweep's checkpoints are its jobs'
     lengths = check_config(cfg)
     if cfg.split not in SPLITS:
         raise ConfigError(f"split={cfg.split} is not one of {', '.join(SPLITS)}")
@@ -95,6 +101,11 @@ def evaluate_at_lengths(
 ) -> dict[str, float]:
     """``evaluate`` at each of the ``lengths`` (and needle depth): the metrics, also
     written to ``lengths.csv`` (and the loss by position) in the run dir."""
+    from transformers_lab.analysis.positions import write_position_losses
+    from transformers_lab.run.lengths import evaluate_lengths, write_lengths
+    from transformers_lab.run.record import print_metrics
+    from transformers_lab.run.trainer import build_trainer
+
     data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") else {}
     metrics, positions, trained = evaluate_lengths(
         checkpoint, lengths, lambda: build_trainer(cfg, purpose="score"), data, cfg.split
@@ -111,6 +122,9 @@ def evaluate_at_lengths(
 def evaluate_on_harness(cfg: DictConfig, checkpoint: SavedCheckpoint) -> dict[str, float]:
     """The checkpoint's scores on lm-evaluation-harness's tasks (``cfg.harness``): printed,
     logged to the run's loggers, and written to ``harness.json`` in the run dir."""
+    from transformers_lab.run.harness import harness_table, score_checkpoint, write_results
+    from transformers_lab.run.trainer import build_trainer, finish_wandb
+
     options = cfg.harness
     data = cfg.get("data")
     metrics, results = score_checkpoint(checkpoint, cfg.ckpt_path, options, data)
@@ -148,9 +162,17 @@ def is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def sweep_or_checkpoint(cfg: DictConfig) -> None:
+    """A sweep's checkpoints are its jobs': with ``sweep_dir``, ``ckpt_path`` is none."""
+    if cfg.get("sweep_dir") and OmegaConf.is_missing(cfg, "ckpt_path"):
+        cfg.ckpt_path = None
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="eval")
 def hydra_main(cfg: DictConfig) -> None:
-    with user_errors():
+    with user_errors(), refusals_leave_no_run_dir():
+        sweep_or_checkpoint(cfg)
+        check_values(cfg)  # in about a second: torch is not imported yet
         evaluate(cfg)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.cli import run_hydra, user_errors
+from transformers_lab.cli import refusals_leave_no_run_dir, run_hydra, user_errors
 from transformers_lab.config import CONF_DIR, expand_hybrid, migrate_targets
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.checkpoints import read_checkpoint
@@ -69,7 +69,7 @@ def export_checkpoint(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="export")
 def hydra_main(cfg: DictConfig) -> None:
-    with user_errors():
+    with user_errors(), refusals_leave_no_run_dir():
         export_checkpoint(cfg)
 
 

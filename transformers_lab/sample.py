@@ -11,28 +11,29 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
-import lightning as L
-import torch
 from omegaconf import DictConfig
 
-from transformers_lab.cli import run_hydra, user_errors
+from transformers_lab.cli import refusals_leave_no_run_dir, run_hydra, user_errors
 from transformers_lab.config import CONF_DIR, migrate_targets
-from transformers_lab.errors import ConfigError, at_least
-from transformers_lab.models import GPT
-from transformers_lab.models.common import check_sampling
-from transformers_lab.run.checkpoints import read_checkpoint
-from transformers_lab.run.components import restore, use_cpu
-from transformers_lab.run.language import language_model
-from transformers_lab.run.preflight import check_config, typed_options
+from transformers_lab.errors import ConfigError, at_least, check_sampling
+from transformers_lab.run.values import check_values, typed_options
+
+if TYPE_CHECKING:
+    import lightning as L
+
+    from transformers_lab.models import GPT
+
+# torch, Lightning and the run's code are imported once the options are checked (in the
+# functions below): a mistake in a value is refused in about a second
 
 
 @dataclass(frozen=True)
 class SampleOptions:
     """What ``tlab-sample`` draws (``conf/sample.yaml``), each setting refused here or, for
-    the sampling itself, by the model's rule (``models.common.check_sampling``)."""
+    the sampling itself, by the model's rule (``errors.check_sampling``)."""
 
     prompt: str = "\n"
     num_samples: int = 3
@@ -60,6 +61,10 @@ class SampleOptions:
 
 def load_generator(cfg: DictConfig) -> tuple[GPT, L.LightningDataModule]:
     """The GPT of the checkpoint (weights loaded) and the data module with its tokenizer."""
+    from transformers_lab.run.checkpoints import read_checkpoint
+    from transformers_lab.run.components import restore
+    from transformers_lab.run.language import language_model
+
     checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
     restored = restore(checkpoint, checkpoint.run_config(cfg.get("data")))
     found = language_model(restored, cfg.ckpt_path, "tlab-sample")
@@ -116,10 +121,22 @@ def encode_prompt(datamodule: L.LightningDataModule, prompt: str) -> list[int]:
     return ids
 
 
-@torch.no_grad()
 def sample(cfg: DictConfig) -> list[str]:
     """The samples ``cfg``'s options ask for (``SampleOptions``): continuations of the
     prompt, printed and returned; streamed, each is printed as its tokens are drawn."""
+    import torch
+
+    with torch.no_grad():
+        return draw(cfg)
+
+
+def draw(cfg: DictConfig) -> list[str]:
+    import lightning as L
+    import torch
+
+    from transformers_lab.run.components import use_cpu
+    from transformers_lab.run.preflight import check_config
+
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
     migrate_targets(cfg)  # a _target_ of an earlier version, to its new home
     check_config(cfg)
@@ -164,7 +181,9 @@ def sample(cfg: DictConfig) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="sample")
 def hydra_main(cfg: DictConfig) -> None:
-    with user_errors():
+    with user_errors(), refusals_leave_no_run_dir():
+        check_values(cfg)  # in about a second: torch is not imported yet
+        typed_options(SampleOptions, cfg)
         sample(cfg)
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig
 
-from transformers_lab.cli import run_hydra, user_errors
+from transformers_lab.cli import refusals_leave_no_run_dir, run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
 from transformers_lab.errors import RunStopped
 from transformers_lab.sweeps.plugins import register_plugins
@@ -48,10 +48,16 @@ def fit_as_trial(cfg: DictConfig, checkpoint: SavedCheckpoint | None = None) -> 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
-    from transformers_lab.run.job import run_job
-    from transformers_lab.run.record import Interrupted, say
+    from transformers_lab.run.overrides import hydra_config, in_multirun
+    from transformers_lab.run.values import check_launcher, check_values
 
-    with user_errors():
+    with user_errors(), refusals_leave_no_run_dir():
+        if not in_multirun():  # a sweep checked its jobs' values before launching them
+            check_launcher(hydra_config())
+            check_values(cfg)  # in about a second: torch is not imported yet
+        from transformers_lab.run.job import run_job
+        from transformers_lab.run.record import Interrupted, say
+
         try:
             return run_job(cfg, fit_as_trial)
         except RunStopped as exc:  # a NaN, or a signal: one line, no traceback

@@ -28,7 +28,8 @@ from transformers_lab.models import GPT, Transformer
 from transformers_lab.models.transformer import check_beam
 from transformers_lab.run.checkpoints import read_checkpoint
 from transformers_lab.run.components import restore, target_class, use_cpu
-from transformers_lab.run.preflight import check_config, typed_options
+from transformers_lab.run.preflight import check_config
+from transformers_lab.run.values import typed_options
 
 log = logging.getLogger(__name__)
 

@@ -306,3 +306,28 @@ def test_the_examples_are_drawn_once_into_the_cache_and_read_back(tmp_path, monk
     mended = listops_module(cache_dir=str(tmp_path))
     assert torch.equal(mended.train_set.tensors[0], first.train_set.tensors[0])
     assert torch.equal(torch.load(cache)[0], torch.cat([x for x, _ in splits(first)]))
+
+
+@pytest.mark.parametrize(("make", "task"), [
+    (listops_module, "ListOps"),
+    (pathfinder_module, "Pathfinder"),
+])  # fmt: skip
+def test_drawing_shows_a_progress_bar_of_its_examples(make, task, monkeypatch):
+    """At LRA's own sizes drawing takes minutes: a bar counts the examples drawn (tqdm's,
+    shown on a terminal once 2 s have passed)."""
+    import io
+
+    import tqdm
+
+    bars, real = [], tqdm.tqdm
+
+    def on_a_terminal(**options):  # the bar as a terminal shows it
+        bars.append((options, real(**options | {"disable": False, "file": io.StringIO()})))
+        return bars[-1][1]
+
+    monkeypatch.setattr(tqdm, "tqdm", on_a_terminal)
+    make()
+    ((options, bar),) = bars
+    assert options["desc"] == f"drawing {task}" and options["delay"] == 2
+    assert options["disable"] is None  # tqdm's: shown on a terminal only
+    assert bar.total == (100 if task == "ListOps" else 60) and bar.n == bar.total

@@ -424,10 +424,10 @@ class OldStyleMixer(BaseConv):
 def test_a_mixer_takes_n_head_and_an_old_style_one_builds_with_a_note(monkeypatch, caplog):
     from functools import partial
 
-    from transformers_lab.attention import base
+    from transformers_lab.attention import contract
     from transformers_lab.nn.layers import sequence_mixer
 
-    monkeypatch.setattr(base, "OLD_HEADS_NOTED", set())
+    monkeypatch.setattr(contract, "NOTED", set())
     with caplog.at_level("WARNING"):
         assert isinstance(sequence_mixer(6, 2, partial(BaseConv, kernel_size=2)), BaseConv)
         assert not caplog.records

@@ -12,8 +12,8 @@ from transformers_lab.attention import (
     AttentionKernel,
     FastmaxAttention,
     SoftmaxAttention,
-    base,
     call_with_heads,
+    contract,
     masked_softmax,
 )
 from transformers_lab.attention.masks import attention_mask
@@ -230,7 +230,7 @@ def notes(caplog) -> list[str]:
 def test_an_old_style_kernel_builds_and_runs_in_a_layer_and_a_model_with_one_note(
     monkeypatch, caplog
 ):
-    monkeypatch.setattr(base, "OLD_HEADS_NOTED", set())
+    monkeypatch.setattr(contract, "NOTED", set())
     factory = functools.partial(OldStyleKernel, dropout=0.0)  # as Hydra's _partial_ gives it
     with caplog.at_level("WARNING"):
         layer = MultiHeadAttention(D_MODEL, HEADS, factory)
@@ -245,8 +245,29 @@ def test_an_old_style_kernel_builds_and_runs_in_a_layer_and_a_model_with_one_not
     assert notes(caplog) == [OLD_NOTE]  # once for the class, not once a layer
 
 
+def test_a_caller_of_the_old_keyword_builds_each_built_in_kernel_with_one_note(monkeypatch, caplog):
+    """``num_heads=`` from a caller of the earlier contract works on every kernel of ours,
+    with one note a class that names the new keyword."""
+    monkeypatch.setattr(contract, "NOTED", set())
+    from transformers_lab.attention.gated_deltanet import GatedDeltaNetAttention
+
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            for cls in (SoftmaxAttention, FastmaxAttention, GatedDeltaNetAttention):
+                kernel = cls(head_dim=8, num_heads=2)
+                assert kernel.n_head == 2
+        assert FastmaxAttention(8, num_heads=3, p=1).n_head == 3
+    said = [r.getMessage() for r in caplog.records if "num_heads" in r.getMessage()]
+    assert said == [
+        f"note: {name}(num_heads=...) is now {name}(n_head=...)"
+        for name in ("SoftmaxAttention", "FastmaxAttention", "GatedDeltaNetAttention")
+    ]
+    with pytest.raises(TypeError):  # both: Python's own refusal of a repeated argument
+        SoftmaxAttention(8, 2, num_heads=2)
+
+
 def test_a_new_style_kernel_gets_n_head_and_no_note(monkeypatch, caplog):
-    monkeypatch.setattr(base, "OLD_HEADS_NOTED", set())
+    monkeypatch.setattr(contract, "NOTED", set())
     with caplog.at_level("WARNING"):
         layer = MultiHeadAttention(D_MODEL, HEADS, functools.partial(NewStyleKernel))
         assert layer(torch.randn(2, 5, D_MODEL), causal=True).shape == (2, 5, D_MODEL)

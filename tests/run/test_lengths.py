@@ -106,10 +106,10 @@ def test_learned_positions_are_refused_past_their_table_in_one_line(gpt_ckpt, tm
 @pytest.mark.parametrize(
     ("overrides", "said"),
     [
-        (["eval_lengths=[0]"], "a length must be >= 1"),
-        (["eval_lengths=16"], "is not a list of lengths"),
+        (["eval_lengths=[0]"], "each length must be an integer >= 1; 0 is not"),
+        (["eval_lengths=16"], r"eval_lengths=16 is not a list: .* eval_lengths=\[16\]"),
         (["eval_depths=[0.5]"], "eval_depths needs eval_lengths"),
-        (["eval_lengths=[16]", "eval_depths=[1.5]"], r"each depth must be in \[0, 1\]"),
+        (["eval_lengths=[16]", "eval_depths=[1.5]"], r"a number in \[0, 1\] .*; 1.5 is not"),
         (["eval_lengths=[16]", "eval_depths=[0.5]"], "it is no needle task"),
         (["eval_lengths=[16]", "loss_by_position=0"], "number of buckets >= 1"),
     ],

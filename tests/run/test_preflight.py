@@ -9,15 +9,42 @@ from omegaconf import OmegaConf
 
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.components import build_on_meta
-from transformers_lab.run.preflight import (
+from transformers_lab.run.preflight import check_components, check_config
+from transformers_lab.run.values import (
     NULL,
     POSITIVE_INT,
+    PRECISION_NAMES,
+    PRECISIONS,
     RULES,
-    check_components,
-    check_config,
     check_missing,
     check_rules,
 )
+
+
+def test_the_precisions_written_out_are_lightnings():
+    from typing import get_args
+
+    from lightning.fabric.plugins.precision.precision import (
+        _PRECISION_INPUT,
+        _PRECISION_INPUT_STR,
+    )
+
+    assert get_args(_PRECISION_INPUT_STR) == PRECISION_NAMES
+    assert sorted(map(str, PRECISIONS)) == sorted(
+        str(value) for literal in get_args(_PRECISION_INPUT) for value in get_args(literal)
+    )
+
+
+def test_the_values_module_imports_neither_torch_nor_lightning():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, transformers_lab.run.values, transformers_lab.cli;"
+        "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_expectations_compose_with_or():
@@ -153,7 +180,7 @@ def test_a_summary_key_is_a_key_of_the_config_or_a_config_group():
     """A misspelt key is refused with the key meant; a group's choice (``mqar_size``, a
     global package with no node of its own) and a node (``data``) are keys a summary
     groups by, as tlab-summarize takes them."""
-    from transformers_lab.run.preflight import check_summary_keys
+    from transformers_lab.run.values import check_summary_keys
 
     cfg = OmegaConf.create({"optimizer": {"lr": 1e-3}, "data": {"n": 1}, "summary": {}})
     for keys in (["optimizer.lr"], ["data"], ["mqar_size"], ["experiment"]):
@@ -169,7 +196,7 @@ def test_an_entry_point_s_options_are_typed_then_held_to_their_own_rules():
     declares; a value in range goes to the dataclass, whose own rule refuses the rest."""
     from dataclasses import dataclass
 
-    from transformers_lab.run.preflight import typed_options
+    from transformers_lab.run.values import typed_options
 
     @dataclass(frozen=True)
     class Options:

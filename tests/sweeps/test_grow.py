@@ -99,6 +99,17 @@ def test_every_best_inside_gives_no_mark_and_a_rate_that_failed_counts_as_tried(
     assert (edge.side, edge.value, edge.next) == (HIGHEST, 3e-3, 1e-2)
 
 
+def test_a_best_tied_with_a_rate_inside_the_grid_is_inside(tmp_path):
+    # MQAR's kernels often reach 100% at two rates: the edge's tie with the middle is no
+    # reason to grow; a tie of the two ends (a 2-rate grid) still is
+    sweep = rate_sweep(tmp_path / "sweep", {
+        "softmax": {"1e-4": [1.0, 1.0], "3e-4": [1.0, 1.0], "1e-3": [2.0, 2.1]},
+        "dot": {"3e-4": [1.0, 1.0], "1e-3": [1.0, 1.0]},
+    })  # fmt: skip
+    edges = find_edges(collect(sweep), "val/loss", "min", ["optimizer.lr"])
+    assert [e.label() for e in edges] == ["attention=dot"]
+
+
 def test_the_grown_jobs_are_the_winning_rates_seeds_one_step_on_and_none_twice(tmp_path):
     sweep = rate_sweep(tmp_path / "sweep", {
         "softmax": {"1e-3": [2.0, 2.1], "3e-3": [1.8, 1.7]},

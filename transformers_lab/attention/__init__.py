@@ -15,7 +15,8 @@ import pkgutil
 from functools import partial
 from typing import Any
 
-from transformers_lab.attention.base import REGISTRY, AttentionKernel, Memory, call_with_heads
+from transformers_lab.attention.base import REGISTRY, AttentionKernel, Memory
+from transformers_lab.attention.contract import call_with_heads
 from transformers_lab.attention.masks import attention_mask, masked_softmax
 
 # import every kernel module of the package, so that its classes register themselves

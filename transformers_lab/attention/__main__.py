@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from transformers_lab.attention import KERNELS, AttentionKernel
-from transformers_lab.attention.base import call_with_heads
+from transformers_lab.attention.contract import call_with_heads
 
 BEGIN = "<!-- kernel table: python -m transformers_lab.attention --readme README.md -->"
 END = "<!-- end of kernel table -->"

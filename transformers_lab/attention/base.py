@@ -26,8 +26,6 @@ kernels that weigh each key on its own (sigmoid, ReLU) subclass ``keywise``'s ba
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -35,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from transformers_lab.attention.backends import check_backend
+from transformers_lab.attention.contract import takes_backend
 from transformers_lab.attention.masks import alibi_bias, alibi_slopes, attention_mask
 
 log = logging.getLogger(__name__)
@@ -102,51 +100,11 @@ class GateInput:
         return g
 
 
-def takes_backend(init: Any) -> Any:
-    """A kernel class's ``__init__`` that takes ``backend`` whether or not its own does: a
-    kernel that takes none takes ``backend=auto`` or ``loop`` (its own code, a sweep's
-    setting for every kernel) and refuses a fused one in one line (``attention.backends``)."""
-    if "backend" in inspect.signature(init).parameters:
-        return init
-
-    @functools.wraps(init)
-    def init_with_backend(self: Any, *args: Any, **kwargs: Any) -> None:
-        if "backend" in kwargs:  # auto and loop are ours; no fused one
-            check_backend(self.name, kwargs.pop("backend"), ())
-        init(self, *args, **kwargs)
-
-    return init_with_backend
-
-
 REGISTRY: dict[str, type[AttentionKernel]] = {}  # name -> class, filled as classes are defined
 
 
 def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-OLD_HEADS_NOTED: set[Any] = set()  # the factories of the old contract said once
-
-
-def call_with_heads(factory: Any, n_head: int, **sizes: int) -> Any:
-    """``factory(**sizes, n_head=n_head)``: a kernel (``head_dim=``) or a mixer
-    (``d_model=``). A factory of the old contract, whose class takes ``num_heads`` and no
-    ``n_head``, gets ``num_heads=`` and one note a class, so that it keeps working."""
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # no signature to read: the contract's name
-        params = {}
-    if "n_head" in params or "num_heads" not in params:
-        return factory(**sizes, n_head=n_head)
-    target = getattr(factory, "func", factory)  # Hydra's partial of a class, or the class
-    if target not in OLD_HEADS_NOTED:
-        OLD_HEADS_NOTED.add(target)
-        log.warning(
-            "note: %s takes num_heads; the %s contract now calls it n_head (rename the parameter)",
-            getattr(target, "__name__", repr(target)),
-            "kernel" if "head_dim" in sizes else "mixer",
-        )
-    return factory(**sizes, num_heads=n_head)
 
 
 class AttentionKernel(nn.Module):

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from transformers_lab.attention.base import AttentionKernel, call_with_heads
+from transformers_lab.attention.base import AttentionKernel
+from transformers_lab.attention.contract import call_with_heads
 
 B, H, D, DV = 2, 3, 8, 5  # batch, heads, the width of q and k, the width of v
 Factory = Callable[..., AttentionKernel]

@@ -84,6 +84,11 @@ class DataModule(L.LightningDataModule):
             return batch
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
+    def model_keys(self) -> set[str]:
+        """The keys its ``model_kwargs`` gives a model, known before any data is read (the
+        preflight holds them to the model's options); empty where only the data tells."""
+        return set()
+
 
 class InMemoryDataModule(DataModule):
     """A data module whose ``setup`` fills ``train_set`` and ``val_set`` (generated from a

@@ -13,6 +13,8 @@ Plain Python from a seed; ``lra.ListOpsDataModule`` pads the tokens to tensors.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
 from transformers_lab.errors import at_least, must_be
 
@@ -111,10 +113,11 @@ def listops(
     max_args: int = 10,
     min_length: int = 500,
     max_length: int = 2000,
+    kept: Callable[[], Any] | None = None,
 ) -> tuple[list[list[str]], list[int]]:
     """``num_examples`` distinct ListOps expressions (token lists) and their values, drawn
     from ``seed`` as LRA draws them: a tree is kept when ``min_length < tokens <
-    max_length`` and it is new."""
+    max_length`` and it is new. ``kept`` is called at each one kept (a progress bar)."""
     check_listops(max_depth, max_args, min_length, max_length)
     rng = random.Random(seed)
     seen: set[tuple[str, ...]] = set()
@@ -138,6 +141,8 @@ def listops(
         if min_length < len(tokens) < max_length and key not in seen:
             seen.add(key)
             expressions.append(tokens)
+            if kept is not None:
+                kept()
             values.append(listops_value(tree))
             misses = 0
     return expressions, values

@@ -37,6 +37,14 @@ def padded_ids(rows: Sequence[Sequence[int]], length: int) -> Tensor:
     return out
 
 
+def drawing(total: int, task: str) -> Any:
+    """A progress bar of the examples drawn, shown once drawing has taken 2 s (LRA's full
+    ListOps takes minutes on 2 cores) and only on a terminal; a context manager."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"drawing {task}", unit="example", delay=2, disable=None)
+
+
 class LRADataModule(InMemoryDataModule):
     """What the two generated LRA tasks share: training, validation and test splits drawn
     from one seed with no example in two of them, a test loader, and the sizes an
@@ -113,6 +121,11 @@ class LRADataModule(InMemoryDataModule):
         self.setup()
         return DataLoader(self.test_set, batch_size=self.batch_size, num_workers=self.num_workers)
 
+    def model_keys(self) -> set[str]:
+        return {"vocab_size", "block_size", "num_classes"} | (
+            {"pad_id"} if self.pad_id is not None else set()
+        )
+
     def model_kwargs(self) -> dict[str, Any]:
         sizes = {
             "vocab_size": self.vocab_size,
@@ -153,9 +166,11 @@ class ListOpsDataModule(LRADataModule):
 
     def generate(self) -> tuple[Tensor, Tensor]:
         total = self.train_examples + self.val_examples + self.test_examples
-        expressions, values = listops(
-            total, self.seed, self.max_depth, self.max_args, self.min_length, self.max_length
-        )
+        with drawing(total, "ListOps") as bar:
+            expressions, values = listops(
+                total, self.seed, self.max_depth, self.max_args, self.min_length,
+                self.max_length, bar.update,
+            )  # fmt: skip
         rows = [[LISTOPS_IDS[token] for token in tokens] for tokens in expressions]
         return padded_ids(rows, self.block_size), torch.tensor(values, dtype=torch.long)
 
@@ -220,31 +235,26 @@ class PathfinderDataModule(LRADataModule):
         total = self.train_examples + self.val_examples + self.test_examples
         rng = random.Random(self.seed)
         images, labels, seen, failures = [], [], set(), 0
-        while len(images) < total:
-            label = len(images) % 2  # balanced; the loaders shuffle the training split
-            drawn = pathfinder_image(
-                rng,
-                label,
-                self.size,
-                self.dashes,
-                self.distractors,
-                None,
-                self.dash,
-                self.gap,
-                self.max_turn,
-                self.marker_distance,
-            )
-            if drawn is None:
-                failures += 1
-                if failures > 100 * (len(images) + 10):
-                    raise ValueError(
-                        f"Pathfinder paths of {self.dashes} dashes rarely fit a {self.size}x"
-                        f"{self.size} image; use fewer dashes or distractors, or a larger size"
-                    )
-                continue
-            key = tuple(v for row in drawn[0] for v in row)
-            if key not in seen:
-                seen.add(key)
-                images.append(key)
-                labels.append(label)
+        with drawing(total, "Pathfinder") as bar:
+            while len(images) < total:
+                label = len(images) % 2  # balanced; the loaders shuffle the training split
+                drawn = pathfinder_image(
+                    rng, label, self.size, self.dashes, self.distractors, None, self.dash,
+                    self.gap, self.max_turn, self.marker_distance,
+                )  # fmt: skip
+                if drawn is None:
+                    failures += 1
+                    if failures > 100 * (len(images) + 10):
+                        raise ValueError(
+                            f"Pathfinder paths of {self.dashes} dashes rarely fit a "
+                            f"{self.size}x{self.size} image; use fewer dashes or "
+                            "distractors, or a larger size"
+                        )
+                    continue
+                key = tuple(v for row in drawn[0] for v in row)
+                if key not in seen:
+                    seen.add(key)
+                    images.append(key)
+                    labels.append(label)
+                    bar.update()
         return torch.tensor(images, dtype=torch.long), torch.tensor(labels, dtype=torch.long)

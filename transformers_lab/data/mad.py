@@ -400,6 +400,11 @@ class MADDataModule(InMemoryDataModule):
             )
             self.val_set = TensorDataset(*self.generate(self.val_examples, self.seed + 1, False))
 
+    def model_keys(self) -> set[str]:
+        return {"vocab_size", "block_size"} | (
+            {"bottleneck"} if self.problem == "compression" else set()
+        )
+
     def model_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"vocab_size": self.vocab_size, "block_size": self.length}
         if self.problem == "compression":  # MAD's encoder-bottleneck model

@@ -276,6 +276,9 @@ class NeedleDataModule(InMemoryDataModule):
             val = self.generate(self.val_examples, self.seed + 1, val_text, unlike=train)
             self.train_set, self.val_set = examples(train), examples(val)
 
+    def model_keys(self) -> set[str]:
+        return {"vocab_size", "block_size"}
+
     def model_kwargs(self) -> dict[str, int]:
         return {"vocab_size": len(ALPHABET), "block_size": self.block_size}
 

@@ -182,5 +182,8 @@ class SyntheticDataModule(InMemoryDataModule):
             self.train_set = self.generate(self.train_examples, self.seed)
             self.val_set = self.generate(self.val_examples, self.seed + 1)
 
+    def model_keys(self) -> set[str]:
+        return {"vocab_size", "block_size"}
+
     def model_kwargs(self) -> dict[str, int]:
         return {"vocab_size": self.vocab_size, "block_size": self.block_size}

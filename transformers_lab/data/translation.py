@@ -264,6 +264,9 @@ class TranslationDataModule(DataModule):
     def pad_id(self) -> int:
         return self.tokenizer.special_id("<pad>")
 
+    def model_keys(self) -> set[str]:
+        return {"src_vocab_size", "tgt_vocab_size", "block_size", "pad_id", "bos_id", "eos_id"}
+
     def model_kwargs(self) -> dict[str, int]:
         """What the encoder-decoder needs from this data."""
         self.setup()

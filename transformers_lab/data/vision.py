@@ -87,6 +87,11 @@ class ImageDataModule(DataModule):
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
 
+    def model_keys(self) -> set[str]:
+        if self.as_sequence:
+            return {"vocab_size", "block_size", "num_classes"}
+        return {"image_size", "in_channels", "num_classes"}
+
     def model_kwargs(self) -> dict[str, int]:
         """What a classifier needs from this data: the image's geometry, or with
         ``as_sequence`` the pixel vocabulary and the sequence's length."""

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from transformers_lab.errors import at_least
+from transformers_lab.errors import at_least, check_sampling
 from transformers_lab.nn import Block, KernelFactory
 from transformers_lab.nn.multihead import (
     head_size,
@@ -163,16 +163,6 @@ def reorder_cache(state: Any, index: Tensor) -> Any:
         return state
     items = (reorder_cache(s, index) for s in state)
     return type(state)(*items) if hasattr(state, "_fields") else type(state)(items)
-
-
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Refuse sampling options that draw nothing sensible (raises ``ValueError``)."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 (or None for no cut), got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def sample_next(

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformers_lab.attention import AttentionKernel, Memory, kernel_class
-from transformers_lab.attention.base import GateInput, call_with_heads
+from transformers_lab.attention.base import GateInput
+from transformers_lab.attention.contract import call_with_heads
 from transformers_lab.nn.parts import (
     HeadNorm,
     ShortConvolution,

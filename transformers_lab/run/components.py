@@ -15,7 +15,7 @@ import inspect
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import lightning as L
@@ -141,17 +141,7 @@ def model_kwargs(config: DictConfig, datamodule: Any) -> dict[str, Any]:
     the model class does not take means the model and the data do not fit together.
     """
     provided = dict(datamodule.model_kwargs()) if hasattr(datamodule, "model_kwargs") else {}
-    cls = target_class(config)
-    params = inspect.signature(cls).parameters
-    unknown = sorted(set(provided) - set(params))
-    if unknown:
-        fits = data_compatible_models(set(provided))
-        hint = f"use model={' or model='.join(fits)}" if fits else "pick another model"
-        raise ConfigError(
-            f"{option('model')} ({cls.__name__}) cannot take {option('data')}: the data "
-            f"provides {', '.join(provided)} but {cls.__name__} has no "
-            f"{', '.join(unknown)}; {hint}, or choose data that {cls.__name__} takes"
-        )
+    check_fit(config, provided)
     merged = {}
     for key, value in provided.items():
         mine = config.get(key)
@@ -170,6 +160,22 @@ def model_kwargs(config: DictConfig, datamodule: Any) -> dict[str, Any]:
                 f"model.{key}=null to take it from the data"
             )
     return merged
+
+
+def check_fit(config: DictConfig, provided: Iterable[str]) -> None:
+    """Refuse a model that has no option for a size the data gives (``model=gpt`` on
+    ListOps' classes): the model and the data do not fit together."""
+    cls = target_class(config)
+    provided = sorted(provided)
+    unknown = sorted(set(provided) - set(inspect.signature(cls).parameters))
+    if unknown:
+        fits = data_compatible_models(set(provided))
+        hint = f"use model={' or model='.join(fits)}" if fits else "pick another model"
+        raise ConfigError(
+            f"{option('model')} ({cls.__name__}) cannot take {option('data')}: the data "
+            f"provides {', '.join(provided)} but {cls.__name__} has no "
+            f"{', '.join(unknown)}; {hint}, or choose data that {cls.__name__} takes"
+        )
 
 
 # a model's refusal that names its config key already (a layer's: ``nn.Block``)
@@ -265,10 +271,13 @@ def build_on_meta(
     device (None where the config has none, or a model of the user's needs a size only
     its data gives)."""
     data, model, task = (cfg.get(key) for key in ("data", "model", "task"))
+    datamodule = None
     if isinstance(data, DictConfig) and "_target_" in data:  # its constructor: nothing read
-        build_datamodule(data, setup=False)
+        datamodule = build_datamodule(data, setup=False)
     if not isinstance(model, DictConfig) or "_target_" not in model:
         return None
+    if hasattr(datamodule, "model_keys"):  # the sizes it will give, before drawing them
+        check_fit(model, datamodule.model_keys())
     factory = model_factory(model)
     sizes = placeholder_sizes(model, data or {})
     params = inspect.signature(target_class(model)).parameters

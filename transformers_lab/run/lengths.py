@@ -20,79 +20,20 @@ import csv
 import io
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.analysis.positions import position_losses
-from transformers_lab.errors import ConfigError
 from transformers_lab.files import atomic_write
 from transformers_lab.run.checkpoints import SavedCheckpoint, read_checkpoint
 from transformers_lab.run.components import build_on_meta, check_split, plan, restore
 from transformers_lab.run.record import say
 from transformers_lab.run.trainer import build_trainer
+from transformers_lab.run.values import LengthOptions
 
 Trainer = Callable[[], L.Trainer]
-LENGTH_KEYS = ("eval_lengths", "eval_depths", "loss_by_position")
-
-
-class LengthOptions(NamedTuple):
-    """What a run or ``tlab-eval`` scores past the trained length, parsed once
-    (``length_options``): the lengths, the needle depths at each, and the buckets of the
-    loss by position (None: not asked)."""
-
-    lengths: list[int]
-    depths: list[float] | None = None
-    buckets: int | None = None
-
-
-def length_options(cfg: DictConfig) -> LengthOptions | None:
-    """``eval_lengths``, ``eval_depths`` and ``loss_by_position`` of ``cfg`` checked and
-    parsed (None where none is given), else one line that says what to give."""
-    given = [key for key in LENGTH_KEYS if cfg.get(key) is not None]
-    if not given:
-        return None
-    if cfg.get("eval_lengths") is None:
-        raise ConfigError(
-            f"{given[0]} needs eval_lengths, the lengths to score at, e.g. eval_lengths=[256,512]"
-        )
-    depths = check_depths(cfg.eval_depths) if cfg.get("eval_depths") is not None else None
-    buckets = cfg.get("loss_by_position")
-    if buckets is not None and not (isinstance(buckets, int) and buckets >= 1):
-        raise ConfigError(f"loss_by_position={buckets!r}: give a number of buckets >= 1, e.g. 16")
-    return LengthOptions(check_lengths(cfg.eval_lengths), depths, buckets)
-
-
-def is_list(value: Any) -> bool:
-    """A list from the command line (a ListConfig) or from Python."""
-    return OmegaConf.is_list(value) or isinstance(value, list | tuple)
-
-
-def check_lengths(lengths: Any, key: str = "eval_lengths") -> list[int]:
-    """``lengths`` as a list of positive ints, else one line that says what to give."""
-    values = list(lengths) if is_list(lengths) else []
-    if not values or not all(isinstance(n, int) and not isinstance(n, bool) for n in values):
-        raise ConfigError(
-            f"{key}={lengths!r} is not a list of lengths; give positive ints, e.g. "
-            f"{key}=[64,128,256,512]"
-        )
-    if min(values) < 1:
-        raise ConfigError(f"{key}: a length must be >= 1, got {min(values)}")
-    return values
-
-
-def check_depths(depths: Any) -> list[float]:
-    """``eval_depths`` as a list of numbers in [0, 1], else one line."""
-    values = list(depths) if is_list(depths) else []
-    if not values or not all(
-        isinstance(d, int | float) and not isinstance(d, bool) and 0 <= d <= 1 for d in values
-    ):
-        raise ConfigError(
-            f"eval_depths={depths!r}: each depth must be in [0, 1] (0: the haystack's start, "
-            "1: its end), e.g. eval_depths=[0,0.25,0.5,0.75,1]"
-        )
-    return [float(d) for d in values]
 
 
 def suffix(length: int, depth: float | None) -> str:

@@ -19,7 +19,9 @@ jobs are kept, and a next value that a round already ran is not run again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from hydra.core.object_type import ObjectType
 from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from transformers_lab.errors import ConfigError
 from transformers_lab.run.record import say
@@ -82,15 +84,50 @@ class GridSweeper(Sweeper):
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
     ) -> None:
+        check_launcher_options(config.hydra.launcher)
         searchpath = [str(entry) for entry in config.hydra.searchpath]
         if searchpath:
             loader = SearchPathLoader(hydra_context.config_loader, searchpath)
             hydra_context = dataclasses.replace(hydra_context, config_loader=loader)
         self.basic.setup(hydra_context=hydra_context, task_function=task_function, config=config)
         self.config = config
+        # Hydra composes every job of a batch before launching it; so do its values get
+        # checked, torch not imported: a mistake is refused before any job trains
+        self.basic.validate_batch_is_legal = self.check_batch
+
+    def check_batch(self, batch: Sequence[Sequence[str]]) -> None:
+        """Compose each job of ``batch`` as its launcher will (its number, Hydra's config
+        of it) and check its values (``run.values``)."""
+        from hydra.core.hydra_config import HydraConfig
+
+        from transformers_lab.run.values import check_values
+
+        loader = self.basic.hydra_context.config_loader
+        try:
+            for number, overrides in enumerate(batch):
+                cfg = loader.load_sweep_config(self.basic.config, list(overrides))
+                with open_dict(cfg.hydra.job):
+                    cfg.hydra.job.num, cfg.hydra.job.id = number, f"check_{number}"
+                HydraConfig.instance().set_config(cfg)
+                try:
+                    check_values(cfg)
+                except ConfigError as exc:
+                    job = " ".join(overrides)
+                    raise ConfigError(f"{exc} (job {number}: {job}); no job was run") from None
+        finally:
+            HydraConfig.instance().set_config(self.basic.config)
 
     def sweep(self, arguments: list[str]) -> Any:
-        returns = self.basic.sweep(arguments)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)) if self.config else None
+        existed = sweep_dir is not None and sweep_dir.exists()
+        try:
+            returns = self.basic.sweep(arguments)
+        except ConfigError:  # refused before a job ran: the new sweep dir goes too
+            if sweep_dir is not None and not existed:
+                (sweep_dir / "multirun.yaml").unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # kept where something else is in it
+                    sweep_dir.rmdir()
+            raise
         if self.grow:
             returns = [*returns, *self.grow_grid()]
         return returns
@@ -134,6 +171,26 @@ class GridSweeper(Sweeper):
             if new:
                 returns.append(self.basic.launcher.launch(new, initial_job_idx=number))
         return returns
+
+
+def check_launcher_options(launcher: Any) -> None:
+    """The launcher's own options, refused before it is built (building the joblib
+    launcher imports Lightning, some 10 s) or asks a cluster: joblib's ``n_jobs``, SLURM's
+    time limit and warning signal."""
+    target = str(launcher.get("_target_", ""))
+    if target.endswith("JoblibLauncher"):
+        n_jobs = launcher.get("n_jobs")
+        if n_jobs is not None and (
+            not isinstance(n_jobs, int) or isinstance(n_jobs, bool) or n_jobs == 0
+        ):
+            raise ConfigError(
+                f"hydra.launcher.n_jobs={n_jobs!r} runs no job: give how many jobs run at "
+                "once, an integer >= 1 (-1: one a core), e.g. hydra.launcher.n_jobs=2"
+            )
+    elif target.endswith("SlurmLauncher"):
+        from transformers_lab.sweeps.slurm_launcher import check_options
+
+        check_options(launcher)
 
 
 def searched(sweep_dir: Path, settings: dict[str, Any]) -> tuple[list[Any], str, str, list[str]]:

@@ -119,6 +119,13 @@ def check_signal_delay(delay_s: Any, minutes: int) -> None:
         )
 
 
+def check_options(options: Any) -> None:
+    """The launcher's own options (time limit, warning signal), refused before anything
+    asks the cluster: ``hydra.launcher`` of a sweep's config."""
+    minutes = time_limit_minutes(options.get("timeout_min", 60))
+    check_signal_delay(options.get("signal_delay_s", 120), minutes)
+
+
 def stop_waiting(signum: int, frame: Any) -> None:
     """SIGTERM or SIGHUP to the sweep's process while it waits: as Ctrl+C (its jobs go on)."""
     raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -250,11 +257,12 @@ class SlurmLauncher(Launcher):
         import submitit
 
         params = dict(self.params)
+        # its own options first: they need no cluster to be refused
+        params["timeout_min"] = time_limit_minutes(params.get("timeout_min", 60))
+        check_signal_delay(params.get("signal_delay_s", 120), params["timeout_min"])
         slurm_command("sbatch")
         ask(slurm_command("squeue"), "-u", getpass.getuser(), "-h", "-o", "%i")  # answers
         check_partition(params.get("partition"))
-        params["timeout_min"] = time_limit_minutes(params.get("timeout_min", 60))
-        check_signal_delay(params.get("signal_delay_s", 120), params["timeout_min"])
         executor = submitit.AutoExecutor(folder=params["submitit_folder"], cluster="slurm")
         try:
             executor.update_parameters(

@@ -187,6 +187,9 @@ class CorpusDataModule(DataModule):
             self.setup()
         return self.tokenizer.vocab_size
 
+    def model_keys(self) -> set[str]:
+        return {"vocab_size", "block_size"}
+
     def model_kwargs(self) -> dict[str, int]:
         """What a language model needs from this data."""
         return {"vocab_size": self.vocab_size, "block_size": self.block_size}

@@ -98,6 +98,10 @@ def find_edges(
             if won is None or len(values) < 2:
                 continue
             side = LOWEST if won == values[0] else HIGHEST if won == values[-1] else None
+            best = cell.means[cell.winner]
+            tied = [number(s[i]) for s in tried if math.isclose(cell.means.get(s, math.nan), best)]
+            if any(values[0] < v < values[-1] for v in tied if v is not None):
+                side = None  # as good inside the grid: the best is inside
             if side is not None:
                 winners = cell.settings[cell.winner]
                 choice = choice_of(winners[0], keys, by_source)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers_lab.errors import UnknownChoice
@@ -23,6 +23,7 @@ class Cell:
 
     settings: dict[tuple, list[Run]]
     winner: tuple | None
+    means: dict[tuple, float] = field(default_factory=dict)  # of the settings it scored
 
 
 def grid_cells(
@@ -62,7 +63,8 @@ def grid_cells(
             scored = finished
         means = [statistics.fmean(r.record.metrics[metric] for r in v) for v in scored.values()]
         index = best_of(means, mode)
-        cells[key] = Cell(settings, list(scored)[index] if index is not None else None)
+        winner = list(scored)[index] if index is not None else None
+        cells[key] = Cell(settings, winner, dict(zip(scored, means, strict=True)))
     return cells
 
 
