@@ -12,8 +12,6 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from scipy import stats as scipy_stats
-
 CONFIDENCE = 0.95
 MIN_FOR_TEST = 3  # seeds a side below which no test or interval means much
 
@@ -66,6 +64,8 @@ def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Inter
     mean = statistics.fmean(values)
     if n < 2:
         return Interval(mean, None, None, n)
+    from scipy import stats as scipy_stats  # here: every run builds the summary's callback
+
     half = scipy_stats.t.ppf(0.5 + confidence / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
     return Interval(mean, mean - half, mean + half, n)
 
@@ -91,6 +91,8 @@ def compare(
     differences when ``paired`` (the caller knows the seed made each pair alike) and both
     have the same seeds (at least 2), else Welch's t-test. Two groups that do not vary at
     all are equal (p = 1) or differ surely (p = 0)."""
+    from scipy import stats as scipy_stats
+
     a, b = list(values.values()), list(baseline.values())
     if not a or not b:
         raise ValueError("a comparison needs values on both sides")
