@@ -142,7 +142,7 @@ def draw(cfg: DictConfig) -> list[str]:
     check_config(cfg)
     opts = typed_options(SampleOptions, cfg)
     use_cpu(cfg)
-    L.seed_everything(cfg.seed)
+    L.seed_everything(cfg.seed, verbose=False)  # stdout holds the samples alone
     model, datamodule = load_generator(cfg)
     model.to(cfg.device)
     ids = encode_prompt(datamodule, opts.prompt)
