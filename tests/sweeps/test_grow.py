@@ -5,7 +5,6 @@ until every best lies inside its grid."""
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -25,10 +24,7 @@ from transformers_lab.sweeps.report.edges import (
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_summary import make_run  # noqa: E402
-from test_sweeps import TINY, sweep_dir_of, tlab_train  # noqa: E402
-
-HERE = Path(__file__).parent
-TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), *sys.path])}
+from test_sweeps import TESTS_ON_PATH, TINY, sweep_dir_of, tlab_train  # noqa: E402
 
 
 def rate_sweep(folder: Path, losses: dict[str, dict[str, list[float]]]) -> Path:
