@@ -703,7 +703,12 @@ def test_bad_input_is_one_error_line_and_exit_code_2(
     ("train", ["optimizer.lr=-1"], "optimizer.lr must be a number > 0, got -1"),
     ("train", ["-m", "seed=0,1", "trainer.max_steps=0"], "trainer.max_steps must be -1"),
     ("eval", ["ckpt_path=x.ckpt", "trainer.precision=8"], "trainer.precision must be one of"),
-    ("sample", ["ckpt_path=x.ckpt", "num_samples=0"], "num_samples must be an integer >= 1"),
+    ("sample", ["ckpt_path=.", "num_samples=0"], "num_samples must be an integer >= 1"),
+    ("sample", ["ckpt_path=x.ckpt"], "no checkpoint at x.ckpt; give ckpt_path="),
+    ("translate", ["ckpt_path=x.ckpt"], "no checkpoint at x.ckpt; give ckpt_path="),
+    ("translate", ["ckpt_path=.", "decode=bogus"], "unknown decode=bogus"),
+    ("translate", ["ckpt_path=.", "text=a", "input_file=b"], "give text=... or input_file=..."),
+    ("prepare", ["data=mnist"], "prepares a corpus (data=corpus), not MNISTDataModule"),
 ])  # fmt: skip
 def test_a_mistake_in_a_value_is_refused_before_torch_is_imported(entry, args, message, tmp_path):
     """What needs no constructor is refused before torch and Lightning are imported (about

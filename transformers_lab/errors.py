@@ -23,6 +23,18 @@ def at_least(least: int, **values: object) -> None:
             raise ValueError(must_be(key, f"an integer >= {least}", value))
 
 
+# what a user should give where a checkpoint is asked for
+GIVE_CHECKPOINT = "give ckpt_path=<run dir>/checkpoints/last.ckpt (or best) of a tlab-train run"
+
+
+def check_beam(beam_size: int) -> None:
+    """Beam search's one rule (raises ``ValueError``): it keeps at least one beam."""
+    if beam_size < 1:
+        raise ValueError(
+            f"beam_size={beam_size}: beam search keeps at least one beam; give beam_size >= 1"
+        )
+
+
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Refuse sampling options that draw nothing sensible (raises ``ValueError``)."""
     if temperature < 0:

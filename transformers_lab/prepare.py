@@ -13,12 +13,24 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from transformers_lab.cli import run_hydra, user_errors
+from transformers_lab.cli import refusals_leave_no_run_dir, run_hydra, user_errors
 from transformers_lab.config import CONF_DIR
 from transformers_lab.data.corpus import Corpus
 from transformers_lab.errors import ConfigError, DataFileError
 
 CORPUS = "transformers_lab.data.CorpusDataModule"
+PACKAGE = "transformers_lab.data."
+CORPUS_MODULES = ("corpus.module", "text")  # where our corpus and its presets live
+
+
+def check_corpus_target(target: str) -> None:
+    """One of our data modules that holds no corpus is refused from its name, before
+    torch is imported to build it (a class of the user's is built to see)."""
+    from transformers_lab.data import LAZY
+
+    name = target.removeprefix(PACKAGE)
+    if target.startswith(PACKAGE) and LAZY.get(name, CORPUS_MODULES[0]) not in CORPUS_MODULES:
+        raise ConfigError(f"tlab-prepare prepares a corpus (data=corpus), not {name}")
 
 
 def corpus_of(data: DictConfig) -> Corpus:
@@ -28,6 +40,7 @@ def corpus_of(data: DictConfig) -> Corpus:
     try:
         if config.get("_target_") == CORPUS:
             return Corpus.from_config(config)
+        check_corpus_target(str(config.get("_target_")))
         built = instantiate(data)  # a preset's module (this loads torch)
     except InstantiationException as exc:  # Hydra's wrapping of the constructor's refusal
         cause = exc.__cause__ or exc
@@ -71,7 +84,7 @@ def prepare(cfg: DictConfig) -> Corpus:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="prepare")
 def hydra_main(cfg: DictConfig) -> None:
-    with user_errors():
+    with user_errors(), refusals_leave_no_run_dir():
         prepare(cfg)
 
 

@@ -15,21 +15,24 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import lightning as L
-import torch
 from omegaconf import DictConfig, ListConfig
 
-from transformers_lab.cli import run_hydra, user_errors
+from transformers_lab.cli import refusals_leave_no_run_dir, run_hydra, user_errors
 from transformers_lab.config import CONF_DIR, migrate_targets
-from transformers_lab.errors import ConfigError, at_least
-from transformers_lab.models import GPT, Transformer
-from transformers_lab.models.transformer import check_beam
-from transformers_lab.run.checkpoints import read_checkpoint
-from transformers_lab.run.components import restore, target_class, use_cpu
-from transformers_lab.run.preflight import check_config
-from transformers_lab.run.values import typed_options
+from transformers_lab.errors import ConfigError, at_least, check_beam
+from transformers_lab.run.values import check_values, typed_options
+
+if TYPE_CHECKING:
+    import lightning as L
+    import torch
+
+    from transformers_lab.models import Transformer
+
+# torch, Lightning and the run's code are imported once the options are checked (in the
+# functions below): a mistake in a value is refused in about a second
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,10 @@ WANTED = (
 def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule]:
     """The Transformer of the checkpoint (weights loaded) and its data module, tokenizer
     restored."""
+    from transformers_lab.models import GPT, Transformer
+    from transformers_lab.run.checkpoints import read_checkpoint
+    from transformers_lab.run.components import restore, target_class
+
     checkpoint = read_checkpoint(cfg.ckpt_path, bool(cfg.get("trust_checkpoint")))
     run = checkpoint.run_config(cfg.get("data"))
     found = target_class(run.model)
@@ -61,7 +68,7 @@ def load_translator(cfg: DictConfig) -> tuple[Transformer, L.LightningDataModule
 @dataclass(frozen=True)
 class TranslateOptions:
     """How ``tlab-translate`` decodes (``conf/translate.yaml``), each setting refused here
-    or, for the beam, by the model's rule (``models.transformer.check_beam``)."""
+    or, for the beam, by beam search's rule (``errors.check_beam``)."""
 
     decode: str = "greedy"
     beam_size: int = 4
@@ -131,6 +138,8 @@ def batches(sentences: Iterator[str] | list[str], size: int) -> Iterator[list[st
 def source_ids(sentences: list[str], datamodule: L.LightningDataModule) -> torch.Tensor:
     """Source ids (B, S) as the model was trained on them: the tokens, then EOS, then PAD;
     a sentence longer than the data's ``block_size`` is cut, as in evaluation."""
+    import torch
+
     eos = datamodule.tokenizer.special_id("<eos>")
     longest = datamodule.block_size - 2  # room for BOS and EOS, as in training
     rows = []
@@ -152,16 +161,34 @@ def source_ids(sentences: list[str], datamodule: L.LightningDataModule) -> torch
     return src
 
 
-@torch.no_grad()
+def check_options(cfg: DictConfig) -> None:
+    """What needs no torch: the values (``run.values``), the options, and the sentences."""
+    check_values(cfg)
+    typed_options(TranslateOptions, cfg)
+    if cfg.text is not None and cfg.input_file is not None:
+        raise ConfigError("give text=... or input_file=..., not both")
+    given_sentences(cfg)
+
+
 def translate(cfg: DictConfig) -> list[str]:
     """Translations of the sentences of ``cfg.text``, ``cfg.input_file`` or stdin, printed as
     ``source -> translation`` lines and returned."""
+    import torch
+
+    with torch.no_grad():
+        return translated(cfg)
+
+
+def translated(cfg: DictConfig) -> list[str]:
+    import lightning as L
+
+    from transformers_lab.run.components import use_cpu
+    from transformers_lab.run.preflight import check_config
+
     print(f"run dir: {cfg.paths.output_dir}", flush=True)
     migrate_targets(cfg)  # a _target_ of an earlier version, to its new home
     check_config(cfg)  # the checks every entry point makes: ckpt_path given, device, types
     opts = typed_options(TranslateOptions, cfg)
-    if cfg.text is not None and cfg.input_file is not None:
-        raise ConfigError("give text=... or input_file=..., not both")
     sentences = given_sentences(cfg)
     use_cpu(cfg)
     L.seed_everything(cfg.seed)
@@ -184,7 +211,8 @@ def translate(cfg: DictConfig) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="translate")
 def hydra_main(cfg: DictConfig) -> None:
-    with user_errors():
+    with user_errors(), refusals_leave_no_run_dir():
+        check_options(cfg)  # in about a second: torch is not imported yet
         translate(cfg)
 
 

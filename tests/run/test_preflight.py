@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -18,6 +19,7 @@ from transformers_lab.run.values import (
     RULES,
     check_missing,
     check_rules,
+    check_values,
 )
 
 
@@ -127,8 +129,11 @@ def test_a_run_that_never_stops_or_validates_for_nothing():
         check_config(OmegaConf.create(no_val))
     no_val["callbacks"]["early_stopping"] = None
     check_config(OmegaConf.create(no_val))  # nothing watches validation: fine
-    # a missing checkpoint is the entry point's to refuse, as it loads it (test_bad_inputs)
-    check_config(OmegaConf.create({"ckpt_path": "/nowhere.ckpt"}))
+    # a checkpoint path with nothing there is refused before torch (its contents are read
+    # when it is loaded: test_bad_inputs); a folder may be a sharded checkpoint
+    with pytest.raises(ConfigError, match="^no checkpoint at /nowhere.ckpt; give ckpt_path="):
+        check_values(OmegaConf.create({"ckpt_path": "/nowhere.ckpt"}))
+    check_values(OmegaConf.create({"ckpt_path": str(Path(__file__).parent)}))
 
 
 def test_values_have_the_types_their_constructor_declares():

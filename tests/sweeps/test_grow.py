@@ -205,3 +205,19 @@ def test_growing_stops_at_its_bound_and_the_summary_gives_the_command_that_goes_
     assert command.startswith("tlab-train -m ") and f"hydra.sweep.dir={sweep}" in command
     assert "skip_finished=true" in command and "hydra.sweeper.grow=3" in command
     assert "'optimizer.lr=1e-7,1e-6'" in command or "optimizer.lr=1e-7,1e-6" in command
+
+
+def test_growing_a_sweep_that_searches_no_key_says_there_is_nothing_to_grow(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from transformers_lab.sweeps.grid_sweeper import GridSweeper
+
+    sweep = rate_sweep(
+        tmp_path / "sweep", {"softmax": {"1e-3": [2.0, 2.1]}, "dot": {"1e-3": [2.2, 2.3]}}
+    )
+    sweeper = GridSweeper(grow=2)
+    sweeper.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}, "summary": {}})
+    assert sweeper.grow_grid() == []
+    out = capsys.readouterr()
+    assert "grow: nothing to grow: the summary searches no key" in out.out + out.err
+    assert "lies inside" not in out.out + out.err

@@ -9,16 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from transformers_lab.attention import Memory
+from transformers_lab.errors import check_beam
 from transformers_lab.models.common import block_stack, check_sizes, final_norm, reorder_cache
 from transformers_lab.nn import KernelFactory, PositionalEncoding, TokenEmbedding, checkpoint_blocks
-
-
-def check_beam(beam_size: int) -> None:
-    """Beam search's one rule (raises ``ValueError``): it keeps at least one beam."""
-    if beam_size < 1:
-        raise ValueError(
-            f"beam_size={beam_size}: beam search keeps at least one beam; give beam_size >= 1"
-        )
 
 
 class Transformer(nn.Module):

@@ -1,7 +1,8 @@
 """The values of a composed config that can be checked before torch or Lightning is
 imported: the keys that no constructor of ours owns (``RULES``: the entry points' own,
-the optimizer's, the trainer's), a mandatory value left unset, the summary's keys, the
-lengths to score past the trained one, and the launcher of a single run. An entry point
+the optimizer's, the trainer's), a mandatory value left unset, a checkpoint path with
+nothing there, the summary's keys, the lengths to score past the trained one, and the
+launcher of a single run. An entry point
 checks them first (``check_values``), in about a second; the preflight
 (``run.preflight``) then builds the run on the meta device, and its constructors refuse
 what they own.
@@ -13,13 +14,14 @@ import dataclasses
 import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import UnionType
 from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.config import CONF_DIR
-from transformers_lab.errors import ConfigError
+from transformers_lab.errors import GIVE_CHECKPOINT, ConfigError
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,14 @@ def check_missing(cfg: DictConfig) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"{missing[0]} is required: give {missing[0]}=... on the command line")
+
+
+def check_checkpoint_path(cfg: DictConfig) -> None:
+    """A ``ckpt_path`` given names a file or a sharded checkpoint's folder (its contents
+    are read, safely, once torch is imported: ``run.checkpoints``)."""
+    path = OmegaConf.select(cfg, "ckpt_path", default=None)
+    if isinstance(path, str) and not Path(path).exists():
+        raise ConfigError(f"no checkpoint at {path}; {GIVE_CHECKPOINT}")
 
 
 LENGTH_KEYS = ("eval_lengths", "eval_depths", "loss_by_position")
@@ -341,5 +351,6 @@ def check_values(cfg: DictConfig) -> LengthOptions | None:
     lengths to score at, parsed (None: none asked)."""
     check_missing(cfg)
     check_rules(cfg)
+    check_checkpoint_path(cfg)
     check_summary_keys(cfg)
     return length_options(cfg)

@@ -144,10 +144,16 @@ class GridSweeper(Sweeper):
             runs, metric, mode, over = searched(
                 sweep_dir, summary_settings(self.config.get("summary"))
             )
-            edges = find_edges(runs, metric, mode, over) if over else []
+            if not over:
+                say(
+                    "grow: nothing to grow: the summary searches no key of this sweep "
+                    "(summary.best_over); e.g. summary.best_over=[optimizer.lr]"
+                )
+                return returns
+            edges = find_edges(runs, metric, mode, over)
             if not edges:
                 say(
-                    f"grow: every best {' and '.join(over) or 'value'} lies inside its grid"
+                    f"grow: every best {' and '.join(over)} lies inside its grid"
                     + (f" after {round_} round(s)" if round_ else "")
                 )
                 return returns

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.text import BLEUScore
 
-from transformers_lab.errors import at_least, must_be
-from transformers_lab.models.transformer import check_beam
+from transformers_lab.errors import at_least, check_beam, must_be
 from transformers_lab.tasks.base import Task, log_text
 from transformers_lab.tasks.examples import Detokenizer, Example, token_labels
 

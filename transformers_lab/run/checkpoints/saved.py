@@ -17,14 +17,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.config import moved_targets
-from transformers_lab.errors import ConfigError
+from transformers_lab.errors import GIVE_CHECKPOINT, ConfigError
 from transformers_lab.nn.layers import migrate_block_keys
 from transformers_lab.tasks.base import TOKENS_SEEN
 
 log = logging.getLogger(__name__)
-
-# what a user should give where a checkpoint is asked for
-GIVE_CHECKPOINT = "give ckpt_path=<run dir>/checkpoints/last.ckpt (or best) of a tlab-train run"
 
 # the types besides tensors and plain values that a checkpoint of ours may hold: none
 # today (a tokenizer's state, a loader's and a callback's are plain values), and a type
