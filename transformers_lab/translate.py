@@ -161,13 +161,18 @@ def source_ids(sentences: list[str], datamodule: L.LightningDataModule) -> torch
     return src
 
 
+def sentences_of(cfg: DictConfig) -> list[str] | None:
+    """The sentences given (``given_sentences``), from one place of the two."""
+    if cfg.text is not None and cfg.input_file is not None:
+        raise ConfigError("give text=... or input_file=..., not both")
+    return given_sentences(cfg)
+
+
 def check_options(cfg: DictConfig) -> None:
     """What needs no torch: the values (``run.values``), the options, and the sentences."""
     check_values(cfg)
     typed_options(TranslateOptions, cfg)
-    if cfg.text is not None and cfg.input_file is not None:
-        raise ConfigError("give text=... or input_file=..., not both")
-    given_sentences(cfg)
+    sentences_of(cfg)
 
 
 def translate(cfg: DictConfig) -> list[str]:
@@ -189,7 +194,7 @@ def translated(cfg: DictConfig) -> list[str]:
     migrate_targets(cfg)  # a _target_ of an earlier version, to its new home
     check_config(cfg)  # the checks every entry point makes: ckpt_path given, device, types
     opts = typed_options(TranslateOptions, cfg)
-    sentences = given_sentences(cfg)
+    sentences = sentences_of(cfg)
     use_cpu(cfg)
     L.seed_everything(cfg.seed)
     model, datamodule = load_translator(cfg)

@@ -2,10 +2,9 @@
 imported: the keys that no constructor of ours owns (``RULES``: the entry points' own,
 the optimizer's, the trainer's), a mandatory value left unset, a checkpoint path with
 nothing there, the summary's keys, the lengths to score past the trained one, and the
-launcher of a single run. An entry point
-checks them first (``check_values``), in about a second; the preflight
-(``run.preflight``) then builds the run on the meta device, and its constructors refuse
-what they own.
+launcher of a single run. An entry point checks them first (``check_values``), in about a
+second; the preflight (``run.preflight``) then builds the run on the meta device, and its
+constructors refuse what they own.
 """
 
 from __future__ import annotations
