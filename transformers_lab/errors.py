@@ -27,6 +27,12 @@ def at_least(least: int, **values: object) -> None:
 GIVE_CHECKPOINT = "give ckpt_path=<run dir>/checkpoints/last.ckpt (or best) of a tlab-train run"
 
 
+def no_checkpoint(path: object) -> ConfigError:
+    """The refusal of a ``ckpt_path`` with nothing there (before torch: ``run.values``; as
+    it is loaded: ``run.checkpoints``)."""
+    return ConfigError(f"no checkpoint at {path}; {GIVE_CHECKPOINT}")
+
+
 def check_beam(beam_size: int) -> None:
     """Beam search's one rule (raises ``ValueError``): it keeps at least one beam."""
     if beam_size < 1:

@@ -29,7 +29,8 @@ def check_corpus_target(target: str) -> None:
     from transformers_lab.data import LAZY
 
     name = target.removeprefix(PACKAGE)
-    if target.startswith(PACKAGE) and LAZY.get(name, CORPUS_MODULES[0]) not in CORPUS_MODULES:
+    module = LAZY.get(name) if target.startswith(PACKAGE) else None
+    if module is not None and module not in CORPUS_MODULES:
         raise ConfigError(f"tlab-prepare prepares a corpus (data=corpus), not {name}")
 
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+from omegaconf import OmegaConf
 
 from transformers_lab.run.record import read_record
+from transformers_lab.sweeps.grid_sweeper import GridSweeper
 from transformers_lab.sweeps.report.cli import summarize
 from transformers_lab.sweeps.report.collect import collect
 from transformers_lab.sweeps.report.edges import (
@@ -208,10 +210,6 @@ def test_growing_stops_at_its_bound_and_the_summary_gives_the_command_that_goes_
 
 
 def test_growing_a_sweep_that_searches_no_key_says_there_is_nothing_to_grow(tmp_path, capsys):
-    from omegaconf import OmegaConf
-
-    from transformers_lab.sweeps.grid_sweeper import GridSweeper
-
     sweep = rate_sweep(
         tmp_path / "sweep", {"softmax": {"1e-3": [2.0, 2.1]}, "dot": {"1e-3": [2.2, 2.3]}}
     )

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Union, get_args, get_origin, get_type_hints
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.config import CONF_DIR
-from transformers_lab.errors import GIVE_CHECKPOINT, ConfigError
+from transformers_lab.errors import ConfigError, no_checkpoint
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def check_checkpoint_path(cfg: DictConfig) -> None:
     are read, safely, once torch is imported: ``run.checkpoints``)."""
     path = OmegaConf.select(cfg, "ckpt_path", default=None)
     if isinstance(path, str) and not Path(path).exists():
-        raise ConfigError(f"no checkpoint at {path}; {GIVE_CHECKPOINT}")
+        raise no_checkpoint(path)
 
 
 LENGTH_KEYS = ("eval_lengths", "eval_depths", "loss_by_position")

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from transformers_lab.config import moved_targets
-from transformers_lab.errors import GIVE_CHECKPOINT, ConfigError
+from transformers_lab.errors import GIVE_CHECKPOINT, ConfigError, no_checkpoint
 from transformers_lab.nn.layers import migrate_block_keys
 from transformers_lab.tasks.base import TOKENS_SEEN
 
@@ -44,7 +44,7 @@ def checkpoint_file(path: str | Path) -> Path:
     """``path`` if a file is there, else a ``ConfigError`` that says what to give."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"no checkpoint at {path}; {GIVE_CHECKPOINT}")
+        raise no_checkpoint(path)
     return path
 
 
