@@ -9,9 +9,11 @@ and two small MQAR sweeps.
 Each command gets the budget its row of ``BUDGET`` gives (``debug=limit``: 3 epochs of 3
 batches) and must exit 0. It runs in a process of its own, with its own arguments,
 directory, environment and files, forked from one that has imported torch, Lightning and
-Hydra once (``forked.py``): 2 seconds a tiny run rather than 9. ``SKIPPED`` lists the
-lines left out, each with its reason; a line of the README is in one or the other, or the
-test that reads them fails.
+Hydra once (``forked.py``): 2 seconds a tiny run rather than 9. Two kinds of line run
+cheaper: a sweep's ``launcher=joblib`` is dropped (``IN_PROCESS``: its jobs run in the
+command's own process), and the kernel bench's lines other than ``BENCH_MEASURED`` are
+checked by the bench's parser. ``SKIPPED`` lists the lines left out, each with its reason;
+a line of the README is in one or the other, or the test that reads them fails.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ QUIET = ["trainer.enable_progress_bar=false", "logger=csv"]  # wandb: tested in 
 TINY = ["debug=limit", *QUIET]  # 3 epochs of 3 training and 2 validation batches
 SMALL_GPT = ["model.n_layer=1", "model.d_model=32", "model.n_head=2"]
 LRA_SMALL = ["data.train_examples=64", "data.val_examples=16", "data.test_examples=16"]
+# MQAR and MAD drawn small: Zoology's 100,000 examples or MAD's 12,800 are most of a tiny run
+DRAWN_SMALL = ["data.train_examples=256", "data.val_examples=64"]
 # extra overrides by the start of a command line (the first that matches)
 BUDGET = [
     ("tlab-check", []),
@@ -94,7 +98,7 @@ BUDGET = [
     ("tlab-train sweep=lr_optuna", [*TINY, "hydra.sweeper.n_trials=2"]),
     (
         "tlab-train sweep=mad",
-        [*TINY, "data=mad_in_context_recall,mad_compression", "optimizer.lr=1e-3"],
+        [*TINY, "data=mad_in_context_recall,mad_compression", "optimizer.lr=1e-3", *DRAWN_SMALL],
     ),
     (
         "tlab-train sweep=zoology_mqar",
@@ -104,6 +108,7 @@ BUDGET = [
             "model.d_model=32",
             "optimizer.lr=1e-2",
             "data.vocab_size=256",
+            *DRAWN_SMALL,
         ],
     ),  # fmt: skip
     # Zoology's batch of 512 over a vocabulary of 8192: 2 s a step; a small batch runs the
@@ -130,8 +135,9 @@ BUDGET = [
         "tlab-train -m launcher=joblib experiment=lra_pathfinder",  # fastmax's bound: 6 jobs, 1
         [*TINY, *LRA_SMALL, "optimizer.lr=1e-3", "seed=0"],
     ),
-    ("tlab-train experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
-    ("tlab-train -m experiment=zoology_mqar", [*TINY, "data.batch_size=16"]),
+    ("tlab-train experiment=zoology_mqar", [*TINY, "data.batch_size=16", *DRAWN_SMALL]),
+    ("tlab-train -m experiment=zoology_mqar", [*TINY, "data.batch_size=16", *DRAWN_SMALL]),
+    ("tlab-train experiment=mad", [*TINY, *DRAWN_SMALL]),
     ("tlab-train model=gpt data=corpus", [*TINY, *SMALL_GPT, "data.block_size=32"]),
     ("tlab-prepare", []),
     ("tlab-train", TINY),
@@ -191,6 +197,7 @@ COMMANDS = list(dict.fromkeys(c for lines in ALL_LINES.values() for c in lines i
 
 def test_the_readme_commands_are_found_and_the_skip_table_is_current():
     assert len(COMMANDS) >= 40 and sum("tlab-summarize" in c for c in COMMANDS) >= 3
+    assert len(BENCH_MEASURED) == 2 and any("--config-dir" in c for c in BENCH_MEASURED)
     assert {"README.md", "kernels.md", "training.md", "sweeps.md", "ablations.md"} <= {
         name for name, lines in ALL_LINES.items() if any(runnable(c) for c in lines)
     }
@@ -330,15 +337,37 @@ def fill_in(command: str, runs: dict[str, Path]) -> str:
     return command
 
 
+KERNEL_BENCH = "python -m transformers_lab.bench.kernels"
+# The kernel bench's lines differ in their kernels and lengths. Each variant is measured in
+# a worker process of its own, some 5 s of imports each, so two of them measure (the first,
+# and the one with a config dir of the user's) and the bench's own parser checks the others:
+# every flag, every variant's name resolved.
+BENCH_MEASURED = {
+    c
+    for i, c in enumerate(COMMANDS)
+    if program_start(c).startswith(KERNEL_BENCH)
+    and ("--config-dir" in c or not any(KERNEL_BENCH in d for d in COMMANDS[:i]))
+}
+# Joblib's workers each import torch afresh (some 10 s each on 2 cores): a sweep runs its
+# jobs in its own process here (Hydra's basic launcher), its overrides as written;
+# tests/sweeps/test_sweeps.py runs the joblib launcher itself.
+IN_PROCESS = {"launcher=joblib"}
+
+
 def run_as_written(command: str, runs: dict[str, Path]) -> None:
     if (why := skip_reason(command)) is not None:
         pytest.skip(why)
-    words = shlex.split(fill_in(command, runs))
+    words = [w for w in shlex.split(fill_in(command, runs)) if w not in IN_PROCESS]
     env_set = {}
     while re.fullmatch(r"\w+=\S+", words[0]):  # PYTHONPATH=tests/user tlab-train ...
         key, value = words.pop(0).split("=", 1)
         env_set[key] = value
     program, *args = words
+    if program_start(command).startswith(KERNEL_BENCH) and command not in BENCH_MEASURED:
+        from transformers_lab.bench.kernels.cli import parse_args
+
+        parse_args([*args[2:], *budget(command)])  # a bad flag or variant exits with why
+        return
     stdin = "A dog runs.\n" if program == "tlab-translate" and "text=" not in command else None
     proc = tlab(program, *args, *budget(command), cwd=runs["root"], stdin=stdin, env_set=env_set)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
