@@ -342,12 +342,8 @@ KERNEL_BENCH = "python -m transformers_lab.bench.kernels"
 # a worker process of its own, some 5 s of imports each, so two of them measure (the first,
 # and the one with a config dir of the user's) and the bench's own parser checks the others:
 # every flag, every variant's name resolved.
-BENCH_MEASURED = {
-    c
-    for i, c in enumerate(COMMANDS)
-    if program_start(c).startswith(KERNEL_BENCH)
-    and ("--config-dir" in c or not any(KERNEL_BENCH in d for d in COMMANDS[:i]))
-}
+BENCH_LINES = [c for c in COMMANDS if program_start(c).startswith(KERNEL_BENCH)]
+BENCH_MEASURED = {BENCH_LINES[0], *(c for c in BENCH_LINES if "--config-dir" in c)}
 # Joblib's workers each import torch afresh (some 10 s each on 2 cores): a sweep runs its
 # jobs in its own process here (Hydra's basic launcher), its overrides as written;
 # tests/sweeps/test_sweeps.py runs the joblib launcher itself.
@@ -363,7 +359,7 @@ def run_as_written(command: str, runs: dict[str, Path]) -> None:
         key, value = words.pop(0).split("=", 1)
         env_set[key] = value
     program, *args = words
-    if program_start(command).startswith(KERNEL_BENCH) and command not in BENCH_MEASURED:
+    if command in BENCH_LINES and command not in BENCH_MEASURED:
         from transformers_lab.bench.kernels.cli import parse_args
 
         parse_args([*args[2:], *budget(command)])  # a bad flag or variant exits with why
