@@ -6,19 +6,22 @@ line must name a target of the Makefile. Its placeholders (``<time>``,
 ``.../last.ckpt``, ``<sweep A>``) are filled in with runs trained here first: the default
 ViT, a baby GPT on Tiny Shakespeare, a GPT with RoPE on passkeys, the Multi30k Transformer
 and two small MQAR sweeps.
-Each command gets the budget its row of ``BUDGET`` gives (``debug=limit``: 3 epochs of 3
-batches) and must exit 0. It runs in a process of its own, with its own arguments,
-directory, environment and files, forked from one that has imported torch, Lightning and
-Hydra once (``forked.py``): 2 seconds a tiny run rather than 9. Two kinds of line run
-cheaper: a sweep's ``launcher=joblib`` is dropped (``IN_PROCESS``: its jobs run in the
-command's own process), and the kernel bench's lines other than ``BENCH_MEASURED`` are
-checked by the bench's parser. ``SKIPPED`` lists the lines left out, each with its reason;
-a line of the README is in one or the other, or the test that reads them fails.
+Each command gets the budget its row of ``BUDGET`` gives and must exit 0: ``debug=limit``
+(3 epochs of 3 batches, checkpoints included), or ``debug=fdr`` (one batch of each split)
+for the 40-odd single runs of MQAR, Zoology and MAD that differ only in their kernel, its
+options and the task. It runs in a process of its own, with its own arguments, directory,
+environment and files, forked from one that has imported torch, Lightning and Hydra once
+(``forked.py``): 2 seconds a tiny run rather than 9. Two kinds of line run cheaper: a
+sweep's ``launcher=joblib`` is dropped (``IN_PROCESS``: its jobs run in the command's own
+process), and the kernel bench's lines after its first are checked by the bench's parser.
+``SKIPPED`` lists the lines left out, each with its reason; a line of the README is in one
+or the other, or the test that reads them fails.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import re
@@ -66,6 +69,10 @@ SKIPPED = {
 
 QUIET = ["trainer.enable_progress_bar=false", "logger=csv"]  # wandb: tested in test_train.py
 TINY = ["debug=limit", *QUIET]  # 3 epochs of 3 training and 2 validation batches
+# MQAR's, Zoology's and MAD's single runs: some 40 lines that differ in their kernel, its
+# options and the task; one batch of each split (a third of the time of a TINY run)
+ONE_BATCH = ["debug=fdr", *QUIET]
+USER_GLOB = "attention=glob([distance,relu*])"  # the user's kernels, and relu beside relu2
 SMALL_GPT = ["model.n_layer=1", "model.d_model=32", "model.n_head=2"]
 LRA_SMALL = ["data.train_examples=64", "data.val_examples=16", "data.test_examples=16"]
 # MQAR and MAD drawn small: Zoology's 100,000 examples or MAD's 12,800 are most of a tiny run
@@ -91,6 +98,16 @@ BUDGET = [
     ("python -m transformers_lab.bench.scale", ["--sizes", "340m", "--kernels", "softmax", "gla"]),
     ("python -m transformers_lab.bench.throughput", ["--steps", "12", "--repeats", "1"]),
     ("tlab-train debug=", QUIET),
+    # every kernel of the package in one sweep (some 30 jobs); the same sweep with a
+    # baseline, or with the user's config dir (its distance and relu2 found by a glob), on few
+    (
+        "tlab-train sweep=attention_kernels experiment=mqar 'summary.baseline",
+        [*TINY, "hydra.sweeper.params.seed=0", "optimizer.lr=1e-3", "attention=softmax,dot"],
+    ),
+    (
+        "tlab-train sweep=attention_kernels experiment=mqar hydra.searchpath=",
+        [*TINY, "hydra.sweeper.params.seed=0", "optimizer.lr=1e-3", USER_GLOB],
+    ),
     (
         "tlab-train sweep=attention_kernels",
         [*TINY, "hydra.sweeper.params.seed=0", "optimizer.lr=1e-3"],
@@ -114,6 +131,10 @@ BUDGET = [
     # Zoology's batch of 512 over a vocabulary of 8192: 2 s a step; a small batch runs the
     # same code (the commands set trainer.max_epochs=10: 30 steps)
     (
+        "tlab-train sweep=length_generalisation data=needle_text",  # the other data: 1 job
+        [*TINY, "extrapolation=softmax_rope", "optimizer.lr=1e-3"],
+    ),
+    (
         "tlab-train sweep=length_generalisation",  # 16 jobs: 2, at a tiny budget
         [*TINY, "extrapolation=softmax_rope,gla", "optimizer.lr=1e-3"],
     ),
@@ -135,9 +156,11 @@ BUDGET = [
         "tlab-train -m launcher=joblib experiment=lra_pathfinder",  # fastmax's bound: 6 jobs, 1
         [*TINY, *LRA_SMALL, "optimizer.lr=1e-3", "seed=0"],
     ),
-    ("tlab-train experiment=zoology_mqar", [*TINY, "data.batch_size=16", *DRAWN_SMALL]),
+    ("tlab-train experiment=zoology_mqar", [*ONE_BATCH, "data.batch_size=16", *DRAWN_SMALL]),
     ("tlab-train -m experiment=zoology_mqar", [*TINY, "data.batch_size=16", *DRAWN_SMALL]),
-    ("tlab-train experiment=mad", [*TINY, *DRAWN_SMALL]),
+    ("tlab-train experiment=mad", [*ONE_BATCH, *DRAWN_SMALL]),
+    ("tlab-train experiment=mqar callbacks=", TINY),  # images every 2 epochs
+    ("tlab-train experiment=mqar", ONE_BATCH),
     ("tlab-train model=gpt data=corpus", [*TINY, *SMALL_GPT, "data.block_size=32"]),
     ("tlab-prepare", []),
     ("tlab-train", TINY),
@@ -197,7 +220,7 @@ COMMANDS = list(dict.fromkeys(c for lines in ALL_LINES.values() for c in lines i
 
 def test_the_readme_commands_are_found_and_the_skip_table_is_current():
     assert len(COMMANDS) >= 40 and sum("tlab-summarize" in c for c in COMMANDS) >= 3
-    assert len(BENCH_MEASURED) == 2 and any("--config-dir" in c for c in BENCH_MEASURED)
+    assert len(BENCH_LINES) > 1 and any("--config-dir" in c for c in BENCH_LINES)
     assert {"README.md", "kernels.md", "training.md", "sweeps.md", "ablations.md"} <= {
         name for name, lines in ALL_LINES.items() if any(runnable(c) for c in lines)
     }
@@ -339,11 +362,11 @@ def fill_in(command: str, runs: dict[str, Path]) -> str:
 
 KERNEL_BENCH = "python -m transformers_lab.bench.kernels"
 # The kernel bench's lines differ in their kernels and lengths. Each variant is measured in
-# a worker process of its own, some 5 s of imports each, so two of them measure (the first,
-# and the one with a config dir of the user's) and the bench's own parser checks the others:
-# every flag, every variant's name resolved.
+# a worker process of its own, some 5 s of imports each, so the first line measures and the
+# bench's own parser checks the others: every flag, every variant's name resolved (the
+# user's kernels of a config dir too; tests/attention/test_user_kernel_everywhere.py
+# measures those by name, yaml and class).
 BENCH_LINES = [c for c in COMMANDS if program_start(c).startswith(KERNEL_BENCH)]
-BENCH_MEASURED = {BENCH_LINES[0], *(c for c in BENCH_LINES if "--config-dir" in c)}
 # Joblib's workers each import torch afresh (some 10 s each on 2 cores): a sweep runs its
 # jobs in its own process here (Hydra's basic launcher), its overrides as written;
 # tests/sweeps/test_sweeps.py runs the joblib launcher itself.
@@ -359,10 +382,11 @@ def run_as_written(command: str, runs: dict[str, Path]) -> None:
         key, value = words.pop(0).split("=", 1)
         env_set[key] = value
     program, *args = words
-    if command in BENCH_LINES and command not in BENCH_MEASURED:
+    if command in BENCH_LINES[1:]:
         from transformers_lab.bench.kernels.cli import parse_args
 
-        parse_args([*args[2:], *budget(command)])  # a bad flag or variant exits with why
+        with contextlib.chdir(runs["root"]):  # its config dir, my_conf, is the user's
+            parse_args([*args[2:], *budget(command)])  # a bad flag or variant exits with why
         return
     stdin = "A dog runs.\n" if program == "tlab-translate" and "text=" not in command else None
     proc = tlab(program, *args, *budget(command), cwd=runs["root"], stdin=stdin, env_set=env_set)
