@@ -38,7 +38,7 @@ FLA = sorted(
     }.values()
 )
 # fla's chunks are 64 tokens, ours 16 here: 37 leaves a remainder in both, unpadded (no mask
-# given); 80 is two of fla's chunks, padded at both ends (the first chunk and the last)
+# given); 80 spans two of fla's chunks, padded at both ends (in the first and in the last)
 CASES = [pytest.param(37, False, id="37-unpadded"), pytest.param(80, True, id="80-padded")]
 TOL = 2e-5  # relative, |a - b| / |b| over the whole tensor, float32
 
