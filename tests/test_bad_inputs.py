@@ -522,8 +522,21 @@ CASES = [
     ),
     case(
         "train",
+        ["experiment=mqar", "attention=deltanet", "attention.backend=cuda"],
+        "deltanet: unknown attention.backend='cuda'; deltanet takes one of auto, loop, fla",
+    ),
+    case(
+        "train",
         ["experiment=mqar", "attention=deltanet", "attention.backend=triton"],
-        "deltanet: unknown attention.backend='triton'; deltanet takes one of auto, loop, fla",
+        "deltanet: attention.backend=triton is not a fused kernel for deltanet (it takes auto, "
+        "loop, fla); use attention.backend=auto",
+    ),
+    case(
+        "train",
+        ["experiment=mqar", "attention=fastmax", "attention.backend=triton"],
+        "fastmax: attention.backend=triton cannot run on this machine: no CUDA GPU is visible "
+        "(the fused kernel is a Triton kernel for CUDA); use attention.backend=auto (our loop "
+        "here)",
     ),
     case(
         "train",

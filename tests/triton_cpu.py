@@ -89,6 +89,12 @@ def _patch() -> None:
     interpreter._tlab_patched = True
 
 
+def interpret() -> None:
+    """Triton's interpreter on, with the changes above (our own kernels need none of
+    them, but share the process with fla's)."""
+    _patch()
+
+
 def fla_ops():
     """``fla.ops`` with its kernels interpreted; raises ImportError where fla is missing."""
     _patch()

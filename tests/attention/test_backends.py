@@ -31,7 +31,8 @@ def test_the_kernels_each_fused_kernel_covers():
     covers = {name: cls.fused_backends for name, cls in ours.items() if cls.fused_backends}
     assert covers == {
         **dict.fromkeys(["linear", "performer", "cosformer"], ("fla",)),
-        **dict.fromkeys(["based", "fastmax"], ("fla", "flex")),
+        "based": ("fla", "flex"),
+        "fastmax": ("fla", "flex", "triton"),  # triton: p=2 only
         **dict.fromkeys(["retnet", "gla", "simple_gla", "deltanet", "gated_deltanet"], ("fla",)),
         **dict.fromkeys(["kda", "fox", "gated_deltaproduct", "rwkv7"], ("fla",)),
         "sliding_window": ("flex",),
@@ -71,10 +72,12 @@ def test_null_is_our_loop_as_it_was_before_the_option_had_other_names():
 @pytest.mark.parametrize(
     ("name", "backend", "message"),
     [
-        ("gla", "triton", r"^gla: unknown attention.backend='triton'; gla takes one of auto, "
-                          r"loop, fla \(auto: "),
+        ("gla", "cuda", r"^gla: unknown attention.backend='cuda'; gla takes one of auto, "
+                        r"loop, fla \(auto: "),
+        ("gla", "triton", r"^gla: attention.backend=triton is not a fused kernel for gla \(it "
+                          r"takes auto, loop, fla\); use "),
         ("fastmax", "cuda", r"^fastmax: unknown attention.backend='cuda'; fastmax takes one of "
-                            r"auto, loop, fla, flex"),
+                            r"auto, loop, fla, flex, triton"),
         ("sliding_window", "fla", r"^sliding_window: attention.backend=fla is not a fused kernel "
                                   r"for sliding_window \(it takes auto, loop, flex\); use "),
         ("linear", "flex", r"^linear: attention.backend=flex is not a fused kernel for linear "
@@ -219,7 +222,11 @@ def test_the_bench_names_every_backend_of_every_covered_option_and_leaves_them_o
     for name in options:
         covers = get_class(CONFIGS[name]["_target_"]).fused_backends
         for backend in ("loop", *covers):
+            if backend == "triton" and CONFIGS[name]["p"] != 2:
+                assert f"{name}_triton" not in found  # our Triton kernel is fastmax p=2's
+                continue
             assert found[f"{name}_{backend}"] == {**found[name], "backend": backend}
+    assert "fastmax_p2_triton" in found
     assert {n for n in found if n.endswith(bench.FLA_OP)} == {
         "linear_fla_op", "based_fla_op", "fastmax_p1_fla_op", "fastmax_p2_fla_op"
     }  # fmt: skip

@@ -17,15 +17,18 @@ from transformers_lab.bench import kernels as bench
 
 @pytest.mark.slow  # every step's commands walked in subprocesses (make test-slow)
 def test_a_dry_run_walks_every_step_in_order_and_writes_the_results(tmp_path, capsys):
-    plan = gpu_window.steps(tmp_path)
+    steps = gpu_window.steps(tmp_path)
+    plan = [s for s in steps if s.default]
     assert [s.name for s in plan] == ["env", "bench_4096", "bench_16384", "bench_65536",
                                       "gpu_tests", "bf16_backends"]  # fmt: skip
     assert sum(s.limit_s for s in plan) <= 600  # one call of a lent machine
+    (long,) = [s for s in steps if not s.default]  # run only when named, in a call of its own
+    assert long.name == "fastmax_long" and 30 + long.limit_s <= 600
     # the last step collects the tests the one before it leaves out (-k "not backend"):
     # walked here by that one, whose collection counts them as deselected
     assert plan[-1].command[:-2] == [c for c in plan[-2].command if c not in ("-n", "8")][:-2]
     assert plan[-1].command[-2:] == ["-k", "backend"] and plan[-2].command[-1] == "not backend"
-    walked = [s.name for s in plan[:-1]]
+    walked = [s.name for s in plan[:-1]] + ["fastmax_long"]
     assert gpu_window.main(["--dry-run", "--out", str(tmp_path), "--only", *walked]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert [s["step"] for s in results["steps"]] == walked
@@ -34,7 +37,8 @@ def test_a_dry_run_walks_every_step_in_order_and_writes_the_results(tmp_path, ca
     assert gpu_window.pinned() == {"fla-core": "0.6.0", "triton": "3.8.0"}  # pyproject's
     assert env["fla-core"] == "0.6.0" and env["cache_fits"] is True
     collected = re.search(r"(\d+)/\d+ tests collected \((\d+) deselected\)",
-                          results["steps"][-1]["summary"])  # fmt: skip
+                          results["steps"][-2]["summary"])  # fmt: skip
+    assert results["steps"][-1]["summary"].startswith("40 measurements: methods sdpa triton")
     assert collected and int(collected[1]) > 0 and int(collected[2]) > 0  # both steps' tests
 
 
@@ -44,7 +48,8 @@ def test_the_bench_times_each_covered_kernel_on_our_loop_and_each_of_its_backend
     found = bench.variants()
     for name in ("linear", "based", "fastmax_p1", "fastmax_p2"):
         assert {f"{name}_loop", f"{name}_fla", f"{name}_fla_op"} <= set(names)
-    assert {"fastmax_p2_flex", "sliding_window_loop", "sliding_window_flex"} <= set(names)
+    assert {"fastmax_p2_flex", "fastmax_p2_triton", "sliding_window_loop"} <= set(names)
+    assert "sliding_window_flex" in names and "fastmax_p1_triton" not in names
     for gated in ("retnet", "gla", "simple_gla", "deltanet", "gated_deltanet"):
         assert {f"{gated}_loop", f"{gated}_fla"} <= set(names)
     assert set(names) <= set(found)

@@ -8,7 +8,10 @@
   means the same);
 - ``fla``: flash-linear-attention's Triton kernel (``fla_ops``): CUDA, or the CPU under
   Triton's interpreter (``TRITON_INTERPRET=1``, the tests' way);
-- ``flex``: PyTorch's FlexAttention (``flex_ops``): CUDA; on a CPU its forward only.
+- ``flex``: PyTorch's FlexAttention (``flex_ops``): CUDA; on a CPU its forward only;
+- ``triton``: our own Triton kernel for fastmax p=2 in linear time (``triton_ops``): CUDA,
+  or the CPU under Triton's interpreter. ``auto`` does not take it until a GPU bench
+  (``make gpu-window``) has shown it faster than fla's.
 
 A kernel lists the fused kernels that cover it in ``fused_backends``; asking a kernel for
 one it does not list, or for one that cannot run on this machine, is refused in one line
@@ -27,8 +30,9 @@ from typing import Any
 
 import torch
 
-BACKENDS = ("auto", "loop", "fla", "flex")
-FUSED = ("fla", "flex")
+BACKENDS = ("auto", "loop", "fla", "flex", "triton")
+FUSED = ("fla", "flex", "triton")
+UNPROVEN = ("triton",)  # fused kernels ``auto`` passes over: not yet timed on a GPU
 INSTALL = "pip install -e '.[gpu]' (fla-core, fla's ops)"
 
 
@@ -54,6 +58,14 @@ def unavailable(backend: str) -> str | None:
         if not (torch.cuda.is_available() or interpreted()):
             return "no CUDA GPU is visible (fla's kernels are Triton kernels for CUDA)"
         return fla_import_error()
+    if backend == "triton":
+        if not (torch.cuda.is_available() or interpreted()):
+            return "no CUDA GPU is visible (the fused kernel is a Triton kernel for CUDA)"
+        try:
+            importlib.import_module("triton")
+        except ImportError:
+            return f"Triton cannot be imported; {INSTALL}"
+        return None
     if backend == "flex":
         try:
             importlib.import_module("torch.nn.attention.flex_attention")
@@ -98,7 +110,7 @@ def choose(backend: str, covers: tuple[str, ...], device: torch.device) -> str |
         return backend
     if device.type != "cuda":
         return None
-    return next((b for b in covers if unavailable(b) is None), None)
+    return next((b for b in covers if b not in UNPROVEN and unavailable(b) is None), None)
 
 
 def settle(name: str, backend: str, fused: str | None, why: str | None) -> str | None:

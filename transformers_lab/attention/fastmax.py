@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from transformers_lab.attention import naive
 from transformers_lab.attention.feature_map.feature_kernel import FeatureKernel
 from transformers_lab.attention.feature_map.features import SUPPORTED_P
+from transformers_lab.attention.triton_ops import refusal as triton_refusal
 
 
 class FastmaxAttention(FeatureKernel):
@@ -55,13 +56,15 @@ class FastmaxAttention(FeatureKernel):
         eps: guards the norm of an all-zero query or key.
         backend: what runs the training forward (``FeatureKernel``): ``auto``, ``loop``,
             ``fla`` (p=1: ``chunk_linear_attn`` on [1, s q], [1, k]; p=2: ``parallel_based``
-            on s q and k, D <= 128) or ``flex`` (softmax of log f(x), FlexAttention).
+            on s q and k, D <= 128), ``flex`` (softmax of log f(x), FlexAttention) or, for
+            p=2, ``triton`` (our Triton kernel, linear in N: ``triton_ops``; D of 16, 32, 64
+            or 128; ``auto`` does not take it yet).
 
     Under autocast (fp16 / bf16) the states are accumulated in float32.
     """
 
     name = "fastmax"
-    fused_backends = ("fla", "flex")
+    fused_backends = ("fla", "flex", "triton")
     labelled = ("p",)
     formula = "Σ_{m≤p} (s q·k)^m / m!, normalised over keys"
 
@@ -110,6 +113,15 @@ class FastmaxAttention(FeatureKernel):
             )
         if scale <= 0:
             raise ValueError(f"fastmax: scale must be positive, got {scale}")
+        if self.backend == "triton" and p != 2:
+            raise ValueError(
+                f"fastmax: attention.backend=triton is a kernel for p=2, got p={p}; use "
+                "attention.backend=auto (fla's kernel for p=1 on CUDA)"
+            )
+        if self.backend == "triton" and (why := triton_refusal(head_dim)):
+            raise ValueError(
+                f"fastmax: attention.backend=triton: {why}; use attention.backend=auto"
+            )
         self.scale = float(scale)
         self.normalize = normalize
         self.learn_scale = learn_scale

@@ -14,7 +14,10 @@ The steps, in order (``STEPS``):
    op alone (``_fla_op``), each warmed up at the timed N (``bench.kernels``);
 3. ``gpu_tests``: the tests marked gpu (tests/gpu), their figures in ``gpu_tests.jsonl``;
 4. ``bf16_backends``: every fused backend against our loop in bf16, outputs and gradients
-   (``tests/gpu``'s backend tests, on their own, so a late step cannot starve them).
+   (``tests/gpu``'s backend tests, on their own, so a late step cannot starve them);
+5. ``fastmax_long``, only when named (``--only env fastmax_long``, 7 min at most): fastmax
+   p=2 on our Triton kernel against flash softmax and fla's two paths, forward and
+   backward apart, B=1 and 8, N from 4096 to 131072 (``bench.fastmax_gpu``).
 
 fla autotunes each Triton kernel at each new shape (hundreds of compiles in all) and
 writes every winner to ``$TRITON_CACHE_DIR/<key>/<kernel>.autotune.json``, ``key`` a hash
@@ -27,7 +30,8 @@ them in, skips the compiles that chose them.
 ``--out`` holds, after every step, six files at most (a lent machine gives back eight):
 ``results.json`` (each step's status, seconds and summary), ``window.log`` (every step's
 output), ``bench.csv`` and ``bench.md`` (the bench's rows and tables, every N so far),
-``gpu_tests.jsonl`` (the tests' figures) and ``autotune.tar.gz``. A step that runs past
+``gpu_tests.jsonl`` (the tests' figures) and ``autotune.tar.gz``; with ``fastmax_long``,
+its ``fastmax_gpu.csv`` and ``.md`` too (eight). A step that runs past
 its limit is stopped, said so in ``results.json``, and the next step runs.
 """
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import io
 import json
 import os
 import re
@@ -74,7 +79,7 @@ def bench_kernels() -> list[str]:
     found = bench.variants()
     names = ["softmax"]
     for name in bench.default_variants():
-        for suffix in (bench.LOOP, bench.FLA, bench.FLEX, bench.FLA_OP):
+        for suffix in (bench.LOOP, bench.FLA, bench.FLEX, bench.TRITON, bench.FLA_OP):
             if name + suffix in found:
                 names.append(name + suffix)
     return names
@@ -86,6 +91,7 @@ class Step:
     command: list[str]
     limit_s: int
     what: str
+    default: bool = True  # run unless ``--only`` names others; False: only when named
 
 
 def steps(work: Path) -> list[Step]:
@@ -133,6 +139,15 @@ def steps(work: Path) -> list[Step]:
             [*pytest, "-k", "backend"],
             60,
             "every fused backend against our loop in bf16",
+        )
+    )
+    found.append(
+        Step(
+            "fastmax_long",
+            [py, "-m", "transformers_lab.bench.fastmax_gpu", "--out", str(work / "fastmax_gpu")],
+            420,
+            "fastmax p=2 on our Triton kernel against flash softmax and fla, N 4k to 128k",
+            default=False,
         )
     )
     return found
@@ -240,6 +255,12 @@ def dry_run(step: Step) -> tuple[str, str]:
     arguments parsed, the variants resolved; the tests collected)."""
     if step.name == "env":
         return "dry-run ok", json.dumps(environment())
+    if step.name == "fastmax_long":
+        from transformers_lab.bench import fastmax_gpu
+
+        with contextlib.redirect_stdout(io.StringIO()) as plan:
+            fastmax_gpu.main([*step.command[3:], "--dry-run"])
+        return "dry-run ok", plan.getvalue().strip()
     if step.name.startswith("bench_"):
         from transformers_lab.bench import kernels as bench
 
@@ -312,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    plan = [s for s in plan if not args.only or s.name in args.only]
+    plan = [s for s in plan if s.name in args.only] if args.only else [s for s in plan if s.default]
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -347,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if step.name.startswith("bench_") and not args.dry_run:
             merge_bench(work, out)
+        for found in (work / "fastmax_gpu").glob("fastmax_gpu.*"):  # fastmax_long's table
+            shutil.copy2(found, out / found.name)
         results["steps"].append(
             {  # type: ignore[union-attr]
                 "step": step.name,

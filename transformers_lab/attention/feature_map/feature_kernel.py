@@ -32,6 +32,8 @@ from transformers_lab.attention.fla_ops import fla_polynomial, polynomial_refusa
 from transformers_lab.attention.flex_ops import flex_polynomial
 from transformers_lab.attention.flex_ops import refusal as flex_refusal
 from transformers_lab.attention.masks import attention_mask
+from transformers_lab.attention.triton_ops import refusal as triton_refusal
+from transformers_lab.attention.triton_ops import triton_fastmax
 
 log = logging.getLogger(__name__)
 
@@ -203,11 +205,13 @@ class FeatureKernel(AttentionKernel):
         """The fused kernel this call takes (None: our paths): fla's covers causal
         self-attention, FlexAttention every call."""
         fused = choose(self.backend, self.fused_backends, q.device)
-        if fused == "fla" and not (causal and q.shape[2] == k.shape[2]):
+        if fused in ("fla", "triton") and not (causal and q.shape[2] == k.shape[2]):
             return None
         why = None
         if fused == "fla":
             why = polynomial_refusal(self.p, self.feature_count)
+        elif fused == "triton":
+            why = triton_refusal(self.feature_count) if self.p == 2 else "it is a kernel for p=2"
         elif fused == "flex":
             why = flex_refusal(self.feature_count, self.head_dim, q.device)
         return settle(self.name, self.backend, fused, why)
@@ -215,15 +219,17 @@ class FeatureKernel(AttentionKernel):
     def fused_forward(
         self, fused: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, pad: Tensor | None
     ) -> Tensor:
-        """``forward`` by the fused kernel ``fused``, in autocast's dtype: our features,
+        """``forward`` by the fused kernel ``triton``, in autocast's dtype: our features,
         dropped and padded keys as ``prepare`` gives them."""
         dtype = compute_dtype(v)
         with torch.autocast(q.device.type, enabled=False):
             qs, ks, _ = self.prepare(q, k, None, pad, k.shape[2] - q.shape[2] if causal else 0)
             qs, ks, vd = (t.to(dtype) for t in (qs, ks, self.drop_keys(v)))
+            keep = None if pad is None else ~pad
             if fused == "fla":
-                keep = None if pad is None else ~pad
                 out = fla_polynomial(qs, ks, vd, self.p, keep)
+            elif fused == "triton":
+                out, _ = triton_fastmax(qs, ks, vd, keep)
             else:
                 out = flex_polynomial(qs, ks, vd, self.p, causal=causal, key_padding_mask=pad)
             return out.to(v.dtype)
@@ -397,6 +403,10 @@ class FeatureKernel(AttentionKernel):
             qs, ks, v_aug = self.prepare(q, k, v, key_padding_mask, seen, seen)
             if q.shape[2] == 1:
                 out, state = recurrent_step(qs, ks, v_aug, self.p, state)
+            elif self.backend == "triton":  # a prefill of T tokens: the kernel takes the state
+                keep = v_aug[..., -1] != 0  # a padded key's 1 is zero
+                out, state = triton_fastmax(qs, ks, v_aug[..., :-1], keep, state, want_state=True)
+                return out.to(v.dtype), state
             else:
                 out, state = chunked_causal(
                     qs, ks, v_aug, self.p, self.chunk_size, state, self.compiled

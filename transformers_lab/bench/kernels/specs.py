@@ -45,17 +45,17 @@ FUSED_VARIANTS = frozenset({"fastmax_p2_fused"})  # and every variant with a sho
 COMPILED = "_compiled"
 # ... and the fused backends beside our loops, also only when named (``attention.backends``):
 # ``<option>_fla`` and ``<option>_flex`` for every option whose kernel a fused kernel covers
-# (its ``backend: fla`` / ``flex``), ``<option>_loop`` for our loop on any device (on CUDA
-# the option itself, ``backend: auto``, takes the fused kernel), and fla's ops alone, fed
-# what our kernel would feed them: ``<option>_fla_op`` (``bench.fla_kernels``), the
-# reference our ``_fla`` is held to (goal: within 1.2x)
-FLA, FLEX, LOOP, FLA_OP = "_fla", "_flex", "_loop", "_fla_op"
+# (its ``backend: fla`` / ``flex``; ``fastmax_p2_triton``, our own kernel), ``<option>_loop``
+# for our loop on any device (on CUDA the option itself, ``backend: auto``, takes the fused
+# kernel), and fla's ops alone, fed what our kernel would feed them: ``<option>_fla_op``
+# (``bench.fla_kernels``), the reference our ``_fla`` is held to (goal: within 1.2x)
+FLA, FLEX, LOOP, FLA_OP, TRITON = "_fla", "_flex", "_loop", "_fla_op", "_triton"
 FLA_OPS: dict[str, dict[str, Any]] = {
     name + FLA_OP: {"_target_": f"transformers_lab.bench.fla_kernels.{cls}", "_partial_": True}
     for name, cls in (("linear", "FlaLinearAttention"), ("based", "FlaBasedAttention"),
                       ("fastmax_p1", "FlaFastmaxP1"), ("fastmax_p2", "FlaFastmaxP2"))
 }  # fmt: skip
-GPU_ONLY = (FLA, FLEX, FLA_OP)  # suffixes of the variants that need --device cuda
+GPU_ONLY = (FLA, FLEX, FLA_OP, TRITON)  # suffixes of the variants that need --device cuda
 
 
 def variants(dirs: Sequence[Path] = (CONF_DIR,)) -> dict[str, dict[str, Any]]:
@@ -96,6 +96,8 @@ def fla_variants(options: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
             continue
         covers = getattr(get_class(c["_target_"]), "fused_backends", ())
         for backend in ("loop", *covers) if covers else ():
+            if backend == "triton" and c.get("p") != 2:
+                continue  # our Triton kernel is fastmax p=2's
             found[f"{name}_{backend}"] = {**c, "backend": backend}
     return {**found, **FLA_OPS}
 
