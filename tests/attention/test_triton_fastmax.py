@@ -6,6 +6,11 @@ each. bf16 and its speed wait for a GPU (``make gpu-window``)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -132,6 +137,23 @@ def test_the_kernel_through_its_config_at_head_width_32(interpreter):
     assert max(errors) < TOL, errors
 
 
+@pytest.mark.parametrize("head_dim", [64, pytest.param(128, marks=pytest.mark.slow)])
+def test_the_wide_heads_tiles_equal_our_loop(interpreter, head_dim):
+    """D=64 (two rows of S2 a program) and D=128 (one, and two blocks of value columns; 33 s
+    interpreted: the slow suite): one sequence, one head, a remainder chunk."""
+    loop = FastmaxAttention(head_dim, 1, backend="loop", impl="linear", chunk_size=8)
+    fused = FastmaxAttention(head_dim, 1, backend="triton")
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 1, 21, head_dim, requires_grad=True) for _ in range(3))
+    found = []
+    for kernel in (loop, fused):
+        out = kernel(q, k, v, causal=True)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(),
+                                    (q, k, v))  # fmt: skip
+        found.append((out, torch.cat([g.flatten() for g in grads])))
+    assert rel(found[1][0], found[0][0]) < TOL and rel(found[1][1], found[0][1]) < TOL
+
+
 # ------------------------------------------------------------------ it can fail
 
 
@@ -206,3 +228,26 @@ def test_the_triton_kernel_on_another_kernel_is_one_line():
     with pytest.raises(ValueError, match=r"^based: attention.backend=triton is not a fused kernel "
                        r"for based \(it takes auto, loop, fla, flex\)"):  # fmt: skip
         kernel_factory("based", {"backend": "triton"})(head_dim=16, n_head=2)
+
+
+# ------------------------------------------------------------------ for a GPU
+
+
+@pytest.mark.slow  # 12 compiles, about a minute
+def test_every_kernel_compiles_for_an_h100_at_the_widest_heads(tmp_path):
+    """Triton's compiler, ahead of time, for compute capability 9.0 (H100, H200): forward
+    and both backward kernels, D = 64 and 128 (the most shared memory), bf16 and fp32,
+    within the 228 KiB of shared memory a block may have there. In a process of its own,
+    with the interpreter off."""
+    code = (
+        "import json\nfrom transformers_lab.attention.triton_ops import compile_kernels\n"
+        "print(json.dumps(compile_kernels(90, (64, 128))))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled here, not found in a cache
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(found) == 3 * 2 * 2
+    assert all(0 < k["shared"] <= 228 * 1024 for k in found), found

@@ -24,7 +24,7 @@ from torch import Tensor
 from transformers_lab.attention.feature_map.features import feature_dim, feature_weights
 
 HEAD_WIDTHS = (16, 32, 64, 128)  # q, k and v widths the kernels take (powers of two, >= 16)
-CHUNK = 64  # tokens a chunk on a GPU; the tests take 16
+CHUNK = 64  # tokens a chunk on a GPU in 16 bits, half that in float32; the tests take 16
 # f(x) = c0 + c1 x + c2 x^2: fastmax p=2's weights, and its normaliser's (the kernel takes
 # them apart, so a test can break either and see the comparison fail)
 WEIGHTS = (1.0, 1.0, 0.5)
@@ -50,6 +50,58 @@ def kernels():
 def tiles(d: int, dv: int) -> tuple[int, int]:
     """(BA, BV): the rows a of S2 and the value columns a program keeps."""
     return max(1, 128 // d), min(dv, 64)
+
+
+def chunk_for(dtype: torch.dtype) -> int:
+    """Tokens a chunk: ``CHUNK`` in 16 bits, half in float32 (whose tiles at D=128 would
+    outgrow an H100's 228 KiB of shared memory a block)."""
+    return CHUNK if dtype in (torch.bfloat16, torch.float16) else max(16, CHUNK // 2)
+
+
+def compile_kernels(
+    arch: int = 90,
+    widths: tuple[int, ...] = HEAD_WIDTHS,
+    dtypes: tuple[str, ...] = ("bf16", "fp32"),
+) -> list[dict]:
+    """Compile every kernel for CUDA compute capability ``arch`` (90: H100 and H200) at each
+    head width and dtype, ahead of time and without a GPU (Triton's compiler and ptxas
+    alone): what a GPU would compile first, checked on any machine. One dict a kernel,
+    width and dtype: its shared memory in bytes. Not under Triton's interpreter (which
+    compiles nothing)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from transformers_lab.attention.backends import interpreted
+
+    if interpreted():
+        raise RuntimeError("compile_kernels compiles for a GPU: unset TRITON_INTERPRET")
+    ops, found = kernels(), []
+    for name in ("_fwd", "_dq", "_dkdv"):
+        fn = getattr(ops, name)
+        params = [p.name for p in fn.params]
+        for d in widths:
+            ba, bv = tiles(d, d)
+            flags = {"HAS_MASK": True, "STATE_IN": True, "STATE_OUT": True}
+            for dtype in dtypes:
+                chunk = chunk_for(torch.float32 if dtype == "fp32" else torch.bfloat16)
+                const = {"D": d, "DV": d, "C": chunk, "BA": ba, "BV": bv, **flags}
+                signature, constexprs = {}, {}
+                for i, p in enumerate(params):
+                    if p in const:
+                        signature[p], constexprs[(i,)] = "constexpr", const[p]
+                    elif p == "N":
+                        signature[p] = "i32"
+                    elif len(p) == 2 and p[0] in "cd" and p[1].isdigit():
+                        signature[p] = "fp32"  # the weights' and the normaliser's coefficients
+                    else:
+                        signature[p] = f"*{dtype}" if p in ("Q", "K", "V", "G") else "*fp32"
+                source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+                done = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+                found.append(
+                    {"kernel": name, "D": d, "dtype": dtype, "shared": done.metadata.shared}
+                )
+    return found
 
 
 # ------------------------------------------------------------------ state layouts
@@ -234,6 +286,6 @@ def triton_fastmax(
         m = (keep[:, None] if keep.dim() == 2 else keep).expand(b, h, n).to(v.dtype)
         v = v * m[..., None]
     parts = None if state is None else from_engine(state)
-    chunk = chunk or CHUNK
+    chunk = chunk or chunk_for(qs.dtype)
     y, *out = _TritonFastmax.apply(qs, ks, v, m, parts, want_state or state is not None, chunk)
     return y, (to_engine(dict(zip(PARTS, out, strict=True)), b, h) if want_state else None)
