@@ -68,7 +68,8 @@ def _fwd(
     b_s0 = tl.zeros([BV], dtype=tl.float32)
     b_z1 = tl.zeros([D], dtype=tl.float32)
     b_z0 = tl.zeros([1], dtype=tl.float32)
-    if STATE_IN:
+    if STATE_IN:  # the state in is the state out's buffer: a program may read a part that
+        # another has already written over, but uses only the parts that it writes itself
         b_s2 = tl.load(S2 + i_bh * D * D * DV + o_r[:, None] * DV + o_v[None, :])
         b_z2 = tl.load(Z2 + i_bh * D * D + o_r)
         b_s1 = tl.load(S1 + i_bh * D * DV + o_d[:, None] * DV + o_v[None, :])
@@ -90,7 +91,8 @@ def _fwd(
             b_m = live.to(tl.float32)
         phi_q = _features(b_qa, b_q, C, BA, D)
         phi_k = _features(b_ka, b_k, C, BA, D)
-        # the earlier chunks' keys, second order, this program's tile of S2
+        # the earlier chunks' keys, second order, this program's tile of S2 (its normaliser's
+        # part is used by the programs of the first value columns alone, which write it)
         b_o = c2 * tl.dot(phi_q, b_s2.to(phi_q.dtype))
         b_z = d2 * tl.sum(phi_q.to(tl.float32) * b_z2[None, :], 1)
         b_s2 += tl.dot(tl.trans(phi_k), b_v)

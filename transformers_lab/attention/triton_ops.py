@@ -21,6 +21,7 @@ import math
 import torch
 from torch import Tensor
 
+from transformers_lab.attention.backends import interpreted
 from transformers_lab.attention.feature_map.features import feature_dim, feature_weights
 
 HEAD_WIDTHS = (16, 32, 64, 128)  # q, k and v widths the kernels take (powers of two, >= 16)
@@ -71,8 +72,6 @@ def compile_kernels(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from transformers_lab.attention.backends import interpreted
 
     if interpreted():
         raise RuntimeError("compile_kernels compiles for a GPU: unset TRITON_INTERPRET")
@@ -185,11 +184,12 @@ class _TritonFastmax(torch.autograd.Function):
         o = torch.zeros(bh, n, dv, device=q.device)
         z = torch.zeros(bh, n, device=q.device)
         keep_state = parts is not None or want_state
-        out_parts = (
-            {key: t.clone() for key, t in parts.items()}
-            if parts is not None
-            else empty_parts(bh if keep_state else 1, d, dv, q.device)
-        )
+        if parts is not None:  # read, then written over, by the kernel: a copy of its own
+            out_parts = {key: t.clone() for key, t in parts.items()}
+        elif want_state:
+            out_parts = empty_parts(bh, d, dv, q.device)
+        else:  # placeholders the kernel never touches
+            out_parts = dict.fromkeys(PARTS, o.new_zeros(1))
         ba, bv = tiles(d, dv)
         grid = (dv // bv, d // ba, bh)
         kernels()._fwd[grid](
@@ -247,8 +247,6 @@ class _TritonFastmax(torch.autograd.Function):
 
 def check_device(t: Tensor) -> None:
     """One line unless ``t`` is on CUDA (or Triton's interpreter runs kernels on the CPU)."""
-    from transformers_lab.attention.backends import interpreted
-
     if t.device.type != "cuda" and not interpreted():
         raise ValueError(
             f"attention.backend=triton runs on CUDA only, got tensors on {t.device.type}; move "
