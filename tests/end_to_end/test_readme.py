@@ -45,6 +45,8 @@ SKIPPED = {
     + "; and several nodes",
     "tlab-train trainer=fsdp trainer.devices=4 experiment=gpt_shakespeare": NO_GPU,
     "tlab-train trainer=gpu trainer.precision=bf16-mixed compile=true": NO_GPU,
+    "tlab-train experiment=baby_gpt attention=fastmax_p2 attention.backend=triton": NO_GPU
+    + " (tests/attention/test_triton_fastmax.py runs the kernel under Triton's interpreter)",
     "tlab-check gla --device cuda": NO_GPU
     + " (tests/gpu runs it for every kernel on a GPU machine)",
     "tlab-train -m launcher=slurm": "needs a SLURM cluster: test_slurm.py runs such sweeps on "
@@ -95,6 +97,7 @@ BUDGET = [
     ),
     ("tlab-train ckpt_path=", [*TINY, "trainer.max_epochs=4"]),  # one epoch more than saved
     ("tlab-train experiment=baby_gpt trainer.max_tokens", [*QUIET, "trainer.max_tokens=15000"]),
+    ("python -m transformers_lab.bench.fastmax_gpu --dry-run", []),  # the plan: no GPU needed
     ("python -m transformers_lab.bench.scale", ["--sizes", "340m", "--kernels", "softmax", "gla"]),
     ("python -m transformers_lab.bench.throughput", ["--steps", "12", "--repeats", "1"]),
     ("tlab-train debug=", QUIET),

@@ -49,8 +49,16 @@ def kernels():
 
 
 def tiles(d: int, dv: int) -> tuple[int, int]:
-    """(BA, BV): the rows a of S2 and the value columns a program keeps."""
-    return max(1, 128 // d), min(dv, 64)
+    """(BA, BV): the rows and columns of S2 in a block (a program keeps a pair of blocks, BA
+    x BA features) and the value columns a program keeps."""
+    return min(16, d // 2), min(dv, 32)
+
+
+def pairs(d: int, device: torch.device) -> Tensor:
+    """The pairs of blocks A <= B of S2's rows and columns, (0, 0) first: int32 (pairs, 2)."""
+    blocks = d // tiles(d, d)[0]
+    found = [(a, b) for a in range(blocks) for b in range(a, blocks)]
+    return torch.tensor(found, dtype=torch.int32, device=device)
 
 
 def chunk_for(dtype: torch.dtype) -> int:
@@ -94,7 +102,10 @@ def compile_kernels(
                     elif len(p) == 2 and p[0] in "cd" and p[1].isdigit():
                         signature[p] = "fp32"  # the weights' and the normaliser's coefficients
                     else:
-                        signature[p] = f"*{dtype}" if p in ("Q", "K", "V", "G") else "*fp32"
+                        signature[p] = (
+                            f"*{dtype}" if p in ("Q", "K", "V", "G")
+                            else "*i32" if p == "PAIRS" else "*fp32"
+                        )  # fmt: skip
                 source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
                 done = triton.compile(source, target=GPUTarget("cuda", arch, 32))
                 found.append(
@@ -124,8 +135,11 @@ def to_engine(parts: dict[str, Tensor], b: int, h: int) -> Tensor:
     m[:, :dv, 0, 0], m[:, dv, 0, 0] = parts["S0"], parts["Z0"]
     m[:, :dv, 0, 1:] = m[:, :dv, 1:, 0] = s1.mT
     m[:, dv, 0, 1:] = m[:, dv, 1:, 0] = parts["Z1"]
-    m[:, :dv, 1:, 1:] = parts["S2"].permute(0, 3, 1, 2)
-    m[:, dv, 1:, 1:] = parts["Z2"]
+    blk = torch.arange(d, device=s1.device) // tiles(d, d)[0]
+    lower = blk[:, None] > blk[None, :]  # blocks the kernel leaves to their mirror (B, A)
+    s2 = torch.where(lower[..., None], parts["S2"].transpose(1, 2), parts["S2"])
+    m[:, :dv, 1:, 1:] = s2.permute(0, 3, 1, 2)
+    m[:, dv, 1:, 1:] = torch.where(lower, parts["Z2"].mT, parts["Z2"])
     a, c = pair_index(e, s1.device)
     w = feature_weights(d, 2, s1.dtype, s1.device)
     return (m[:, :, a, c] * w).view(b, h, dv + 1, -1)
@@ -191,9 +205,10 @@ class _TritonFastmax(torch.autograd.Function):
         else:  # placeholders the kernel never touches
             out_parts = dict.fromkeys(PARTS, o.new_zeros(1))
         ba, bv = tiles(d, dv)
-        grid = (dv // bv, d // ba, bh)
+        blocks = pairs(d, q.device)
+        grid = (dv // bv, len(blocks), bh)
         kernels()._fwd[grid](
-            q3, k3, v3, o if m2 is None else m2, o, z,
+            q3, k3, v3, o if m2 is None else m2, o, z, blocks,
             *(out_parts[key] for key in PARTS),
             n, *WEIGHTS, *NORMALISER,
             D=d, DV=dv, C=chunk, BA=ba, BV=bv, HAS_MASK=m2 is not None,
@@ -218,18 +233,19 @@ class _TritonFastmax(torch.autograd.Function):
         dq = torch.zeros(bh, n, d, device=q3.device)
         dk, dval = torch.zeros_like(dq), torch.zeros(bh, n, dv, device=q3.device)
         ba, bv = tiles(d, dv)
-        grid = (dv // bv, d // ba, bh)
+        blocks = pairs(d, q3.device)
+        grid = (dv // bv, len(blocks), bh)
         ops = kernels()
         parts = ctx.parts or {}
         ops._dq[grid](
-            q3, k3, v3, dq if m2 is None else m2, g, hn, dq,
+            q3, k3, v3, dq if m2 is None else m2, g, hn, dq, blocks,
             *(parts.get(key, dq) for key in ("S1", "S2", "Z1", "Z2")),
             n, *WEIGHTS[1:], *NORMALISER[1:],
             D=d, DV=dv, C=ctx.chunk, BA=ba, BV=bv, HAS_MASK=m2 is not None,
             STATE_IN=ctx.parts is not None,
         )  # fmt: skip
         ops._dkdv[grid](
-            q3, k3, v3, dq if m2 is None else m2, g, hn, dk, dval,
+            q3, k3, v3, dq if m2 is None else m2, g, hn, dk, dval, blocks,
             n, *WEIGHTS, *NORMALISER[1:],
             D=d, DV=dv, C=ctx.chunk, BA=ba, BV=bv, HAS_MASK=m2 is not None,
         )  # fmt: skip
