@@ -202,8 +202,8 @@ class FeatureKernel(AttentionKernel):
         )
 
     def fused(self, q: Tensor, k: Tensor, causal: bool) -> str | None:
-        """The fused kernel this call takes (None: our paths): fla's covers causal
-        self-attention, FlexAttention every call."""
+        """The fused kernel this call takes (None: our paths): fla's and ours (``triton``)
+        cover causal self-attention, FlexAttention every call."""
         fused = choose(self.backend, self.fused_backends, q.device)
         if fused in ("fla", "triton") and not (causal and q.shape[2] == k.shape[2]):
             return None
@@ -219,7 +219,7 @@ class FeatureKernel(AttentionKernel):
     def fused_forward(
         self, fused: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, pad: Tensor | None
     ) -> Tensor:
-        """``forward`` by the fused kernel ``triton``, in autocast's dtype: our features,
+        """``forward`` by the fused kernel ``fused``, in autocast's dtype: our features,
         dropped and padded keys as ``prepare`` gives them."""
         dtype = compute_dtype(v)
         with torch.autocast(q.device.type, enabled=False):
