@@ -62,8 +62,9 @@ def pairs(d: int, device: torch.device) -> Tensor:
 
 
 def chunk_for(dtype: torch.dtype) -> int:
-    """Tokens a chunk: ``CHUNK`` in 16 bits, half in float32 (whose tiles at D=128 would
-    outgrow an H100's 228 KiB of shared memory a block)."""
+    """Tokens a chunk: ``CHUNK`` in 16 bits, half in float32, whose tiles take twice the
+    shared memory (the kernel's first form, tiles of whole rows of S2, needed 273 KiB of an
+    H100's 228 a block at D=128 in float32 with chunks of 64)."""
     return CHUNK if dtype in (torch.bfloat16, torch.float16) else max(16, CHUNK // 2)
 
 
