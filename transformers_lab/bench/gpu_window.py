@@ -10,8 +10,9 @@ The steps, in order (``STEPS``):
    cache was made by this Triton and this fla (``pinned``);
 2. ``bench_4096``, ``bench_16384``, ``bench_65536``: the kernel bench on CUDA in bf16,
    causal forward+backward, B=2, H=8, D=64: flash softmax, every kernel a fused kernel
-   covers on our loop (``_loop``), on each of its backends (``_fla``, ``_flex``) and fla's
-   op alone (``_fla_op``), each warmed up at the timed N (``bench.kernels``);
+   covers on our loop (``_loop``), on each of its backends (``_fla``, ``_flex``; fastmax
+   p=2 on ours, ``_triton``) and fla's op alone (``_fla_op``), each warmed up at the timed
+   N (``bench.kernels``);
 3. ``gpu_tests``: the tests marked gpu (tests/gpu), their figures in ``gpu_tests.jsonl``;
 4. ``bf16_backends``: every fused backend against our loop in bf16, outputs and gradients
    (``tests/gpu``'s backend tests, on their own, so a late step cannot starve them);
