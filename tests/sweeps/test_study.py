@@ -480,3 +480,21 @@ def test_a_file_system_without_locks_sets_up_the_study_unguarded(tmp_path, monke
     with caplog.at_level("WARNING", logger="transformers_lab.sweeps.storage"), setup_lock(url):
         st.load_or_create(open_storage(url), "s", ["maximize"], LR)
     assert "no file lock here" in caplog.text and "Function not implemented" in caplog.text
+
+
+def test_a_trial_its_worker_finishes_while_stale_ones_are_failed_is_not_called_lost(
+    tmp_path, monkeypatch
+):
+    """The heartbeat check compares the running trials before and after failing the stale
+    ones: one that its own worker completes in between (under load, the docs' SLURM array
+    job saw it) was said lost ("its worker is gone") though it had finished."""
+    storage = open_storage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1)
+    study = optuna.create_study(storage=storage, study_name="race")
+    finishing = study.ask()
+
+    def its_worker_tells_meanwhile(_study):  # no trial is stale; one ends on its own
+        study.tell(finishing, 1.0)
+
+    monkeypatch.setattr(optuna.storages, "fail_stale_trials", its_worker_tells_meanwhile)
+    assert st.reclaim_lost(study, storage) == []
+    assert study.trials[0].state == TrialState.COMPLETE

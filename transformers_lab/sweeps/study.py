@@ -305,8 +305,10 @@ def reclaim_lost(study: optuna.Study, storage: optuna.storages.BaseStorage) -> l
                 optuna.exceptions.ExperimentalWarning,
             )
             optuna.storages.fail_stale_trials(study)  # no heartbeat within the grace period
-        after = {t.number for t in study.get_trials(states=(TrialState.RUNNING,))}
-        lost += [t for t in study.get_trials(deepcopy=False) if t.number in before - after]
+        # failed by the check: a trial its own worker ended meanwhile is complete, pruned,
+        # or failed with its job's error, and not lost
+        failed = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        lost += [t for t in failed if t.number in before and ERROR not in t.user_attrs]
     return lost
 
 
