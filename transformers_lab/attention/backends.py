@@ -75,6 +75,16 @@ def unavailable(backend: str) -> str | None:
     return None
 
 
+def check_device(t: torch.Tensor, backend: str) -> None:
+    """One line unless ``t`` is on CUDA (or Triton's interpreter runs kernels on the CPU):
+    the check of a Triton backend (``fla``, ``triton``) when it is called."""
+    if t.device.type != "cuda" and not interpreted():
+        raise ValueError(
+            f"attention.backend={backend} runs on CUDA only, got tensors on {t.device.type}; "
+            "move the model to a GPU (trainer=gpu) or use attention.backend=auto"
+        )
+
+
 def check_backend(name: str, backend: Any, covers: tuple[str, ...]) -> str:
     """``backend`` as the kernel ``name`` keeps it (None is ``loop``), or one line on why it
     cannot be: not a backend, not one that covers the kernel (``covers``), or not

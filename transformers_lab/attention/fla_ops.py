@@ -37,7 +37,7 @@ import importlib
 import torch
 from torch import Tensor
 
-from transformers_lab.attention.backends import interpreted
+from transformers_lab.attention.backends import check_device
 
 # fla's delta rule (``chunk_delta_rule``) asserts q is not float32: refused in our words
 # first. The tests lift both, under Triton's interpreter, to check it in float32.
@@ -63,15 +63,6 @@ def refuses(
     )
 
 
-def check_device(t: Tensor) -> None:
-    """One line unless ``t`` is on CUDA (or Triton's interpreter runs kernels on the CPU)."""
-    if t.device.type != "cuda" and not interpreted():
-        raise ValueError(
-            f"attention.backend=fla runs on CUDA only, got tensors on {t.device.type}; move "
-            "the model to a GPU (trainer=gpu) or use attention.backend=auto"
-        )
-
-
 def fla_recurrence(
     q: Tensor,
     k: Tensor,
@@ -89,7 +80,7 @@ def fla_recurrence(
     one step a key (``GatedKernel.steps``): each query after its token's last key, the
     decay at its token's first; fla's op takes one query and decay a token, and o is one
     output a token, (B, H, N / n, Dv)."""
-    check_device(q)
+    check_device(q, "fla")
     if refuses(q.dtype, log_decay, beta, keys_per_token):  # fla asserts it, in no words of ours
         raise ValueError(
             "attention.backend=fla: fla's delta rule runs in bf16 or fp16 only; train with "
@@ -152,7 +143,7 @@ def fla_polynomial(qs: Tensor, ks: Tensor, v: Tensor, p: int, keep: Tensor | Non
     engine's polynomial of order ``p`` (``features.poly``: 0 x, 1 1 + x, 2 1 + x + x^2/2),
     by fla's op for p (the module doc's table); ``keep`` (B, N) bool, False where a key is
     padding (its features are already zero). (B, H, N, Dv), in ``qs``' dtype."""
-    check_device(qs)
+    check_device(qs, "fla")
     if why := polynomial_refusal(p, qs.shape[-1]):
         raise ValueError(f"attention.backend=fla: {why}; use attention.backend=auto")
     ops = importlib.import_module("fla.ops")
@@ -205,7 +196,7 @@ def fla_dplr(
     a key channel), in q's dtype. Without a bound on the decay (``lower_bound`` or
     ``safe_gate``, which license fla's faster tensor-core scheme, factored about each
     chunk's middle row: 5e-5 from our loop in float32 where this is 2e-7)."""
-    check_device(q)
+    check_device(q, "fla")
     ops = importlib.import_module("fla.ops")
     dv = v.shape[-1]
     # even widths (fla's 16-bit backward); a zero key channel decays, reads and writes nothing
@@ -220,7 +211,7 @@ def fla_dplr(
 def fla_forgetting(q: Tensor, k: Tensor, v: Tensor, log_f: Tensor, *, scale: float) -> Tensor:
     """FoX's causal softmax(scale q . k + c_i - c_j), c = cumsum(log f) (B, H, N), by fla's
     ``parallel_forgetting_attn``: (B, H, N, Dv) in q's dtype."""
-    check_device(q)
+    check_device(q, "fla")
     ops = importlib.import_module("fla.ops")
     o = ops.forgetting_attn.parallel_forgetting_attn(
         fla_layout(q), fla_layout(k), fla_layout(v), fla_layout(log_f.float()), scale=scale

@@ -21,8 +21,12 @@ import math
 import torch
 from torch import Tensor
 
-from transformers_lab.attention.backends import interpreted
-from transformers_lab.attention.feature_map.features import feature_dim, feature_weights
+from transformers_lab.attention.backends import check_device, interpreted
+from transformers_lab.attention.feature_map.features import (
+    feature_dim,
+    feature_weights,
+    safe_divide,
+)
 
 HEAD_WIDTHS = (16, 32, 64, 128)  # q, k and v widths the kernels take (powers of two, >= 16)
 CHUNK = 64  # tokens a chunk on a GPU in 16 bits, half that in float32; the tests take 16
@@ -177,11 +181,6 @@ def empty_parts(bh: int, d: int, dv: int, device: torch.device) -> dict[str, Ten
 # ------------------------------------------------------------------ the op
 
 
-def safe_divide(num: Tensor, den: Tensor) -> Tensor:
-    """num / den, zero where den is 0 (a query that saw no key)."""
-    return num / den.masked_fill(den == 0, 1.0)
-
-
 class _TritonFastmax(torch.autograd.Function):
     """Causal fastmax p=2 by the fused kernels: (B, H, N, D) q and k (features: normalised,
     queries scaled), v (B, H, N, Dv), m (B, H, N) the keys' weights or None, the state
@@ -262,15 +261,6 @@ class _TritonFastmax(torch.autograd.Function):
         )
 
 
-def check_device(t: Tensor) -> None:
-    """One line unless ``t`` is on CUDA (or Triton's interpreter runs kernels on the CPU)."""
-    if t.device.type != "cuda" and not interpreted():
-        raise ValueError(
-            f"attention.backend=triton runs on CUDA only, got tensors on {t.device.type}; move "
-            "the model to a GPU (trainer=gpu) or use attention.backend=auto"
-        )
-
-
 def triton_fastmax(
     qs: Tensor,
     ks: Tensor,
@@ -287,7 +277,7 @@ def triton_fastmax(
     ``want_state``, else None. ``keep`` (B, N) or (B, H, N): False where a key is padding
     (its features already zero); ``state``: the engine's ``weighted_state`` of the keys
     before, not differentiated."""
-    check_device(qs)
+    check_device(qs, "triton")
     b, h, n, d = qs.shape
     if why := refusal(d, v.shape[-1]):
         raise ValueError(f"attention.backend=triton: {why}; use attention.backend=auto")

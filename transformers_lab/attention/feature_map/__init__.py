@@ -34,11 +34,7 @@ features come out of the matrix products contiguous.
 
 from transformers_lab.attention.feature_map.chunked import chunked_causal
 from transformers_lab.attention.feature_map.factorized import factorized
-from transformers_lab.attention.feature_map.feature_kernel import (
-    FeatureKernel,
-    normalise_output,
-    safe_divide,
-)
+from transformers_lab.attention.feature_map.feature_kernel import FeatureKernel, normalise_output
 from transformers_lab.attention.feature_map.features import (
     SUPPORTED_P,
     feature_dim,
@@ -48,6 +44,7 @@ from transformers_lab.attention.feature_map.features import (
     features_t_vjp,
     poly,
     read_state,
+    safe_divide,
     weighted_state,
 )
 from transformers_lab.attention.feature_map.quadratic import polynomial_matrix, quadratic

@@ -25,7 +25,12 @@ from transformers_lab.attention.backends import check_backend, choose, compute_d
 from transformers_lab.attention.base import AttentionKernel, Memory
 from transformers_lab.attention.feature_map.chunked import chunked_causal
 from transformers_lab.attention.feature_map.factorized import factorized
-from transformers_lab.attention.feature_map.features import feature_dim, read_state, weighted_state
+from transformers_lab.attention.feature_map.features import (
+    feature_dim,
+    read_state,
+    safe_divide,
+    weighted_state,
+)
 from transformers_lab.attention.feature_map.quadratic import polynomial_matrix, quadratic
 from transformers_lab.attention.feature_map.recurrent import recurrent_step
 from transformers_lab.attention.fla_ops import fla_polynomial, polynomial_refusal
@@ -39,11 +44,6 @@ log = logging.getLogger(__name__)
 
 # the kernel classes that have said their quadratic path runs uncompiled (once a class)
 UNCOMPILED_SAID: set[type] = set()
-
-
-def safe_divide(num: Tensor, den: Tensor) -> Tensor:
-    """num / den, with zeros where den is 0 (a query that saw no key)."""
-    return num / den.masked_fill(den == 0, 1.0)
 
 
 def normalise_output(out_aug: Tensor) -> Tensor:

@@ -180,6 +180,11 @@ def read_state(q: Tensor, state: Tensor, p: int) -> Tensor:
     return feature_map(q, p) @ state.transpose(-2, -1)
 
 
+def safe_divide(num: Tensor, den: Tensor) -> Tensor:
+    """num / den, with zeros where den is 0 (a query that saw no key)."""
+    return num / den.masked_fill(den == 0, 1.0)
+
+
 def first_order_only() -> None:
     """The hand-written backward passes are first-order: refuse ``create_graph``, whose
     result would silently miss the second-order terms."""
