@@ -48,6 +48,21 @@ def _load(base, rows, cols, width, live):
 
 
 @triton.jit
+def _pair_columns(base, rows, o_a, o_b, D: tl.constexpr, live):
+    """The tiles of a pair's two blocks of columns of q or k: (C, BA) each."""
+    return _load(base, rows, o_a, D, live), _load(base, rows, o_b, D, live)
+
+
+@triton.jit
+def _key_weights(MASK, rows, live, HAS_MASK: tl.constexpr):
+    """The keys' weights m_j of these rows: 1, or 0 where a key is padding (``MASK``, this
+    head's row) or past the end."""
+    if HAS_MASK:
+        return tl.load(MASK + rows, mask=live, other=0.0).to(tl.float32)
+    return live.to(tl.float32)
+
+
+@triton.jit
 def _pair(PAIRS, D: tl.constexpr, BA: tl.constexpr):
     """This program's blocks A <= B (``PAIRS``: int32 (pairs, 2)): their indices, the rows
     of S2 their tile holds (a * D + b), and whether they are two blocks (off the
@@ -103,10 +118,8 @@ def _fwd(
     for t in range(0, tl.cdiv(N, C)):
         rows = t * C + o_c
         live = rows < N
-        b_qa = _load(q_base, rows, o_a, D, live)
-        b_qb = _load(q_base, rows, o_b, D, live)
-        b_ka = _load(k_base, rows, o_a, D, live)
-        b_kb = _load(k_base, rows, o_b, D, live)
+        b_qa, b_qb = _pair_columns(q_base, rows, o_a, o_b, D, live)
+        b_ka, b_kb = _pair_columns(k_base, rows, o_a, o_b, D, live)
         b_v = _load(v_base, rows, o_v, DV, live)
         phi_q = _features(b_qa, b_qb, C, BA)
         phi_k = _features(b_ka, b_kb, C, BA)
@@ -119,10 +132,7 @@ def _fwd(
         if first:  # orders 0 and 1, and the chunk's own keys
             b_q = _load(q_base, rows, o_d, D, live)
             b_k = _load(k_base, rows, o_d, D, live)
-            if HAS_MASK:
-                b_m = tl.load(MASK + i_bh * N + rows, mask=live, other=0.0).to(tl.float32)
-            else:
-                b_m = live.to(tl.float32)
+            b_m = _key_weights(MASK + i_bh * N, rows, live, HAS_MASK)
             b_o += c0 * b_s0[None, :] + c1 * tl.dot(b_q, b_s1.to(b_q.dtype))
             b_z += d0 * b_z0 + d1 * tl.sum(b_q.to(tl.float32) * b_z1[None, :], 1)
             x = tl.dot(b_q, tl.trans(b_k))
@@ -180,10 +190,8 @@ def _dq(
     for t in range(0, tl.cdiv(N, C)):
         rows = t * C + o_c
         live = rows < N
-        b_qa = _load(q_base, rows, o_a, D, live)
-        b_qb = _load(q_base, rows, o_b, D, live)
-        b_ka = _load(k_base, rows, o_a, D, live)
-        b_kb = _load(k_base, rows, o_b, D, live)
+        b_qa, b_qb = _pair_columns(q_base, rows, o_a, o_b, D, live)
+        b_ka, b_kb = _pair_columns(k_base, rows, o_a, o_b, D, live)
         b_v = _load(v_base, rows, o_v, DV, live)
         b_g = _load(g_base, rows, o_v, DV, live)
         b_h = tl.load(HN + i_bh * N + rows, mask=live, other=0.0) * zrow
@@ -200,10 +208,7 @@ def _dq(
         if first:
             b_q = _load(q_base, rows, o_d, D, live)
             b_k = _load(k_base, rows, o_d, D, live)
-            if HAS_MASK:
-                b_m = tl.load(MASK + i_bh * N + rows, mask=live, other=0.0).to(tl.float32)
-            else:
-                b_m = live.to(tl.float32)
+            b_m = _key_weights(MASK + i_bh * N, rows, live, HAS_MASK)
             b_dq = (
                 c1 * tl.dot(b_g, tl.trans(b_s1).to(b_g.dtype)) + d1 * b_h[:, None] * b_z1[None, :]
             )
@@ -246,17 +251,12 @@ def _dkdv(
     for s in range(0, nt):
         rows = (nt - 1 - s) * C + o_c
         live = rows < N
-        b_qa = _load(q_base, rows, o_a, D, live)
-        b_qb = _load(q_base, rows, o_b, D, live)
-        b_ka = _load(k_base, rows, o_a, D, live)
-        b_kb = _load(k_base, rows, o_b, D, live)
+        b_qa, b_qb = _pair_columns(q_base, rows, o_a, o_b, D, live)
+        b_ka, b_kb = _pair_columns(k_base, rows, o_a, o_b, D, live)
         b_v = _load(v_base, rows, o_v, DV, live)
         b_g = _load(g_base, rows, o_v, DV, live)
         b_h = tl.load(HN + i_bh * N + rows, mask=live, other=0.0) * zrow
-        if HAS_MASK:
-            b_m = tl.load(MASK + i_bh * N + rows, mask=live, other=0.0).to(tl.float32)
-        else:
-            b_m = live.to(tl.float32)
+        b_m = _key_weights(MASK + i_bh * N, rows, live, HAS_MASK)
         phi_q = _features(b_qa, b_qb, C, BA)
         phi_k = _features(b_ka, b_kb, C, BA)
         # dv_j = sum_i f(x_ij) g_i: c2 phi(k_j) . P2 over this program's pair
